@@ -1,0 +1,53 @@
+"""agentrl: agentic, multi-turn reinforcement learning for LLMs.
+
+Layering (each layer imports only those above it):
+errors and wire types → environment contract, registry, tools → chat formats → engines →
+rollout runtime → composition roots (``agentrl.loop``, ``agentrl.cli``).
+"""
+
+from ._config import RolloutConfig as RolloutConfig
+from ._env import Env as Env
+from ._env import Episode as Episode
+from ._env import Reward as Reward
+from ._env import Task as Task
+from ._errors import AgentRLError as AgentRLError
+from ._errors import BadEnvSpec as BadEnvSpec
+from ._errors import BoundaryError as BoundaryError
+from ._errors import ConfigError as ConfigError
+from ._errors import DuplicateEnv as DuplicateEnv
+from ._errors import EngineError as EngineError
+from ._errors import EnvError as EnvError
+from ._errors import FormatError as FormatError
+from ._errors import ModelError as ModelError
+from ._errors import NameNotFound as NameNotFound
+from ._errors import SandboxError as SandboxError
+from ._errors import ToolError as ToolError
+from ._errors import UnregisteredEnv as UnregisteredEnv
+from ._errors import VersionNotFound as VersionNotFound
+from ._registry import EnvSpec as EnvSpec
+from ._registry import env as env
+from ._registry import make as make
+from ._registry import register as register
+from ._registry import registered as registered
+from ._registry import spec as spec
+from ._tools import tool as tool
+from ._types import Message as Message
+from ._types import SamplingParams as SamplingParams
+from ._types import Span as Span
+from ._types import ToolCallRecord as ToolCallRecord
+from ._types import Trajectory as Trajectory
+from ._types import read_trajectories as read_trajectories
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # heavy parts (torch, transformers) load on first use
+    if name in ("rollout", "arollout", "RolloutResult"):
+        from . import _runner
+
+        return getattr(_runner, name)
+    if name in ("check_env", "acheck_env"):
+        from . import _checker
+
+        return getattr(_checker, name)
+    raise AttributeError(f"module 'agentrl' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""``check_env``: does an environment follow the contract? (Gymnasium's env_checker, async.)
+
+Run over every registered id in the tests. Checks what can be checked without a model: ids,
+construction, deterministic and unique tasks per split, ``reset`` messages, tool schemas, the
+verifier on an episode with no answer, ``respond`` when present, and ``close``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+
+from ._env import Episode, Reward
+from ._errors import EnvError
+from ._registry import EnvSpec, spec
+from ._tools import collect_tools
+from ._types import Message
+
+
+async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None = None) -> None:
+    """Raise ``EnvError`` describing the first contract violation found."""
+    es = env_id if isinstance(env_id, EnvSpec) else spec(env_id)
+    kwargs = env_kwargs or {}
+    where = es.id
+
+    def fail(msg: str) -> EnvError:
+        return EnvError(f"{where}: {msg}")
+
+    env = es.make(**kwargs)
+    for name in ("tasks", "reset", "reward", "close"):
+        if not callable(getattr(env, name, None)):
+            raise fail(f"missing required method {name}()")
+    for split in ("train", "eval"):
+        first = list(env.tasks(split, seed=0))
+        again = list(es.make(**kwargs).tasks(split, seed=0))
+        if not first:
+            raise fail(f"tasks({split!r}) is empty")
+        ids = [str(getattr(t, "id", "")) for t in first]
+        if any(not i for i in ids):
+            raise fail(f"every task of {split!r} needs a non-empty string id")
+        if len(set(ids)) != len(ids):
+            raise fail(f"task ids of {split!r} are not unique")
+        if ids != [str(t.id) for t in again]:
+            raise fail(f"tasks({split!r}, seed=0) is not deterministic")
+    train_ids = {str(t.id) for t in env.tasks("train", seed=0)}
+    if train_ids & {str(t.id) for t in env.tasks("eval", seed=0)}:
+        raise fail("train and eval splits share task ids")
+
+    tools = collect_tools(env)
+    for bound in tools.values():
+        json.dumps(bound.spec.schema())  # must be JSON-serialisable
+    task = env.tasks("train", seed=0)[0]
+    messages = await env.reset(task)
+    if not isinstance(messages, list) or not messages:
+        raise fail("reset() must return a non-empty list of Message")
+    for m in messages:
+        if not isinstance(m, Message):
+            raise fail(f"reset() returned {type(m).__name__}, not Message")
+    if messages[-1].role not in ("user", "tool"):
+        raise fail(f"reset() must end with a user turn, not {messages[-1].role!r}")
+    if any(m.role == "assistant" for m in messages):
+        raise fail("reset() must not contain assistant messages (they would be trained on)")
+    episode = Episode(
+        task=task,
+        messages=[*messages, Message("assistant", "")],
+        tool_calls=[],
+        num_turns=1,
+        termination_reason="stop",
+    )
+    value = await env.reward(episode)
+    total = value.total if isinstance(value, Reward) else value
+    if not isinstance(total, int | float) or total != total:
+        raise fail(f"reward() must return a float or Reward, got {value!r}")
+    respond = getattr(env, "respond", None)
+    if respond is not None:
+        reply = await respond(Message("assistant", "I am not sure."))
+        if reply is not None and not all(isinstance(m, Message) for m in reply):
+            raise fail("respond() must return a list of Message or None")
+    await env.close()
+
+
+def check_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None = None) -> None:
+    """Synchronous ``acheck_env`` (runs its own event loop)."""
+    anyio.run(lambda: acheck_env(env_id, env_kwargs=env_kwargs))

@@ -1,0 +1,95 @@
+"""The environment contract.
+
+An environment is any object with these hooks; agentrl owns the loop that calls them
+(generate → parse tool calls → run tools → append → … → reward). Environments see and return
+``Message`` objects and never touch tokens. One instance serves one trajectory: the runtime calls
+the registered factory once per trajectory, so per-trajectory state (a sandbox lease, a simulated
+user's memory) lives on ``self``. ``tasks()`` is called on a separate instance.
+
+This is a Protocol, not a base class (no implementation inheritance): a plain class with the
+right methods is an environment. Tools are methods (or functions listed in ``tools``) decorated
+with ``@agentrl.tool``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from ._types import Message, TerminationReason, ToolCallRecord
+
+Split = Literal["train", "eval"]
+
+
+class Task(msgspec.Struct, frozen=True):
+    """A unit of work an environment hands out. ``id`` is unique within (env, split)."""
+
+    id: str
+    prompt: str
+    answer: str = ""
+    level: int = 0
+    meta: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Reward(msgspec.Struct):
+    """A verifier's verdict: the scalar the learner uses plus named parts for logging."""
+
+    total: float
+    breakdown: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class Episode(msgspec.Struct):
+    """What the verifier (``reward``) and per-turn hooks see: the conversation so far."""
+
+    task: Any
+    messages: list[Message]
+    tool_calls: list[ToolCallRecord]
+    num_turns: int
+    termination_reason: TerminationReason | None = None
+    truncated: bool = False
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant message's text ('' if the model never answered)."""
+        for message in reversed(self.messages):
+            if message.role == "assistant":
+                return message.content
+        return ""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """Hooks an environment implements. ``respond`` and ``turn_reward`` are optional."""
+
+    def tasks(self, split: Split, *, seed: int = 0) -> Sequence[Any]:
+        """Deterministic tasks for ``split`` (each with a unique ``id: str``)."""
+        ...
+
+    async def reset(self, task: Any) -> list[Message]:
+        """Start an episode: return the system prompt and the first user turn."""
+        ...
+
+    async def reward(self, episode: Episode) -> float | Reward:
+        """The verifier: score the finished episode."""
+        ...
+
+    async def close(self) -> None:
+        """Release per-trajectory resources. Called exactly once, even after errors."""
+        ...
+
+
+@runtime_checkable
+class Responder(Protocol):
+    async def respond(self, message: Message) -> list[Message] | None:
+        """Non-tool feedback on an assistant message without tool calls (e.g. a simulated
+        user). ``None`` ends the episode."""
+        ...
+
+
+@runtime_checkable
+class TurnRewarder(Protocol):
+    async def turn_reward(self, episode: Episode) -> float:
+        """Reward for the turn that just ended (default 0.0 when not implemented)."""
+        ...

@@ -1,0 +1,409 @@
+"""The trajectory state machine: one per trajectory, owned by agentrl (environments only
+implement hooks).
+
+    PROMPT → GENERATE → PARSE ─┬─ calls ──► TOOL → APPEND → GENERATE …
+                               ├─ no calls ► respond() → APPEND | DONE
+                               └─ cut by max tokens ──► TRUNCATED
+    any state ─ deadline ──► TRUNCATED,  exception ──► ERROR   (then reward, close)
+
+Token-in/token-out: ids are only ever appended. The prompt is rendered once by the chat template;
+sampled ids are appended exactly as the engine returned them (stop token included, mask 1,
+logprob kept); template and tool-output ids come from the format (mask 0, logprob None).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._config import RolloutConfig
+from ._env import Episode, Reward, Responder, TurnRewarder
+from ._registry import EnvSpec
+from ._tools import BoundTool, collect_tools, invoke_tool
+from ._types import (
+    GenerateResult,
+    Message,
+    SamplingParams,
+    Span,
+    SpanSource,
+    TerminationReason,
+    Timing,
+    ToolCallRecord,
+    Trajectory,
+    TrajectoryError,
+    TrajectoryStatus,
+)
+from .formats import Piece, TemplateFormat
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class State(enum.Enum):
+    PROMPT = "prompt"
+    GENERATE = "generate"
+    PARSE = "parse"
+    TOOL = "tool"
+    APPEND = "append"
+    DONE = "done"
+    TRUNCATED = "truncated"
+    ERROR = "error"
+
+
+TERMINAL = (State.DONE, State.TRUNCATED, State.ERROR)
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any parts (same in every process, unlike ``hash``)."""
+    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass
+class TokenBuffer:
+    """Accumulated ids with their mask, logprobs and spans (kept consistent by construction)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+    def add(self, ids: Sequence[int], source: SpanSource, turn: int) -> None:
+        if not ids:
+            return
+        if source == "model":
+            raise ValueError("model tokens go through add_sampled")
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([None] * len(ids))
+        self._span(start, source, turn)
+
+    def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float], turn: int) -> None:
+        if len(ids) != len(logprobs):
+            raise ValueError(f"engine returned {len(ids)} ids but {len(logprobs)} logprobs")
+        if not ids:
+            return
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(float(x) for x in logprobs)
+        self._span(start, "model", turn)
+
+    def _span(self, start: int, source: SpanSource, turn: int) -> None:
+        end = len(self.token_ids)
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last.source == source and last.turn == turn and last.end == start:
+            self.spans[-1] = Span(last.start, end, source, turn)
+        else:
+            self.spans.append(Span(start, end, source, turn))
+
+
+@dataclass
+class RolloutContext:
+    """What every trajectory of one rollout shares."""
+
+    spec: EnvSpec
+    engine: Engine  # noqa: F821 - typing only
+    fmt: TemplateFormat
+    config: RolloutConfig
+    tokenizer_fingerprint: str
+    model_name: str = ""
+
+    @property
+    def max_turns(self) -> int:
+        return self.config.max_turns or self.spec.max_turns
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.config.max_new_tokens or self.spec.max_new_tokens
+
+    @property
+    def max_context(self) -> int:
+        limit = self.engine.max_context
+        if self.config.max_context_tokens is not None:
+            limit = min(limit, self.config.max_context_tokens)
+        return limit
+
+
+class _Run:
+    """Mutable state of one trajectory while the machine runs."""
+
+    def __init__(self, ctx: RolloutContext, task: Any, seed: int) -> None:
+        self.ctx = ctx
+        self.task = task
+        self.seed = seed
+        self.buf = TokenBuffer()
+        self.messages: list[Message] = []
+        self.tool_calls: list[ToolCallRecord] = []
+        self.turn_rewards: list[float] = []
+        self.turn = 0
+        self.last: GenerateResult | None = None
+        self.last_model_ids: list[int] = []
+        self.pending: list[Message] = []
+        self.status: TrajectoryStatus = "done"
+        self.reason: TerminationReason = "stop"
+        self.error: TrajectoryError | None = None
+        self.timing = Timing()
+        self.policy_version: int | None = None
+        self.session: str | None = None
+        self.tools: dict[str, BoundTool] = {}
+        self.state = State.PROMPT
+
+    def sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
+        cfg = self.ctx.config
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            stop=list(self.ctx.fmt.stop_strings),
+            stop_token_ids=list(self.ctx.fmt.stop_token_ids),
+            seed=seed,
+        )
+
+    def episode(self) -> Episode:
+        return Episode(
+            task=self.task,
+            messages=list(self.messages),
+            tool_calls=list(self.tool_calls),
+            num_turns=self.turn,
+            termination_reason=self.reason,
+            truncated=self.status == "truncated",
+        )
+
+    def finish(self, status: TrajectoryStatus, reason: TerminationReason) -> State:
+        self.status, self.reason = status, reason
+        return State.DONE if status == "done" else State.TRUNCATED
+
+
+async def run_trajectory(
+    ctx: RolloutContext,
+    task: Any,
+    *,
+    group_id: str,
+    sample_index: int,
+    seed: int,
+) -> Trajectory:
+    """Run one trajectory to completion. Never raises for env/engine/tool failures: they are
+    recorded on the returned trajectory (``status="error"``). Cancellation propagates."""
+    run = _Run(ctx, task, seed)
+    started = time.perf_counter()
+    env: Any = None
+    state = State.PROMPT
+    try:
+        env = ctx.spec.make(**ctx.config.env_kwargs)
+        run.tools = collect_tools(env)
+        with anyio.move_on_after(ctx.config.trajectory_timeout_s) as deadline:
+            while state not in TERMINAL:
+                run.state = state
+                state = await _step(run, env, state)
+        if deadline.cancelled_caught:
+            state = run.finish("truncated", "deadline")
+    except Exception as exc:  # a bad rollout is data
+        state = State.ERROR
+        run.status, run.reason = "error", "error"
+        run.error = TrajectoryError(
+            type=type(exc).__name__, message=str(exc), where=_where(run.state, exc), turn=run.turn
+        )
+    finally:
+        with anyio.CancelScope(shield=True):
+            if run.session is not None:
+                try:
+                    await ctx.engine.close_session(run.session)
+                except Exception:
+                    pass
+    reward: float | None = None
+    breakdown: dict[str, float] = {}
+    if state != State.ERROR and env is not None:
+        t0 = time.perf_counter()
+        try:
+            value = await env.reward(run.episode())
+            if isinstance(value, Reward):
+                reward, breakdown = float(value.total), dict(value.breakdown)
+            else:
+                reward = float(value)
+        except Exception as exc:
+            run.status, run.reason = "error", "error"
+            run.error = TrajectoryError(type(exc).__name__, str(exc), "reward", run.turn)
+        run.timing.reward_s = time.perf_counter() - t0
+    if env is not None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await env.close()
+            except Exception as exc:
+                if run.error is None:
+                    run.error = TrajectoryError(type(exc).__name__, str(exc), "env", run.turn)
+    run.timing.wall_s = time.perf_counter() - started
+    while len(run.turn_rewards) < run.turn:
+        run.turn_rewards.append(0.0)
+    return Trajectory(
+        id=f"{group_id}/{sample_index}",
+        env=ctx.spec.id,
+        task_id=str(getattr(task, "id", task)),
+        group_id=group_id,
+        policy_version=run.policy_version if run.policy_version is not None else 0,
+        status=run.status,
+        termination_reason=run.reason,
+        reward=reward,
+        turn_rewards=run.turn_rewards,
+        error=run.error,
+        sampling=run.sampling(ctx.max_new_tokens, seed),
+        tokenizer_fingerprint=ctx.tokenizer_fingerprint,
+        token_ids=run.buf.token_ids,
+        loss_mask=run.buf.loss_mask,
+        logprobs=run.buf.logprobs,
+        spans=run.buf.spans,
+        model=ctx.model_name,
+        sample_index=sample_index,
+        messages=run.messages,
+        tool_calls=run.tool_calls,
+        reward_breakdown=breakdown,
+        num_turns=run.turn,
+        prompt_len=run.buf.spans[0].end if run.buf.spans else 0,
+        format=ctx.fmt.name,
+        timing=run.timing,
+    )
+
+
+def _where(state: State, exc: Exception) -> str:
+    from ._errors import EngineError
+
+    if isinstance(exc, EngineError):
+        return "engine"
+    return {State.PROMPT: "env", State.PARSE: "env", State.TOOL: "env"}.get(state, "runtime")
+
+
+async def _step(run: _Run, env: Any, state: State) -> State:
+    ctx = run.ctx
+    match state:
+        case State.PROMPT:
+            messages = await env.reset(run.task)
+            if not messages or not all(isinstance(m, Message) for m in messages):
+                raise TypeError(f"{ctx.spec.id}.reset() must return a non-empty list of Message")
+            schemas = [b.spec.schema() for b in run.tools.values()]
+            run.messages = ctx.fmt.prepare(messages, schemas)
+            run.buf.add(ctx.fmt.render_prompt(run.messages).token_ids, "prompt", 0)
+            if ctx.config.use_sessions:
+                run.session = await ctx.engine.open_session()
+            return State.GENERATE
+
+        case State.GENERATE:
+            room = ctx.max_context - len(run.buf.token_ids)
+            if room < 1:
+                return run.finish("truncated", "context_limit")
+            budget = min(ctx.max_new_tokens, room)
+            sampling = run.sampling(budget, derive_seed(run.seed, run.turn))
+            t0 = time.perf_counter()
+            with anyio.move_on_after(ctx.config.turn_timeout_s) as scope:
+                result = await ctx.engine.generate(
+                    list(run.buf.token_ids), sampling, session=run.session
+                )
+            run.timing.generate_s += time.perf_counter() - t0
+            if scope.cancelled_caught:
+                return run.finish("truncated", "deadline")
+            if run.policy_version is None:
+                run.policy_version = result.weight_version
+            run.buf.add_sampled(result.token_ids, result.logprobs, run.turn)
+            run.last = result
+            run.last_model_ids = list(result.token_ids)
+            run.turn += 1
+            if budget < ctx.max_new_tokens and result.finish_reason == "length":
+                run.reason = "context_limit"
+            return State.PARSE
+
+        case State.PARSE:
+            result = run.last
+            assert result is not None
+            ids = run.last_model_ids
+            stopped = result.finish_reason == "stop" and bool(ids) and ids[-1] in (
+                ctx.fmt.stop_token_ids
+            )
+            content = ctx.fmt.assistant_content(ids)
+            run.messages.append(Message("assistant", content))
+            run.buf.add(ctx.fmt.close_turn(ids, stopped).token_ids, "template", run.turn - 1)
+            if result.finish_reason == "abort":
+                raise _engine_error("the engine aborted the request")
+            if result.finish_reason == "length":
+                reason = "context_limit" if run.reason == "context_limit" else "max_tokens"
+                await _turn_reward(run, env)
+                return run.finish("truncated", reason)
+            parsed = ctx.fmt.parse(content)
+            if parsed.has_calls:
+                return State.TOOL
+            await _turn_reward(run, env)
+            if isinstance(env, Responder):
+                reply = await env.respond(run.messages[-1])
+                if reply is None:
+                    return run.finish("done", "stop")
+                run.pending = list(reply)
+                return State.APPEND
+            return run.finish("done", "stop")
+
+        case State.TOOL:
+            parsed = ctx.fmt.parse(run.messages[-1].content)
+            observations: list[Message] = []
+            for call in parsed.calls:
+                if call.error is not None:
+                    record = ToolCallRecord(
+                        turn=run.turn - 1,
+                        name=call.name,
+                        arguments=call.arguments,
+                        ok=False,
+                        output=f"Error (parse_error): {call.error}",
+                        error_kind="parse_error",
+                    )
+                else:
+                    t0 = time.perf_counter()
+                    record = await invoke_tool(
+                        run.tools,
+                        call.name,
+                        call.arguments,
+                        turn=run.turn - 1,
+                        timeout_s=ctx.config.tool_timeout_s,
+                        max_argument_bytes=ctx.config.max_tool_argument_bytes,
+                    )
+                    run.timing.tool_s += time.perf_counter() - t0
+                run.tool_calls.append(record)
+                observations.append(Message("tool", record.output, name=call.name or None))
+            await _turn_reward(run, env)
+            run.pending = observations
+            return State.APPEND
+
+        case State.APPEND:
+            pending, run.pending = run.pending, []
+            run.messages.extend(pending)
+            for piece in ctx.fmt.render_observation(pending):
+                _add_piece(run, piece)
+            failures = sum(1 for r in run.tool_calls if not r.ok)
+            if failures > ctx.config.tool_error_budget:
+                return run.finish("truncated", "tool_error_budget")
+            if run.turn >= ctx.max_turns:
+                return run.finish("truncated", "max_turns")
+            return State.GENERATE
+
+    raise AssertionError(f"no transition from {state}")
+
+
+def _add_piece(run: _Run, piece: Piece) -> None:
+    run.buf.add(piece.token_ids, piece.source, run.turn)
+
+
+async def _turn_reward(run: _Run, env: Any) -> None:
+    value = 0.0
+    if isinstance(env, TurnRewarder):
+        value = float(await env.turn_reward(run.episode()))
+    run.turn_rewards.append(value)
+
+
+def _engine_error(message: str) -> Exception:
+    from ._errors import EngineError
+
+    return EngineError(message)

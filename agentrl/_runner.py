@@ -1,0 +1,143 @@
+"""Run many trajectories: groups of G samples per task, bounded concurrency, JSONL as they finish.
+
+``rollout()`` / ``arollout()`` are the Python API behind ``agentrl rollout``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from ._config import RolloutConfig
+from ._registry import spec as env_spec
+from ._rollout import RolloutContext, derive_seed, run_trajectory
+from ._types import Trajectory, TrajectoryWriter
+
+
+@dataclass
+class RolloutResult:
+    trajectories: list[Trajectory]
+    elapsed_s: float
+    out_dir: Path | None
+    model_path: str
+
+
+async def run_groups(
+    ctx: RolloutContext,
+    tasks: Sequence[Any],
+    *,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """Run ``group_size`` samples of every task, at most ``concurrency`` at once.
+
+    One failing trajectory never cancels its siblings (failures are recorded on it)."""
+    cfg = ctx.config
+    limiter = anyio.CapacityLimiter(cfg.concurrency)
+    results: dict[tuple[int, int], Trajectory] = {}
+
+    async def one(task_index: int, task: Any, sample: int) -> None:
+        async with limiter:
+            group_id = f"{ctx.spec.id}/{task.id}"
+            seed = derive_seed(cfg.seed, ctx.spec.id, task.id, sample)
+            traj = await run_trajectory(
+                ctx, task, group_id=group_id, sample_index=sample, seed=seed
+            )
+        results[(task_index, sample)] = traj
+        if on_trajectory is not None:
+            on_trajectory(traj)
+
+    async with anyio.create_task_group() as tg:
+        for ti, task in enumerate(tasks):
+            for sample in range(cfg.group_size):
+                tg.start_soon(one, ti, task, sample)
+    return [results[k] for k in sorted(results)]
+
+
+def _resolved_config(
+    env_id: str, model: str, model_path: str, n: int, split: str, cfg: RolloutConfig
+) -> dict[str, Any]:
+    return {
+        "env": env_id,
+        "model": model,
+        "model_path": model_path,
+        "n": n,
+        "split": split,
+        "rollout": cfg.model_dump(mode="json"),
+    }
+
+
+async def arollout(
+    env: str,
+    *,
+    model: str = "tiny-random",
+    n: int = 8,
+    split: str = "train",
+    task_offset: int = 0,
+    config: RolloutConfig | None = None,
+    out: str | Path | None = None,
+    engine: Any = None,
+    tokenizer: Any = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> RolloutResult:
+    """Roll out ``n`` tasks × ``config.group_size`` samples of ``env`` on ``model``.
+
+    ``model`` is a registered model name or a local HF folder; ``engine`` (any ``Engine``)
+    overrides the embedded engine. With ``out`` the run directory gets ``config.json`` and
+    ``trajectories.jsonl`` (appended as each trajectory finishes)."""
+    from ._models import resolve_model, tokenizer_fingerprint
+    from .engine import open_embedded_engine
+    from .formats import get_format
+
+    cfg = config or RolloutConfig()
+    spec = env_spec(env)
+    model_path = str(resolve_model(model)) if engine is None or tokenizer is None else model
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    fmt = get_format("chatml-hermes", tokenizer)
+    tasks = list(spec.make(**cfg.env_kwargs).tasks(split, seed=cfg.seed))
+    tasks = tasks[task_offset : task_offset + n]
+    out_dir: Path | None = None
+    writer: TrajectoryWriter | None = None
+    async with AsyncExitStack() as stack:
+        if engine is None:
+            engine = await stack.enter_async_context(open_embedded_engine(model_path))
+        if out is not None:
+            out_dir = Path(out)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.json").write_text(
+                json.dumps(_resolved_config(spec.id, model, model_path, n, split, cfg), indent=2)
+            )
+            writer = stack.enter_context(TrajectoryWriter(str(out_dir / "trajectories.jsonl")))
+        ctx = RolloutContext(
+            spec=spec,
+            engine=engine,
+            fmt=fmt,
+            config=cfg,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            model_name=model,
+        )
+
+        def sink(traj: Trajectory) -> None:
+            if writer is not None:
+                writer.write(traj)
+            if on_trajectory is not None:
+                on_trajectory(traj)
+
+        started = time.perf_counter()
+        trajectories = await run_groups(ctx, tasks, on_trajectory=sink)
+        elapsed = time.perf_counter() - started
+    return RolloutResult(trajectories, elapsed, out_dir, model_path)
+
+
+def rollout(env: str, *, backend: str = "trio", **kwargs: Any) -> RolloutResult:
+    """Synchronous ``arollout`` on its own event loop (trio by default)."""
+    return anyio.run(lambda: arollout(env, **kwargs), backend=backend)

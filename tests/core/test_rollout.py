@@ -1,0 +1,276 @@
+"""The trajectory state machine: masks, spans, termination reasons, deadlines, failures."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import agentrl
+from agentrl._rollout import RolloutContext, run_trajectory
+from agentrl._runner import run_groups
+from agentrl.formats import check_boundary
+
+from fakes import ScriptedEngine
+
+pytestmark = pytest.mark.anyio
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 2"}}\n</tool_call>'
+ANSWER = "<answer>5</answer><|im_end|>"
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+def _ctx(chatml, engine, **cfg):
+    return RolloutContext(
+        spec=agentrl.spec("calc-v0"),
+        engine=engine,
+        fmt=chatml,
+        config=agentrl.RolloutConfig(**cfg),
+        tokenizer_fingerprint="test",
+        model_name="scripted",
+    )
+
+
+def _task(answer="5"):
+    return agentrl.Task(id="t0", prompt="What is 3 + 2?", answer=answer)
+
+
+async def _run(chatml, tokenizer, replies, **cfg):
+    engine = ScriptedEngine(tokenizer, replies)
+    traj = await run_trajectory(_ctx(chatml, engine, **cfg), _task(), group_id="g", sample_index=0, seed=1)
+    return traj, engine
+
+
+def _assert_invariants(traj, chatml, engine=None):
+    traj.validate()
+    report = check_boundary(chatml, traj)
+    assert report.ok, report.message
+    if engine is not None:
+        # the engine always saw exactly the accumulated context (token-in/token-out)
+        for call in engine.calls:
+            assert traj.token_ids[: len(call)] == call
+
+
+async def test_tool_call_then_answer(chatml, tokenizer):
+    traj, engine = await _run(chatml, tokenizer, [CALL, ANSWER])
+    _assert_invariants(traj, chatml, engine)
+    assert traj.status == "done" and traj.termination_reason == "stop"
+    assert traj.reward == 1.0 and traj.reward_breakdown["correct"] == 1.0
+    assert traj.num_turns == 2 and len(traj.turn_rewards) == 2
+    assert [c.ok for c in traj.tool_calls] == [True] and traj.tool_calls[0].output == "5"
+    assert traj.policy_version == 7
+    sources = [(s.source, s.turn) for s in traj.spans]
+    assert sources == [
+        ("prompt", 0),
+        ("model", 0),
+        ("template", 0),  # closes turn 0
+        ("template", 1),  # opens the tool message
+        ("tool", 1),
+        ("template", 1),  # closes it and opens the next assistant turn
+        ("model", 1),
+        ("template", 1),
+    ]
+    # the sampled <|im_end|> is a model token (mask 1); the "\n" after it is template (mask 0)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    last_model = [s for s in traj.spans if s.source == "model"][-1]
+    assert traj.token_ids[last_model.end - 1] == im_end
+    assert traj.loss_mask[last_model.end - 1] == 1
+    assert tokenizer.decode(traj.token_ids[last_model.end :]) == "\n"
+    # the tool turn was cut by the stop string: the template closes it with <|im_end|>\n
+    first_close = traj.spans[2]
+    assert tokenizer.decode(traj.token_ids[first_close.start : first_close.end]) == "<|im_end|>\n"
+    tool_span = traj.spans[4]
+    assert tokenizer.decode(traj.token_ids[tool_span.start : tool_span.end]) == "5"
+    assert engine.sessions == set()  # the session was closed
+
+
+async def test_no_tool_answer_directly(chatml, tokenizer):
+    traj, _ = await _run(chatml, tokenizer, ["<answer>4</answer><|im_end|>"])
+    _assert_invariants(traj, chatml)
+    assert traj.status == "done" and traj.reward == 0.0 and traj.tool_calls == []
+
+
+@pytest.mark.parametrize(
+    ("call", "kind"),
+    [
+        ("<tool_call>\n{not json}\n</tool_call>", "parse_error"),
+        ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "unknown_tool"),
+        ('<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call>', "invalid_arguments"),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1", "x": 2}}\n</tool_call>',
+            "invalid_arguments",
+        ),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": [1]}}\n</tool_call>',
+            "invalid_arguments",
+        ),
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1/0"}}\n</tool_call>',
+            "tool_exception",
+        ),
+        ('<tool_call>\n["calculator"]\n</tool_call>', "parse_error"),
+    ],
+)
+async def test_malformed_calls_become_observations(chatml, tokenizer, call, kind):
+    traj, _ = await _run(chatml, tokenizer, [call, ANSWER])
+    _assert_invariants(traj, chatml)
+    assert traj.status == "done" and traj.reward == 1.0  # the rollout continued
+    (record,) = traj.tool_calls
+    assert not record.ok and record.error_kind == kind
+    tool_msgs = [m for m in traj.messages if m.role == "tool"]
+    assert tool_msgs[0].content.startswith(f"Error ({kind})")
+
+
+async def test_oversize_arguments(chatml, tokenizer):
+    big = json.dumps({"name": "calculator", "arguments": {"expression": "1+" * 50 + "1"}})
+    traj, _ = await _run(
+        chatml,
+        tokenizer,
+        [f"<tool_call>\n{big}\n</tool_call>", ANSWER],
+        max_tool_argument_bytes=64,
+        max_new_tokens=256,
+    )
+    _assert_invariants(traj, chatml)
+    assert traj.tool_calls[0].error_kind == "oversize_arguments"
+
+
+async def test_turn_cut_by_max_tokens(chatml, tokenizer):
+    traj, _ = await _run(chatml, tokenizer, ["one two three four five six seven eight nine ten"], max_new_tokens=4)
+    _assert_invariants(traj, chatml)
+    assert traj.status == "truncated" and traj.termination_reason == "max_tokens"
+    model = [s for s in traj.spans if s.source == "model"]
+    assert sum(s.end - s.start for s in model) == 4
+    close = traj.spans[-1]
+    assert close.source == "template"
+    assert tokenizer.decode(traj.token_ids[close.start : close.end]) == "<|im_end|>\n"
+    assert traj.reward == 0.0  # the verifier still ran
+
+
+async def test_max_turns(chatml, tokenizer):
+    traj, _ = await _run(chatml, tokenizer, [CALL], max_turns=3)
+    _assert_invariants(traj, chatml)
+    assert traj.status == "truncated" and traj.termination_reason == "max_turns"
+    assert traj.num_turns == 3 and len(traj.tool_calls) == 3
+
+
+async def test_tool_error_budget(chatml, tokenizer):
+    bad = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    traj, _ = await _run(chatml, tokenizer, [bad], max_turns=10, tool_error_budget=1)
+    _assert_invariants(traj, chatml)
+    assert traj.termination_reason == "tool_error_budget" and len(traj.tool_calls) == 2
+
+
+async def test_context_limit(chatml, tokenizer):
+    probe, _ = await _run(chatml, tokenizer, [ANSWER])
+    limit = probe.prompt_len + 10  # room for 10 sampled tokens: the tool call is cut
+    traj, engine = await _run(chatml, tokenizer, [CALL, ANSWER], max_context_tokens=limit)
+    _assert_invariants(traj, chatml)
+    assert traj.status == "truncated" and traj.termination_reason == "context_limit"
+    assert sum(traj.loss_mask) == 10
+    assert len(traj.token_ids) <= limit + 2  # only the closing template passes the limit
+
+
+async def test_engine_failure_is_recorded(chatml, tokenizer):
+    engine = ScriptedEngine(tokenizer, [CALL, ANSWER], fail_on_call=1)
+    traj = await run_trajectory(_ctx(chatml, engine), _task(), group_id="g", sample_index=0, seed=1)
+    traj.validate()
+    assert traj.status == "error" and traj.error.where == "engine"
+    assert "scripted failure" in traj.error.message and traj.reward is None
+    assert engine.sessions == set()
+
+
+def _fake_clock():
+    """trio's autojump clock: sleeps take no real time, so deadline tests never wait."""
+    import trio.testing
+
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+@pytest.mark.parametrize("anyio_backend", [_fake_clock()])
+async def test_turn_deadline_with_fake_clock(chatml, tokenizer, anyio_backend):
+    engine = ScriptedEngine(tokenizer, [CALL], delay_s=1000.0)
+    traj = await run_trajectory(
+        _ctx(chatml, engine, turn_timeout_s=5.0), _task(), group_id="g", sample_index=0, seed=1
+    )
+    _assert_invariants(traj, chatml)
+    assert traj.status == "truncated" and traj.termination_reason == "deadline"
+    assert traj.num_turns == 0
+
+
+@pytest.mark.parametrize("anyio_backend", [_fake_clock()])
+async def test_trajectory_deadline_with_fake_clock(chatml, tokenizer, anyio_backend):
+    # An unknown tool keeps the loop on the event loop: a sync tool would run in a worker
+    # thread, and the autojump clock jumps while a task waits on a thread.
+    unknown = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    engine = ScriptedEngine(tokenizer, [unknown], delay_s=30.0)
+    traj = await run_trajectory(
+        _ctx(chatml, engine, trajectory_timeout_s=100.0, max_turns=50, tool_error_budget=99),
+        _task(),
+        group_id="g",
+        sample_index=0,
+        seed=1,
+    )
+    _assert_invariants(traj, chatml)
+    assert traj.termination_reason == "deadline" and traj.num_turns == 3
+
+
+async def test_groups_share_prompt_and_failures_stay_local(chatml, tokenizer):
+    engine = ScriptedEngine(tokenizer, [CALL, ANSWER], fail_on_call=0)
+    ctx = _ctx(chatml, engine, group_size=3, concurrency=2)
+    tasks = agentrl.make("calc-v0").tasks("train")[:2]
+    seen = []
+    trajs = await run_groups(ctx, tasks, on_trajectory=seen.append)
+    assert len(trajs) == 6 == len(seen)
+    assert [t.status for t in trajs].count("error") == 1  # only the first engine call failed
+    by_group = {}
+    for t in trajs:
+        by_group.setdefault(t.group_id, []).append(t)
+    assert len(by_group) == 2
+    for group in by_group.values():
+        prompts = {tuple(t.token_ids[: t.prompt_len]) for t in group if t.prompt_len}
+        assert len(prompts) == 1
+        assert len({t.sampling.seed for t in group}) == 3  # distinct per-sample seeds
+
+
+_FRAGMENTS = [
+    CALL,
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "7*6"}}\n</tool_call>',
+    "<tool_call>\n{broken\n</tool_call>",
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": 5}}\n</tool_call>',
+    '<tool_call>{"name": "nope"}</tool_call>',
+    "<answer>5</answer><|im_end|>",
+    "I think the answer is 42.<|im_end|>",
+    "  spaces\n\nand newlines\t<|im_end|>",
+    "unicode: 7×6 = ٤٢ 😀<|im_end|>",
+    "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1+",
+    "<|endoftext|>",
+    "<answer>5</answer>",
+]
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    replies=st.lists(st.sampled_from(_FRAGMENTS), min_size=1, max_size=6),
+    max_new=st.integers(min_value=3, max_value=64),
+    max_turns=st.integers(min_value=1, max_value=6),
+)
+async def test_property_masks_and_boundary(chatml, tokenizer, anyio_backend, replies, max_new, max_turns):
+    traj, engine = await _run(
+        chatml, tokenizer, replies, max_new_tokens=max_new, max_turns=max_turns
+    )
+    _assert_invariants(traj, chatml, engine)
+    assert traj.status in ("done", "truncated")
+    # loss_mask is 1 exactly on model spans and nowhere else; logprobs null elsewhere
+    for span in traj.spans:
+        for i in range(span.start, span.end):
+            assert traj.loss_mask[i] == (span.source == "model")
+            assert (traj.logprobs[i] is None) == (span.source != "model")
+    assert sum(traj.loss_mask) == sum(s.end - s.start for s in traj.spans if s.source == "model")
