@@ -53,6 +53,7 @@ class EnvSpec:
 _registry: dict[str, EnvSpec] = {}
 _lock = threading.RLock()
 _entry_points_loaded = False
+_entry_point_errors: list[str] = []
 
 
 def parse_env_id(env_id: str) -> tuple[str | None, str, int]:
@@ -168,6 +169,8 @@ def load_entry_points(*, force: bool = False) -> list[str]:
             ep.load()
         except Exception as exc:  # a broken plugin must not hide the others
             errors.append(f"entry point {ep.name} = {ep.value}: {type(exc).__name__}: {exc}")
+    with _lock:
+        _entry_point_errors[:] = errors  # named by lookup errors, which they may explain
     return errors
 
 
@@ -191,15 +194,19 @@ def spec(env_id: str) -> EnvSpec:
     with _lock:
         versions = sorted(s.version for s in _registry.values() if s.name == name)
         names = sorted({s.name for s in _registry.values()})
+        broken = "; ".join(_entry_point_errors)
+    if broken:
+        broken = f" Entry points that failed to load: {broken}."
     if versions:
         raise VersionNotFound(
             f"environment {name!r} has no version {version}; available: "
             + ", ".join(f"{name}-v{v}" for v in versions)
+            + broken
         )
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     known = f" Registered: {', '.join(names)}." if names else " Nothing is registered."
-    raise NameNotFound(f"no environment named {name!r}.{hint}{known}")
+    raise NameNotFound(f"no environment named {name!r}.{hint}{known}{broken}")
 
 
 def make(env_id: str, **kwargs: Any) -> Any:

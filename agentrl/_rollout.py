@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._config import RolloutConfig
-from ._env import Episode, Reward, Responder, TurnRewarder
+from ._env import Episode, Responder, Reward, TurnRewarder
 from ._registry import EnvSpec
 from ._tools import BoundTool, collect_tools, invoke_tool
 from ._types import (
@@ -323,8 +323,8 @@ async def _step(run: _Run, env: Any, state: State) -> State:
             result = run.last
             assert result is not None
             ids = run.last_model_ids
-            stopped = result.finish_reason == "stop" and bool(ids) and ids[-1] in (
-                ctx.fmt.stop_token_ids
+            stopped = (
+                result.finish_reason == "stop" and bool(ids) and ids[-1] in (ctx.fmt.stop_token_ids)
             )
             content = ctx.fmt.assistant_content(ids)
             run.messages.append(Message("assistant", content))

@@ -254,18 +254,20 @@ async def invoke_tool(
         return fail("invalid_arguments", _validation_message(exc))
     kwargs = {k: getattr(validated, k) for k in type(validated).model_fields}
     deadline = bound.spec.timeout_s or timeout_s or DEFAULT_TOOL_TIMEOUT_S
+    value: Any = None
     try:
-        with anyio.fail_after(deadline):
+        # move_on_after, not fail_after: a TimeoutError the tool raises itself is its own error
+        with anyio.move_on_after(deadline) as scope:
             if bound.spec.is_async:
                 value = await bound.call(**kwargs)
             else:
                 value = await anyio.to_thread.run_sync(
                     lambda: bound.call(**kwargs), abandon_on_cancel=True
                 )
-    except TimeoutError:
-        return fail("timeout", f"tool {name!r} did not finish within {deadline:g} s")
     except Exception as exc:
         return fail("tool_exception", f"{type(exc).__name__}: {exc}")
+    if scope.cancelled_caught:
+        return fail("timeout", f"tool {name!r} did not finish within {deadline:g} s")
     return ToolCallRecord(
         turn=turn,
         name=name,

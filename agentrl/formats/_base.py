@@ -50,8 +50,15 @@ class ChatFormat(Protocol):
     known_divergences: tuple[str, ...]
     """Names of intended re-render differences the boundary checker tolerates."""
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> Piece:
-        """The whole initial prompt, ending with the assistant generation header."""
+    def prepare(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]
+    ) -> list[Message]:
+        """The messages with ``tools`` declared the way this format declares them."""
+        ...
+
+    def render_prompt(self, messages: Sequence[Message]) -> Piece:
+        """The whole initial prompt (of prepared messages), ending with the assistant
+        generation header."""
         ...
 
     def close_turn(self, model_ids: Sequence[int], stopped: bool) -> Piece:
@@ -73,15 +80,14 @@ class ChatFormat(Protocol):
         """Split assistant text into content and tool calls."""
         ...
 
-    def render_text(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[dict[str, Any]],
-        add_generation_prompt: bool,
-    ) -> str:
+    def render_text(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         """The conversation as the chat template renders it (used by the boundary checker)."""
         ...
 
     def encode(self, text: str) -> list[int]:
         """Tokenize a fragment without adding special tokens."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids to text, special tokens kept."""
         ...

@@ -72,7 +72,9 @@ class TemplateFormat:
         except Exception as exc:
             raise FormatError(f"{self.name}: chat template failed: {exc}") from exc
 
-    def prepare(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[Message]:
+    def prepare(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]
+    ) -> list[Message]:
         """Declare ``tools`` in the system message (added if the env gave none)."""
         msgs = list(messages)
         if not tools:
@@ -127,17 +129,23 @@ class TemplateFormat:
                 "declare this divergence in the format"
             )
         delta = after[len(before) :]
-        # character ranges of each message's content inside the delta
+        # character ranges of each message's content inside the delta, located through a render
+        # with unique placeholders (searching for the content itself can hit the role header,
+        # e.g. a tool output "tool")
+        marks = [f"{_PROBE_CONTENT}{i}\x1f" for i in range(len(messages))]
+        marked = self.render_text(
+            [*probe, *(Message(m.role, k, m.name) for m, k in zip(messages, marks, strict=True))],
+            True,
+        )[len(before) :]
         ranges: list[tuple[int, int, str]] = []
-        pos = 0
-        for m in messages:
-            if not m.content:
-                continue
-            at = delta.find(m.content, pos)
-            if at < 0:
+        shift = 0
+        for m, mark in zip(messages, marks, strict=True):
+            at = marked.find(mark)
+            if at < 0 or delta[at + shift : at + shift + len(m.content)] != m.content:
                 raise FormatError(f"{self.name}: cannot locate a {m.role} message in its render")
-            ranges.append((at, at + len(m.content), "tool" if m.role == "tool" else "prompt"))
-            pos = at + len(m.content)
+            if m.content:
+                ranges.append((at + shift, at + shift + len(m.content), _content_source(m)))
+            shift += len(m.content) - len(mark)
         enc = self.tokenizer(delta, add_special_tokens=False, return_offsets_mapping=True)
         pieces: list[Piece] = []
         for tok_id, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
@@ -161,6 +169,10 @@ class TemplateFormat:
 
     def parse(self, text: str) -> ParsedTurn:
         return parse_hermes(text)
+
+
+def _content_source(message: Message) -> str:
+    return "tool" if message.role == "tool" else "prompt"
 
 
 def _default_stop_ids(tokenizer: Any) -> list[int]:

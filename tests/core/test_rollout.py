@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-import anyio
 import pytest
+from fakes import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,8 +13,6 @@ import agentrl
 from agentrl._rollout import RolloutContext, run_trajectory
 from agentrl._runner import run_groups
 from agentrl.formats import check_boundary
-
-from fakes import ScriptedEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +42,9 @@ def _task(answer="5"):
 
 async def _run(chatml, tokenizer, replies, **cfg):
     engine = ScriptedEngine(tokenizer, replies)
-    traj = await run_trajectory(_ctx(chatml, engine, **cfg), _task(), group_id="g", sample_index=0, seed=1)
+    traj = await run_trajectory(
+        _ctx(chatml, engine, **cfg), _task(), group_id="g", sample_index=0, seed=1
+    )
     return traj, engine
 
 
@@ -104,7 +104,8 @@ async def test_no_tool_answer_directly(chatml, tokenizer):
         ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "unknown_tool"),
         ('<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call>', "invalid_arguments"),
         (
-            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1", "x": 2}}\n</tool_call>',
+            '<tool_call>\n{"name": "calculator", '
+            '"arguments": {"expression": "1", "x": 2}}\n</tool_call>',
             "invalid_arguments",
         ),
         (
@@ -142,7 +143,9 @@ async def test_oversize_arguments(chatml, tokenizer):
 
 
 async def test_turn_cut_by_max_tokens(chatml, tokenizer):
-    traj, _ = await _run(chatml, tokenizer, ["one two three four five six seven eight nine ten"], max_new_tokens=4)
+    traj, _ = await _run(
+        chatml, tokenizer, ["one two three four five six seven eight nine ten"], max_new_tokens=4
+    )
     _assert_invariants(traj, chatml)
     assert traj.status == "truncated" and traj.termination_reason == "max_tokens"
     model = [s for s in traj.spans if s.source == "model"]
@@ -249,20 +252,24 @@ _FRAGMENTS = [
     "I think the answer is 42.<|im_end|>",
     "  spaces\n\nand newlines\t<|im_end|>",
     "unicode: 7×6 = ٤٢ 😀<|im_end|>",
-    "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1+",
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+',
     "<|endoftext|>",
     "<answer>5</answer>",
 ]
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     replies=st.lists(st.sampled_from(_FRAGMENTS), min_size=1, max_size=6),
     max_new=st.integers(min_value=3, max_value=64),
     max_turns=st.integers(min_value=1, max_value=6),
 )
-async def test_property_masks_and_boundary(chatml, tokenizer, anyio_backend, replies, max_new, max_turns):
+async def test_property_masks_and_boundary(
+    chatml, tokenizer, anyio_backend, replies, max_new, max_turns
+):
     traj, engine = await _run(
         chatml, tokenizer, replies, max_new_tokens=max_new, max_turns=max_turns
     )

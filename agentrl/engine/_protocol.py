@@ -1,0 +1,54 @@
+"""The engine client protocol every engine (embedded, SGLang adapter) implements.
+
+The caller always passes the *whole* context in ``input_ids``, also inside a session: an engine
+that holds a session's KV (or an adapter talking to a server that prepends it) may reuse what it
+holds, but the result must be the same as without the session. Logprobs are always
+``log_softmax(logits / temperature)`` over the full vocabulary at the sampled token, before any
+filtering (temperature 0 = greedy, logprob at temperature 1).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from agentrl._types import GenerateResult, SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An async inference engine. Errors the caller caused, and failed requests, raise
+    ``EngineError``; a failed request never fails its neighbours."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights new requests will run on."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + generated) one request may reach."""
+        ...
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> GenerateResult:
+        """Sample a continuation of ``input_ids`` (the whole context)."""
+        ...
+
+    async def open_session(self, capacity_tokens: int | None = None) -> str:
+        """Open a session (one trajectory's turns); returns its id."""
+        ...
+
+    async def close_session(self, session_id: str) -> None:
+        """Release a session; ``EngineError`` for an unknown id."""
+        ...
+
+    async def update_weights(self, version: int, source: str | dict[str, torch.Tensor]) -> None:
+        """Replace the weights (a folder/path, or a state dict) and set ``weight_version``."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the engine; pending requests end with ``finish_reason="abort"``."""
+        ...

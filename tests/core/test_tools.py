@@ -1,0 +1,428 @@
+"""``@agentrl.tool``: schemas from typed signatures, and ``invoke_tool`` turning every bad call
+into an observation for the model (never an exception)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import anyio
+import pytest
+import trio.testing
+
+import agentrl
+from agentrl._tools import BoundTool, collect_tools, invoke_tool, tool_spec
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+@agentrl.tool
+def add(a: int, b: int = 2) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend,
+            which defaults to two.
+
+    Returns:
+        The sum.
+    """
+    return a + b
+
+
+@agentrl.tool
+async def shout(text: str, times: int = 1) -> str:
+    """Upper-case text."""
+    await anyio.sleep(0)
+    return text.upper() * times
+
+
+@agentrl.tool
+def describe(values: list[float], label: str | None = None, exact: bool = False) -> dict:
+    """Summarise numbers.
+
+    Args:
+        values (list[float]): Numbers to summarise.
+        label: Optional name for the result.
+        exact: Unused flag.
+    """
+    return {"label": label, "n": len(values), "total": sum(values)}
+
+
+@agentrl.tool
+def boom(reason: str) -> str:
+    """Always fails."""
+    raise ValueError(f"boom: {reason}")
+
+
+@agentrl.tool
+def no_args() -> str:
+    """Takes nothing."""
+    return "ok"
+
+
+class Counter:
+    """An environment-like object with a tool method and a list of function tools."""
+
+    tools = (add,)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @agentrl.tool(name="bump", description="Increase the counter.")
+    def increment(self, by: int) -> int:
+        self.count += by
+        return self.count
+
+    @agentrl.tool
+    async def peek(self) -> str:
+        """Read the counter."""
+        return f"count={self.count}"
+
+    def not_a_tool(self) -> None:
+        return None
+
+
+def _bound(*fns) -> dict[str, BoundTool]:
+    return {tool_spec(f).name: BoundTool(tool_spec(f), f) for f in fns}
+
+
+# -- decoration and schema -----------------------------------------------------------------------
+
+
+def test_sync_function_schema():
+    spec = tool_spec(add)
+    assert (spec.name, spec.is_async, spec.is_method, spec.timeout_s) == ("add", False, False, None)
+    assert spec.description == "Add two integers."
+    assert spec.parameters == {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "description": "The first addend."},
+            "b": {
+                "type": "integer",
+                "default": 2,
+                "description": "The second addend, which defaults to two.",
+            },
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    assert spec.schema() == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": spec.parameters,
+        },
+    }
+    json.dumps(spec.schema())
+    assert add(1) == 3  # the decorated function is still the function
+
+
+def test_types_optional_and_list_schema():
+    params = tool_spec(describe).parameters
+    props = params["properties"]
+    assert props["values"]["type"] == "array" and props["values"]["items"] == {"type": "number"}
+    assert props["values"]["description"] == "Numbers to summarise."
+    assert {"type": "string"} in props["label"]["anyOf"] and props["label"]["default"] is None
+    assert props["exact"] == {"type": "boolean", "default": False, "description": "Unused flag."}
+    assert params["required"] == ["values"]
+    assert params["additionalProperties"] is False
+    assert all("title" not in p for p in props.values()) and "title" not in params
+
+
+def test_async_function_and_no_docstring_args():
+    spec = tool_spec(shout)
+    assert spec.is_async and not spec.is_method
+    assert spec.description == "Upper-case text."
+    assert "description" not in spec.parameters["properties"]["text"]
+    assert spec.parameters["properties"]["text"] == {"type": "string"}
+
+
+def test_methods_and_options():
+    bump = tool_spec(Counter.increment)
+    assert bump.name == "bump" and bump.description == "Increase the counter."
+    assert bump.is_method and list(bump.parameters["properties"]) == ["by"]  # no self
+    peek = tool_spec(Counter.peek)
+    assert peek.is_method and peek.is_async and peek.parameters["properties"] == {}
+
+
+def test_description_falls_back_to_the_name():
+    @agentrl.tool(timeout_s=3)
+    def quiet(x: int) -> int:
+        return x
+
+    spec = tool_spec(quiet)
+    assert spec.description == "quiet" and spec.timeout_s == 3
+
+
+def test_collect_tools_binds_methods_and_lists():
+    env = Counter()
+    tools = collect_tools(env)
+    assert sorted(tools) == ["add", "bump", "peek"]
+    assert tools["bump"].call(by=2) == 2 and env.count == 2  # bound to this instance
+    assert tools["add"].call(a=1) == 3
+
+
+def test_collect_tools_rejects_duplicate_names():
+    @agentrl.tool(name="bump")
+    def other_bump(by: int) -> int:
+        return by
+
+    class Twice(Counter):
+        tools = (other_bump,)
+
+    with pytest.raises(agentrl.ToolError, match="'bump' is defined twice"):
+        collect_tools(Twice())
+
+
+def test_tool_spec_of_an_undecorated_function():
+    with pytest.raises(agentrl.ToolError, match="not decorated"):
+        tool_spec(len)
+
+
+def _missing_annotation(x):
+    return x
+
+
+def _star_args(x: int, *rest: int):
+    return x
+
+
+def _star_kwargs(x: int, **rest: int):
+    return x
+
+
+def _unresolvable(x: NoSuchType):  # noqa: F821 - the point of the test
+    return x
+
+
+def _plain(x: int) -> int:
+    return x
+
+
+@pytest.mark.parametrize(
+    ("fn", "options", "match"),
+    [
+        (_missing_annotation, {}, "parameter 'x' needs a type annotation"),
+        (_star_args, {}, r"\*args/\*\*kwargs are not allowed \(rest\)"),
+        (_star_kwargs, {}, r"\*args/\*\*kwargs are not allowed \(rest\)"),
+        (_unresolvable, {}, "cannot resolve annotations"),
+        (_plain, {"name": "bad name"}, "must match"),
+        (_plain, {"name": "1abc"}, "must match"),
+        (_plain, {"name": "x" * 65}, "must match"),
+        (_plain, {"timeout_s": 0}, "timeout_s must be > 0"),
+        (_plain, {"timeout_s": -1}, "timeout_s must be > 0"),
+    ],
+)
+def test_decoration_errors(fn, options, match):
+    with pytest.raises(agentrl.ToolError, match=match):
+        agentrl.tool(fn, **options)
+    with pytest.raises(agentrl.ToolError):
+        tool_spec(fn)  # nothing was attached
+
+
+def test_a_lambda_is_not_a_valid_tool_name():
+    with pytest.raises(agentrl.ToolError, match="'<lambda>' must match"):
+        agentrl.tool(lambda: None)
+
+
+# -- invoke_tool ---------------------------------------------------------------------------------
+
+
+async def test_success_with_non_str_result():
+    record = await invoke_tool(_bound(add), "add", '{"a": 40}', turn=3)
+    assert record.ok and record.error_kind is None
+    assert record.output == "42" and record.turn == 3 and record.name == "add"
+    assert record.arguments == '{"a": 40}'
+    assert record.latency_s >= 0
+
+
+async def test_success_dict_result_is_json_text():
+    record = await invoke_tool(_bound(describe), "describe", '{"values": [1, 2.5]}', turn=0)
+    assert record.ok
+    assert json.loads(record.output) == {"label": None, "n": 2, "total": 3.5}
+
+
+async def test_success_str_result_is_verbatim():
+    record = await invoke_tool(_bound(shout), "shout", '{"text": "hi", "times": 2}', turn=0)
+    assert record.ok and record.output == "HIHI"  # not JSON-quoted
+
+
+async def test_dict_arguments_and_empty_argument_text():
+    record = await invoke_tool(_bound(add), "add", {"a": 1, "b": 5}, turn=0)
+    assert record.ok and record.output == "6" and json.loads(record.arguments) == {"a": 1, "b": 5}
+    record = await invoke_tool(_bound(no_args), "no_args", "  ", turn=0)
+    assert record.ok and record.output == "ok"
+
+
+async def test_method_tools_run_on_their_instance():
+    env = Counter()
+    tools = collect_tools(env)
+    record = await invoke_tool(tools, "bump", '{"by": 5}', turn=0)
+    assert record.ok and record.output == "5" and env.count == 5
+    record = await invoke_tool(tools, "peek", "{}", turn=0)
+    assert record.ok and record.output == "count=5"
+
+
+async def test_sync_tools_run_in_a_worker_thread():
+    seen = []
+
+    @agentrl.tool
+    def where() -> str:
+        """Report the thread."""
+        seen.append(threading.get_ident())
+        return "ok"
+
+    record = await invoke_tool(_bound(where), "where", "{}", turn=0)
+    assert record.ok and seen and seen[0] != threading.get_ident()
+
+
+async def test_a_tool_raising_timeout_error_is_a_tool_exception():
+    @agentrl.tool
+    async def fetch() -> str:
+        """A tool whose own I/O times out quickly."""
+        raise TimeoutError("upstream did not answer")
+
+    record = await invoke_tool(_bound(fetch), "fetch", "{}", turn=0, timeout_s=60)
+    assert record.error_kind == "tool_exception"
+    assert record.output == "Error (tool_exception): TimeoutError: upstream did not answer"
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "kind", "message"),
+    [
+        ("nope", "{}", "unknown_tool", "no tool named 'nope'; available tools: add, boom, shout"),
+        ("add", '{"a": 1', "invalid_arguments", "arguments are not valid JSON"),
+        ("add", "[1, 2]", "invalid_arguments", "arguments must be a JSON object, got list"),
+        ("add", '"a"', "invalid_arguments", "arguments must be a JSON object, got str"),
+        ("add", '{"b": 1}', "invalid_arguments", "missing required argument 'a'"),
+        ("add", '{"a": 1, "c": 2}', "invalid_arguments", "unexpected argument 'c'"),
+        ("add", '{"a": "one"}', "invalid_arguments", "argument 'a': "),
+        ("add", '{"a": [1]}', "invalid_arguments", "(got [1])"),
+        ("shout", '{"text": 5}', "invalid_arguments", "argument 'text': "),
+        ("boom", '{"reason": "bad"}', "tool_exception", "ValueError: boom: bad"),
+    ],
+)
+async def test_failures_become_observations(name, arguments, kind, message):
+    record = await invoke_tool(_bound(add, shout, boom), name, arguments, turn=1)
+    assert not record.ok
+    assert record.error_kind == kind
+    assert record.output.startswith(f"Error ({kind}): ")
+    assert message in record.output
+    assert record.arguments == arguments and record.name == name
+
+
+async def test_no_tools_at_all():
+    record = await invoke_tool({}, "add", "{}", turn=0)
+    assert record.error_kind == "unknown_tool" and "available tools: none" in record.output
+
+
+async def test_oversize_arguments():
+    arguments = json.dumps({"a": 1, "b": 2})
+    size = len(arguments.encode())
+    record = await invoke_tool(_bound(add), "add", arguments, turn=0, max_argument_bytes=size - 1)
+    assert record.error_kind == "oversize_arguments"
+    assert f"{size} bytes; the limit is {size - 1}" in record.output
+    record = await invoke_tool(_bound(add), "add", arguments, turn=0, max_argument_bytes=size)
+    assert record.ok  # the limit is inclusive
+
+
+async def test_oversize_counts_bytes_not_characters():
+    arguments = json.dumps({"text": "é" * 10}, ensure_ascii=False)  # 10 chars, 20 bytes
+    record = await invoke_tool(
+        _bound(shout), "shout", arguments, turn=0, max_argument_bytes=len(arguments) + 5
+    )
+    assert record.error_kind == "oversize_arguments"
+
+
+async def test_sync_tool_timeout_releases_the_caller():
+    release = threading.Event()
+
+    @agentrl.tool
+    def blocked() -> str:
+        """Waits until the test releases it."""
+        release.wait(30)
+        return "late"
+
+    try:
+        with anyio.fail_after(20):  # a hang here would be the bug
+            record = await invoke_tool(_bound(blocked), "blocked", "{}", turn=0, timeout_s=0.05)
+    finally:
+        release.set()
+    assert record.error_kind == "timeout"
+    assert record.output == "Error (timeout): tool 'blocked' did not finish within 0.05 s"
+
+
+def _fake_clock():
+    """trio's autojump clock: sleeps take no real time. Only for async tools: sync tools run in
+    threads, and the fake clock jumps while a task waits on a thread."""
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+@agentrl.tool(timeout_s=1)
+async def sleepy(seconds: float) -> str:
+    """Sleep, then answer."""
+    await anyio.sleep(seconds)
+    return "awake"
+
+
+@pytest.mark.parametrize("anyio_backend", [_fake_clock()])
+async def test_async_tool_timeout_with_fake_clock(anyio_backend):
+    tools = _bound(sleepy)
+    start = anyio.current_time()
+    record = await invoke_tool(tools, "sleepy", '{"seconds": 100}', turn=0)
+    assert record.error_kind == "timeout"
+    assert record.output == "Error (timeout): tool 'sleepy' did not finish within 1 s"
+    assert anyio.current_time() - start == pytest.approx(1.0)  # fake seconds
+    # the tool's own timeout_s beats the caller's default; under it the tool finishes
+    record = await invoke_tool(tools, "sleepy", '{"seconds": 0.5}', turn=0, timeout_s=0.1)
+    assert record.ok and record.output == "awake"
+
+
+@pytest.mark.parametrize("anyio_backend", [_fake_clock()])
+async def test_caller_timeout_and_default_with_fake_clock(anyio_backend):
+    @agentrl.tool
+    async def slow(seconds: float) -> str:
+        """Sleep."""
+        await anyio.sleep(seconds)
+        return "done"
+
+    tools = _bound(slow)
+    record = await invoke_tool(tools, "slow", '{"seconds": 100}', turn=0, timeout_s=7)
+    assert record.error_kind == "timeout" and "within 7 s" in record.output
+    start = anyio.current_time()
+    record = await invoke_tool(tools, "slow", '{"seconds": 100}', turn=0)
+    assert record.error_kind == "timeout" and "within 10 s" in record.output
+    assert anyio.current_time() - start == pytest.approx(10.0)
+    record = await invoke_tool(tools, "slow", '{"seconds": 9}', turn=0)
+    assert record.ok and record.output == "done"
+
+
+async def test_cancellation_is_not_swallowed():
+    """A cancel from outside (a trajectory deadline) must propagate, not become an
+    observation."""
+    started = anyio.Event()
+    results = []
+
+    @agentrl.tool
+    async def forever() -> str:
+        """Never returns."""
+        started.set()
+        await anyio.sleep_forever()
+        return ""
+
+    async def call() -> None:
+        results.append(await invoke_tool(_bound(forever), "forever", "{}", turn=0, timeout_s=60))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)
+        await started.wait()
+        tg.cancel_scope.cancel()
+    assert results == []

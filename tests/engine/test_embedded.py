@@ -1,0 +1,310 @@
+"""EmbeddedEngine on tiny-random (fp32, CPU), on trio and asyncio."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from agentrl._errors import EngineError
+from agentrl._types import GenerateResult, SamplingParams
+from agentrl.engine import EmbeddedEngine, Engine, open_embedded_engine
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
+
+
+@pytest.fixture
+async def engine(tiny_dir: Path) -> AsyncIterator[EmbeddedEngine]:
+    async with open_embedded_engine(tiny_dir, max_batch_size=4, num_threads=2) as engine:
+        yield engine
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 60))] for _ in range(count)]
+
+
+async def generate_all(
+    engine: EmbeddedEngine, contexts: list[list[int]], params: list[SamplingParams]
+) -> list[GenerateResult]:
+    """Run all requests concurrently; results in input order."""
+    results: dict[int, GenerateResult] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await engine.generate(contexts[i], params[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(contexts)):
+            tg.start_soon(one, i)
+    return [results[i] for i in range(len(contexts))]
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    with anyio.fail_after(30):
+        while not condition():
+            await anyio.sleep(0.005)
+
+
+async def test_is_an_engine(engine: EmbeddedEngine) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.max_context == 2048
+    assert engine.weight_version == 0
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=1),
+        SamplingParams(max_new_tokens=12, temperature=0.7, seed=2),
+        SamplingParams(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.9, seed=3),
+        SamplingParams(max_new_tokens=12, temperature=1.3, top_k=5, min_p=0.01, seed=4),
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+    ],
+    ids=["t1", "t0.7", "topk-topp", "topk-minp", "greedy"],
+)
+async def test_logprobs_match_a_plain_forward(
+    engine: EmbeddedEngine, recompute, sampling: SamplingParams
+) -> None:
+    contexts = prompts(4, seed=11)
+    results = await generate_all(engine, contexts, [sampling] * len(contexts))
+    for context, result in zip(contexts, results, strict=True):
+        assert len(result.token_ids) == len(result.logprobs) == 12
+        assert result.finish_reason == "length" and result.prompt_tokens == len(context)
+        want, greedy = recompute(context, result.token_ids, sampling.temperature)
+        got = torch.tensor(result.logprobs)
+        assert (got - want).abs().max().item() <= 1e-4, (got, want)
+        if sampling.temperature == 0:
+            assert result.token_ids == greedy.tolist()
+        if sampling.top_k > 0:  # the recorded logprob is unfiltered: not renormalized over top-k
+            assert torch.logsumexp(got, 0) < 0
+
+
+async def test_greedy_is_batch_invariant(engine: EmbeddedEngine) -> None:
+    contexts = prompts(7, seed=5)
+    params = [SamplingParams(max_new_tokens=6 + 3 * i, temperature=0) for i in range(7)]
+    alone = [await engine.generate(c, p) for c, p in zip(contexts, params, strict=True)]
+    before = engine.statistics()
+    # max_batch_size=4 with 7 requests: later ones join a running batch of different lengths.
+    together = await generate_all(engine, contexts, params)
+    after = engine.statistics()
+    rows = after.mean_batch_size * after.decode_steps - before.mean_batch_size * before.decode_steps
+    assert rows / (after.decode_steps - before.decode_steps) > 2, (before, after)
+    for a, b in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+async def test_seed_reproducible_regardless_of_neighbours(engine: EmbeddedEngine) -> None:
+    context = prompts(1, seed=3)[0]
+    seeded = SamplingParams(max_new_tokens=16, seed=1234)
+    alone = await engine.generate(context, seeded)
+    neighbours = prompts(3, seed=9)
+    mixed = await generate_all(
+        engine,
+        [*neighbours, context],
+        [SamplingParams(max_new_tokens=20, seed=i) for i in range(3)] + [seeded],
+    )
+    assert mixed[-1].token_ids == alone.token_ids
+    other = await engine.generate(context, SamplingParams(max_new_tokens=16, seed=4321))
+    assert other.token_ids != alone.token_ids
+    unseeded = [await engine.generate(context, SamplingParams(max_new_tokens=16)) for _ in "ab"]
+    assert unseeded[0].token_ids != unseeded[1].token_ids
+
+
+async def test_stop_token_is_included(engine: EmbeddedEngine) -> None:
+    sampling = SamplingParams(max_new_tokens=10, seed=5)
+    free = await engine.generate(PROMPT, sampling)
+    index = next(i for i, t in enumerate(free.token_ids) if free.token_ids.index(t) == i and i >= 2)
+    stop_id = free.token_ids[index]
+    stopped = await engine.generate(PROMPT, msgspec_replace(sampling, stop_token_ids=[0, stop_id]))
+    assert stopped.token_ids == free.token_ids[: index + 1]
+    assert stopped.logprobs == pytest.approx(free.logprobs[: index + 1], abs=1e-6)
+    assert (stopped.finish_reason, stopped.matched_stop) == ("stop", stop_id)
+
+
+async def test_stop_string_matches_across_tokens(engine: EmbeddedEngine, tiny_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    sampling = SamplingParams(max_new_tokens=24, seed=7)
+    free = await engine.generate(PROMPT, sampling)
+    ids = free.token_ids
+    pieces = [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+    # A stop string spanning the boundary between token k and k+1 (both clean text).
+    for k in range(2, len(ids) - 1):
+        left, right = pieces[k + 1][len(pieces[k]) :], pieces[k + 2][len(pieces[k + 1]) :]
+        if len(left) >= 2 and len(right) >= 2 and "\ufffd" not in left + right:
+            stop = left[-2:] + right[:2]
+            break
+    else:
+        pytest.skip(f"no clean token boundary in {pieces[-1]!r}")
+    expected = next(n for n in range(len(ids) + 1) if stop in pieces[n])
+    stopped = await engine.generate(PROMPT, msgspec_replace(sampling, stop=["\x00never", stop]))
+    assert stopped.token_ids == ids[:expected]
+    assert (stopped.finish_reason, stopped.matched_stop) == ("stop", stop)
+    assert stop in tokenizer.decode(stopped.token_ids)
+    assert stop not in tokenizer.decode(stopped.token_ids[:-1])
+
+
+def msgspec_replace(sampling: SamplingParams, **changes: object) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(sampling, **changes)
+
+
+async def test_length_limits(engine: EmbeddedEngine) -> None:
+    result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0))
+    assert (len(result.token_ids), result.finish_reason, result.matched_stop) == (5, "length", None)
+    empty = await engine.generate(PROMPT, SamplingParams(max_new_tokens=0))
+    assert (empty.token_ids, empty.finish_reason) == ([], "length")
+    near_end = [5] * (engine.max_context - 3)
+    result = await engine.generate(near_end, SamplingParams(max_new_tokens=50, temperature=0))
+    assert (len(result.token_ids), result.finish_reason) == (3, "length")
+    with pytest.raises(EngineError, match="no room"):
+        await engine.generate([5] * engine.max_context, SamplingParams())
+
+
+async def test_sessions(engine: EmbeddedEngine) -> None:
+    with pytest.raises(EngineError, match="unknown session"):
+        await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), session="nope")
+    with pytest.raises(EngineError, match="unknown session"):
+        await engine.close_session("nope")
+    session = await engine.open_session(capacity_tokens=len(PROMPT) + 4)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    capped = await engine.generate(PROMPT, greedy, session=session)
+    assert (len(capped.token_ids), capped.finish_reason) == (4, "length")
+    free = await engine.generate(PROMPT, greedy)
+    assert capped.token_ids == free.token_ids[:4]
+    await engine.close_session(session)
+    with pytest.raises(EngineError, match="unknown session"):
+        await engine.generate(PROMPT, greedy, session=session)
+
+
+async def test_invalid_requests(engine: EmbeddedEngine) -> None:
+    for ids, sampling in [
+        ([], SamplingParams()),
+        ([1, 49152], SamplingParams()),
+        ([1, -1], SamplingParams()),
+        (PROMPT, SamplingParams(temperature=-1)),
+        (PROMPT, SamplingParams(top_p=0)),
+        (PROMPT, SamplingParams(top_k=0)),
+        (PROMPT, SamplingParams(min_p=2)),
+        (PROMPT, SamplingParams(max_new_tokens=-1)),
+        (PROMPT, SamplingParams(stop=[""])),
+    ]:
+        with pytest.raises(EngineError):
+            await engine.generate(ids, sampling)
+    assert (await engine.generate(PROMPT, SamplingParams(max_new_tokens=1))).token_ids
+
+
+async def test_update_weights(engine: EmbeddedEngine, tiny_dir: Path) -> None:
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    before = await engine.generate(PROMPT, greedy)
+    state = load_file(tiny_dir / "model.safetensors")
+    assert "lm_head.weight" not in state  # tied to the embeddings: may be omitted
+    generator = torch.Generator().manual_seed(0)
+    changed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    await engine.update_weights(1, changed)
+    after = await engine.generate(PROMPT, greedy)
+    assert engine.weight_version == 1 and after.weight_version == 1
+    assert after.token_ids != before.token_ids
+
+    with pytest.raises(EngineError, match="shape"):
+        await engine.update_weights(2, {**state, "model.norm.weight": torch.ones(3)})
+    with pytest.raises(EngineError, match="lacks"):
+        await engine.update_weights(2, {"model.norm.weight": torch.ones(64)})
+    with pytest.raises(EngineError, match="unknown"):
+        await engine.update_weights(2, {"nope": torch.ones(1)})
+    assert engine.weight_version == 1
+
+    await engine.update_weights(2, str(tiny_dir))
+    restored = await engine.generate(PROMPT, greedy)
+    assert (restored.token_ids, restored.weight_version) == (before.token_ids, 2)
+    assert restored.logprobs == before.logprobs
+
+
+async def test_update_waits_for_running_requests(engine: EmbeddedEngine, tiny_dir: Path) -> None:
+    greedy = SamplingParams(max_new_tokens=40, temperature=0)
+    old = await engine.generate(PROMPT, greedy)
+    zeros = {k: torch.zeros_like(v) for k, v in load_file(tiny_dir / "model.safetensors").items()}
+    results: list[GenerateResult] = []
+
+    async def run() -> None:
+        results.append(await engine.generate(PROMPT, greedy))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await wait_until(lambda: engine.statistics().running == 1)
+        await engine.update_weights(7, zeros)
+    assert results[0].token_ids == old.token_ids and results[0].weight_version == 0
+    assert engine.weight_version == 7
+
+
+async def test_cancel_aborts_the_request(engine: EmbeddedEngine) -> None:
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.generate, PROMPT, SamplingParams(max_new_tokens=1900))
+            await wait_until(lambda: engine.statistics().running == 1)
+            scope.cancel()
+    await wait_until(lambda: engine.statistics().requests_aborted == 1)
+    assert engine.statistics().running == 0
+    result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=3))
+    assert len(result.token_ids) == 3
+
+
+async def test_a_failing_request_does_not_fail_its_neighbours(
+    engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentrl.engine import _worker
+
+    real = _worker.sample_token
+
+    def flaky(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator):
+        if sampling.seed == 666 and sampling.max_new_tokens == 30:
+            raise RuntimeError("injected")
+        return real(logits, sampling, generator)
+
+    monkeypatch.setattr(_worker, "sample_token", flaky)
+    outcomes: dict[int, object] = {}
+
+    async def one(seed: int) -> None:
+        try:
+            outcomes[seed] = await engine.generate(
+                PROMPT, SamplingParams(max_new_tokens=30, seed=seed)
+            )
+        except EngineError as exc:
+            outcomes[seed] = exc
+
+    async with anyio.create_task_group() as tg:
+        for seed in (1, 666, 2):
+            tg.start_soon(one, seed)
+    assert isinstance(outcomes[666], EngineError) and "injected" in str(outcomes[666])
+    assert all(isinstance(outcomes[s], GenerateResult) for s in (1, 2))
+    assert engine.statistics().requests_failed == 1
+
+
+async def test_aclose_aborts_pending_requests(tiny_dir: Path) -> None:
+    engine = await anyio.to_thread.run_sync(
+        lambda: EmbeddedEngine.from_pretrained(tiny_dir, max_batch_size=1, num_threads=2)
+    )
+    results: list[GenerateResult] = []
+
+    async def run() -> None:
+        results.append(await engine.generate(PROMPT, SamplingParams(max_new_tokens=1900)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        tg.start_soon(run)  # waits behind the first (max_batch_size=1)
+        await wait_until(lambda: engine.statistics().running == 1)
+        await engine.aclose()
+    assert [r.finish_reason for r in results] == ["abort", "abort"]
+    assert len(results[0].token_ids) == len(results[0].logprobs)
+    with pytest.raises(EngineError, match="closed"):
+        await engine.generate(PROMPT, SamplingParams())
+    await engine.aclose()  # idempotent

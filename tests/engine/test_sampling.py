@@ -1,0 +1,89 @@
+"""sample_token: unfiltered logprobs, filters, per-request generators."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from agentrl._errors import EngineError
+from agentrl._types import SamplingParams
+from agentrl.engine import sample_token
+from agentrl.engine._sampling import check_sampling, make_generator
+
+PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
+LOGITS = PROBS.log() + 1.5  # an offset changes nothing
+
+
+def draw(sampling: SamplingParams, n: int = 2000, seed: int = 0) -> collections.Counter[int]:
+    generator = make_generator(seed)
+    return collections.Counter(sample_token(LOGITS, sampling, generator)[0] for _ in range(n))
+
+
+def test_logprob_is_unfiltered_log_softmax_at_temperature() -> None:
+    for temperature in (1.0, 0.7, 2.0):
+        want = torch.log_softmax(LOGITS / temperature, dim=-1)
+        for sampling in (
+            SamplingParams(temperature=temperature),
+            SamplingParams(temperature=temperature, top_k=2, top_p=0.5, min_p=0.3),
+        ):
+            generator = make_generator(1)
+            for _ in range(20):
+                token, logprob = sample_token(LOGITS, sampling, generator)
+                assert logprob == pytest.approx(want[token].item(), abs=1e-6)
+
+
+def test_greedy_takes_argmax_with_temperature_one_logprob() -> None:
+    token, logprob = sample_token(LOGITS, SamplingParams(temperature=0), make_generator(0))
+    assert token == 0
+    assert logprob == pytest.approx(math.log(0.4), abs=1e-6)
+
+
+def test_filters_restrict_the_support() -> None:
+    assert set(draw(SamplingParams(top_k=1))) == {0}
+    assert set(draw(SamplingParams(top_k=2))) == {0, 1}
+    # top_p keeps tokens while the mass above them is < p: 0 (0.0), 1 (0.4) for p = 0.5
+    assert set(draw(SamplingParams(top_p=0.5))) == {0, 1}
+    assert set(draw(SamplingParams(top_p=0.3))) == {0}
+    # min_p keeps p >= min_p * p_max: 0.6 * 0.4 = 0.24 keeps 0 and 1
+    assert set(draw(SamplingParams(min_p=0.6))) == {0, 1}
+    assert set(draw(SamplingParams())) == {0, 1, 2, 3}
+
+
+def test_frequencies_follow_the_renormalized_distribution() -> None:
+    counts = draw(SamplingParams(top_k=2), n=4000, seed=3)
+    share = counts[0] / 4000  # 0.4 / 0.7 after renormalization
+    assert abs(share - 4 / 7) < 0.03, counts
+
+
+def test_same_seed_same_draws() -> None:
+    sampling = SamplingParams()
+    assert draw(sampling, seed=42) == draw(sampling, seed=42)
+    sequences = []
+    for _ in range(2):
+        generator = make_generator(5)
+        sequences.append([sample_token(LOGITS, sampling, generator)[0] for _ in range(50)])
+    assert sequences[0] == sequences[1]
+    other = make_generator(6)
+    assert [sample_token(LOGITS, sampling, other)[0] for _ in range(50)] != sequences[0]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(top_p=1.5),
+        SamplingParams(top_k=-2),
+        SamplingParams(min_p=-0.1),
+    ],
+)
+def test_invalid_params_are_rejected(sampling: SamplingParams) -> None:
+    with pytest.raises(EngineError):
+        check_sampling(sampling)
+
+
+def test_seed_out_of_range() -> None:
+    with pytest.raises(EngineError, match="seed"):
+        make_generator(2**70)
