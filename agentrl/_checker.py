@@ -60,14 +60,13 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
             raise fail(f"reset() returned {type(m).__name__}, not Message")
     if messages[-1].role not in ("user", "tool"):
         raise fail(f"reset() must end with a user turn, not {messages[-1].role!r}")
-    if any(m.role == "assistant" for m in messages):
-        raise fail("reset() must not contain assistant messages (they would be trained on)")
     episode = Episode(
         task=task,
         messages=[*messages, Message("assistant", "")],
         tool_calls=[],
         num_turns=1,
         termination_reason="stop",
+        prompt_messages=len(messages),
     )
     value = await env.reward(episode)
     total = value.total if isinstance(value, Reward) else value

@@ -41,6 +41,9 @@ class RolloutConfig(pydantic.BaseModel):
     tool_error_budget: int = pydantic.Field(3, ge=0)
     """A trajectory ends (``tool_error_budget``) after more failed tool calls than this."""
     max_tool_argument_bytes: int = pydantic.Field(16_384, ge=64)
+    """Tool-call argument text above this size is refused (``oversize_arguments``)."""
+    tool_threads: int = pydantic.Field(8, ge=1)
+    """Worker threads shared by all synchronous tool calls of one rollout."""
     use_sessions: bool = True
     """Open an engine session per trajectory so KV survives tool waits."""
     env_kwargs: dict[str, Any] = pydantic.Field(default_factory=dict)

@@ -49,14 +49,19 @@ class Episode(msgspec.Struct):
     num_turns: int
     termination_reason: TerminationReason | None = None
     truncated: bool = False
+    prompt_messages: int = 0
+    """How many leading ``messages`` came from ``reset`` (few-shot turns are not the model's)."""
+
+    @property
+    def model_messages(self) -> list[Message]:
+        """Assistant messages the model wrote in this episode (never few-shot examples)."""
+        return [m for m in self.messages[self.prompt_messages :] if m.role == "assistant"]
 
     @property
     def final_text(self) -> str:
-        """The last assistant message's text ('' if the model never answered)."""
-        for message in reversed(self.messages):
-            if message.role == "assistant":
-                return message.content
-        return ""
+        """The last assistant message the model wrote ('' if it never answered)."""
+        written = self.model_messages
+        return written[-1].content if written else ""
 
 
 @runtime_checkable

@@ -48,6 +48,10 @@ class EnvSpec:
             return self.entry_point(**merged)
         except TypeError as exc:
             raise EnvError(f"{self.id}: cannot construct with {sorted(merged)}: {exc}") from exc
+        except EnvError:
+            raise
+        except Exception as exc:
+            raise EnvError(f"{self.id}: constructor failed with {merged}: {exc}") from exc
 
 
 _registry: dict[str, EnvSpec] = {}

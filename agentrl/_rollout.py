@@ -115,6 +115,8 @@ class RolloutContext:
     config: RolloutConfig
     tokenizer_fingerprint: str
     model_name: str = ""
+    tool_limiter: Any = None
+    """``anyio.CapacityLimiter`` for sync tool threads (set by ``run_groups``)."""
 
     @property
     def max_turns(self) -> int:
@@ -155,6 +157,7 @@ class _Run:
         self.session: str | None = None
         self.tools: dict[str, BoundTool] = {}
         self.state = State.PROMPT
+        self.prompt_messages = 0
 
     def sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
         cfg = self.ctx.config
@@ -176,6 +179,7 @@ class _Run:
             tool_calls=list(self.tool_calls),
             num_turns=self.turn,
             termination_reason=self.reason,
+            prompt_messages=self.prompt_messages,
             truncated=self.status == "truncated",
         )
 
@@ -268,6 +272,7 @@ async def run_trajectory(
         reward_breakdown=breakdown,
         num_turns=run.turn,
         prompt_len=run.buf.spans[0].end if run.buf.spans else 0,
+        prompt_messages=run.prompt_messages,
         format=ctx.fmt.name,
         timing=run.timing,
     )
@@ -290,6 +295,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                 raise TypeError(f"{ctx.spec.id}.reset() must return a non-empty list of Message")
             schemas = [b.spec.schema() for b in run.tools.values()]
             run.messages = ctx.fmt.prepare(messages, schemas)
+            run.prompt_messages = len(run.messages)
             run.buf.add(ctx.fmt.render_prompt(run.messages).token_ids, "prompt", 0)
             if ctx.config.use_sessions:
                 run.session = await ctx.engine.open_session()
@@ -369,6 +375,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                         turn=run.turn - 1,
                         timeout_s=ctx.config.tool_timeout_s,
                         max_argument_bytes=ctx.config.max_tool_argument_bytes,
+                        limiter=ctx.tool_limiter,
                     )
                     run.timing.tool_s += time.perf_counter() - t0
                 run.tool_calls.append(record)

@@ -40,6 +40,8 @@ async def run_groups(
     One failing trajectory never cancels its siblings (failures are recorded on it)."""
     cfg = ctx.config
     limiter = anyio.CapacityLimiter(cfg.concurrency)
+    if ctx.tool_limiter is None:
+        ctx.tool_limiter = anyio.CapacityLimiter(cfg.tool_threads)
     results: dict[tuple[int, int], Trajectory] = {}
 
     async def one(task_index: int, task: Any, sample: int) -> None:

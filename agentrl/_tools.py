@@ -211,8 +211,12 @@ async def invoke_tool(
     turn: int,
     timeout_s: float | None = None,
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
+    limiter: anyio.CapacityLimiter | None = None,
 ) -> ToolCallRecord:
-    """Validate and run one call. Never raises for anything the model wrote."""
+    """Validate and run one call. Never raises for anything the model wrote.
+
+    Sync tools run in a worker thread under ``limiter`` (anyio's default limiter, 40 threads,
+    when None); on timeout the thread is abandoned, not killed."""
     started = time.perf_counter()
     raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
 
@@ -262,7 +266,7 @@ async def invoke_tool(
                 value = await bound.call(**kwargs)
             else:
                 value = await anyio.to_thread.run_sync(
-                    lambda: bound.call(**kwargs), abandon_on_cancel=True
+                    lambda: bound.call(**kwargs), abandon_on_cancel=True, limiter=limiter
                 )
     except Exception as exc:
         return fail("tool_exception", f"{type(exc).__name__}: {exc}")

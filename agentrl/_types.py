@@ -137,6 +137,8 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
     reward_breakdown: dict[str, float] = msgspec.field(default_factory=dict)
     num_turns: int = 0
     prompt_len: int = 0
+    prompt_messages: int = 0
+    """How many of ``messages`` were rendered into the prompt (few-shot turns included)."""
     format: str = ""
     timing: Timing = msgspec.field(default_factory=Timing)
     info: dict[str, str] = msgspec.field(default_factory=dict)

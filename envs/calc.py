@@ -10,12 +10,14 @@ enough that a 135M model sometimes succeeds:
 - level 4: three steps including an exact division
 
 The model calls ``calculator`` as often as it likes and answers in ``<answer>…</answer>``.
+Three worked examples precede the task as chat turns (``fewshot=False`` drops them).
 Reward 1.0 for the exact final number; optional format credit (off by default).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -25,16 +27,34 @@ from fractions import Fraction
 import agentrl
 from agentrl import Episode, Message, Reward, Task
 
-SYSTEM_PROMPT = """You are a careful math assistant. Use the calculator tool for arithmetic.
-When you know the final result, reply with it inside <answer></answer> tags.
+SYSTEM_PROMPT = (
+    "You are a careful math assistant. Use the calculator tool for arithmetic. "
+    "When you know the final result, reply with it inside <answer></answer> tags."
+)
 
-Example:
-user: What is 12 * 7?
-assistant: <tool_call>
-{"name": "calculator", "arguments": {"expression": "12 * 7"}}
-</tool_call>
-tool: 84
-assistant: <answer>84</answer>"""
+# Worked examples, rendered as real chat turns before the task (prompt tokens, loss mask 0):
+# a 135M model never trained on tool calls imitates turns far better than a description.
+# Measured on SmolLM2-135M (docs/benchmarks.md): 0 valid calls in 30 samples with one example
+# written inside the system prompt; about 40% with these three turns.
+FEWSHOT = (
+    ("What is 12 * 7?", "12 * 7", "84"),
+    ("Tom has 25 cards and buys 17 more. How many cards now?", "25 + 17", "42"),
+    ("Mia has 9 bags with 14 pens each. How many pens in total?", "9 * 14", "126"),
+)
+
+
+def fewshot_messages() -> list[Message]:
+    out: list[Message] = []
+    for question, expression, result in FEWSHOT:
+        call = {"name": "calculator", "arguments": {"expression": expression}}
+        out += [
+            Message("user", question),
+            Message("assistant", f"<tool_call>\n{json.dumps(call)}\n</tool_call>"),
+            Message("tool", result, name="calculator"),
+            Message("assistant", f"<answer>{result}</answer>"),
+        ]
+    return out
+
 
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun"]
 _ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stamps", "cards", "shells"]
@@ -152,6 +172,7 @@ class CalcEnv:
         levels: Sequence[int] = LEVELS,
         num_tasks: int = 1000,
         format_reward: float = 0.0,
+        fewshot: bool = True,
     ) -> None:
         bad = [lv for lv in levels if lv not in LEVELS]
         if bad or not levels:
@@ -159,6 +180,7 @@ class CalcEnv:
         self.levels = tuple(levels)
         self.num_tasks = num_tasks
         self.format_reward = format_reward
+        self.fewshot = fewshot
 
     def tasks(self, split: str = "train", *, seed: int = 0) -> list[Task]:
         if split not in ("train", "eval"):
@@ -170,7 +192,8 @@ class CalcEnv:
         ]
 
     async def reset(self, task: Task) -> list[Message]:
-        return [Message("system", SYSTEM_PROMPT), Message("user", task.prompt)]
+        shots = fewshot_messages() if self.fewshot else []
+        return [Message("system", SYSTEM_PROMPT), *shots, Message("user", task.prompt)]
 
     @agentrl.tool
     def calculator(self, expression: str) -> str:

@@ -52,7 +52,12 @@ def check_boundary(fmt: TemplateFormat, traj: Trajectory) -> BoundaryReport:
     """Compare ``traj.token_ids`` with a re-render of ``traj.messages``; report the first
     divergence (position, both token strings)."""
     messages = traj.messages
-    assistant_idx = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    # assistant messages inside the prompt (few-shot examples) are prompt text, not model turns
+    assistant_idx = [
+        i
+        for i, m in enumerate(messages)
+        if m.role == "assistant" and i >= traj.prompt_messages
+    ]
     turns = _model_turns(traj)
     if len(turns) != len(assistant_idx):
         return BoundaryReport(

@@ -362,13 +362,27 @@ async def test_boundary_finds_missing_and_extra_tokens(chatml, tool_traj):
 @pytest.mark.anyio
 async def test_boundary_model_text_mismatch(chatml, tool_traj):
     messages = list(tool_traj.messages)
-    k = next(i for i, m in enumerate(messages) if m.role == "assistant")
+    k = next(
+        i
+        for i, m in enumerate(messages)
+        if m.role == "assistant" and i >= tool_traj.prompt_messages
+    )
     messages[k] = Message("assistant", messages[k].content + " extra")
     report = check_boundary(chatml, msgspec.structs.replace(tool_traj, messages=messages))
     first_model = next(s for s in tool_traj.spans if s.source == "model")
     assert not report.ok
     assert report.position == first_model.start and report.source == "model"
     assert "model span of turn 0" in report.message
+
+
+@pytest.mark.anyio
+async def test_boundary_edited_fewshot_turn_is_a_prompt_divergence(chatml, tool_traj):
+    messages = list(tool_traj.messages)
+    k = next(i for i, m in enumerate(messages) if m.role == "assistant")
+    assert k < tool_traj.prompt_messages  # calc-v0's first few-shot example
+    messages[k] = Message("assistant", messages[k].content + " extra")
+    report = check_boundary(chatml, msgspec.structs.replace(tool_traj, messages=messages))
+    assert not report.ok and report.source == "prompt"
 
 
 @pytest.mark.anyio
@@ -382,7 +396,10 @@ async def test_boundary_flipped_model_token_is_a_text_mismatch(chatml, tool_traj
 
 @pytest.mark.anyio
 async def test_boundary_counts_assistant_messages(chatml, tool_traj):
-    messages = [m for m in tool_traj.messages if m.role != "assistant" or "answer" not in m.content]
+    n = tool_traj.prompt_messages
+    messages = tool_traj.messages[:n] + [
+        m for m in tool_traj.messages[n:] if m.role != "assistant" or "answer" not in m.content
+    ]
     report = check_boundary(chatml, msgspec.structs.replace(tool_traj, messages=messages))
     assert not report.ok
     assert report.message == "2 model turns in the ids but 1 assistant messages"

@@ -331,11 +331,6 @@ class _SharedSplits(_MinimalEnv):
         return [Task(id="t0", prompt="a")]
 
 
-class _ResetWithAssistant(_MinimalEnv):
-    async def reset(self, task):
-        return [Message("user", "hi"), Message("assistant", "hello"), Message("user", "go")]
-
-
 class _ResetEndsWithAssistant(_MinimalEnv):
     async def reset(self, task):
         return [Message("user", "hi"), Message("assistant", "hello")]
@@ -384,7 +379,6 @@ class _RespondReturnsStrings(_MinimalEnv):
         (_EmptyTasks, r"tasks\('eval'\) is empty"),
         (_DuplicateTaskIds, r"task ids of 'train' are not unique"),
         (_SharedSplits, r"train and eval splits share task ids"),
-        (_ResetWithAssistant, r"reset\(\) must not contain assistant messages"),
         (_ResetEndsWithAssistant, r"reset\(\) must end with a user turn, not 'assistant'"),
         (_ResetReturnsStrings, r"reset\(\) returned str, not Message"),
         (_ResetReturnsNothing, r"reset\(\) must return a non-empty list of Message"),

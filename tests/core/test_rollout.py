@@ -125,7 +125,7 @@ async def test_malformed_calls_become_observations(chatml, tokenizer, call, kind
     assert traj.status == "done" and traj.reward == 1.0  # the rollout continued
     (record,) = traj.tool_calls
     assert not record.ok and record.error_kind == kind
-    tool_msgs = [m for m in traj.messages if m.role == "tool"]
+    tool_msgs = [m for m in traj.messages[traj.prompt_messages :] if m.role == "tool"]
     assert tool_msgs[0].content.startswith(f"Error ({kind})")
 
 
