@@ -28,7 +28,9 @@ def main() -> None:
     args = p.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or ''}")
     print(f"# model={args.model} n={args.n} group={args.group} max_turns={args.max_turns}")
-    print("| level | trajectories | tool-call rate | valid calls | pass rate | mean turns | tok/s |")
+    print(
+        "| level | trajectories | tool-call rate | valid calls | pass rate | mean turns | tok/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for level in [int(x) for x in args.levels.split(",")]:
         cfg = agentrl.RolloutConfig(
