@@ -54,9 +54,7 @@ def check_boundary(fmt: TemplateFormat, traj: Trajectory) -> BoundaryReport:
     messages = traj.messages
     # assistant messages inside the prompt (few-shot examples) are prompt text, not model turns
     assistant_idx = [
-        i
-        for i, m in enumerate(messages)
-        if m.role == "assistant" and i >= traj.prompt_messages
+        i for i, m in enumerate(messages) if m.role == "assistant" and i >= traj.prompt_messages
     ]
     turns = _model_turns(traj)
     if len(turns) != len(assistant_idx):
