@@ -117,6 +117,10 @@ class RolloutContext:
     model_name: str = ""
     tool_limiter: Any = None
     """``anyio.CapacityLimiter`` for sync tool threads (set by ``run_groups``)."""
+    env_resources: dict[str, Any] = field(default_factory=dict)
+    """Live objects passed to every env factory next to ``env_kwargs`` (e.g. ``sandbox``, a
+    sandbox pool or client shared by the rollout); never written to the config snapshot."""
+    """``anyio.CapacityLimiter`` for sync tool threads (set by ``run_groups``)."""
 
     @property
     def max_turns(self) -> int:
@@ -203,7 +207,7 @@ async def run_trajectory(
     env: Any = None
     state = State.PROMPT
     try:
-        env = ctx.spec.make(**ctx.config.env_kwargs)
+        env = ctx.spec.make(**ctx.config.env_kwargs, **ctx.env_resources)
         run.tools = collect_tools(env)
         with anyio.move_on_after(ctx.config.trajectory_timeout_s) as deadline:
             while state not in TERMINAL:

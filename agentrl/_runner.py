@@ -87,6 +87,7 @@ async def arollout(
     engine: Any = None,
     tokenizer: Any = None,
     on_trajectory: Callable[[Trajectory], None] | None = None,
+    env_resources: dict[str, Any] | None = None,
 ) -> RolloutResult:
     """Roll out ``n`` tasks × ``config.group_size`` samples of ``env`` on ``model``.
 
@@ -105,7 +106,8 @@ async def arollout(
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     fmt = get_format("chatml-hermes", tokenizer)
-    tasks = list(spec.make(**cfg.env_kwargs).tasks(split, seed=cfg.seed))
+    resources = dict(env_resources or {})
+    tasks = list(spec.make(**cfg.env_kwargs, **resources).tasks(split, seed=cfg.seed))
     tasks = tasks[task_offset : task_offset + n]
     out_dir: Path | None = None
     writer: TrajectoryWriter | None = None
@@ -126,6 +128,7 @@ async def arollout(
             config=cfg,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
             model_name=model,
+            env_resources=resources,
         )
 
         def sink(traj: Trajectory) -> None:
