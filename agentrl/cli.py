@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="boundary-check every trajectory")
     r.add_argument("--show", type=int, default=2, help="trajectories to render with --dry-run")
     r.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
+    r.add_argument(
+        "--sandbox",
+        default=None,
+        help="sandbox for code-running envs: local | docker | gvisor | http(s)://HOST:PORT "
+        "(default: local when the env takes a sandbox)",
+    )
 
     i = sub.add_parser("inspect", help="re-render saved trajectories")
     i.add_argument("path", help="trajectories.jsonl")
@@ -60,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
 
     sub.add_parser("doctor", help="what this host can do")
+    sb = sub.add_parser(
+        "sandbox",
+        help="sandbox images and service: 'image build', 'serve --backend docker --port 8090'",
+        add_help=False,
+    )
+    sb.add_argument("sandbox_args", nargs=argparse.REMAINDER)
+    from .loop import add_train_commands  # train, eval, export (issue D)
+
+    p.set_defaults(train_handlers=add_train_commands(sub))
     return p
 
 
@@ -90,9 +105,10 @@ def _load_config_file(path: str) -> dict[str, Any]:
 def _cmd_rollout(args: argparse.Namespace) -> int:
     import time
 
+    import anyio
+
     from ._config import RolloutConfig, validate_config
     from ._errors import ConfigError
-    from ._runner import rollout
 
     console = _console()
     data: dict[str, Any] = {}
@@ -133,16 +149,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else "")
         )
 
-    result = rollout(
-        args.env,
-        model=args.model,
-        n=args.num_tasks,
-        split=args.split,
-        task_offset=args.task_offset,
-        config=cfg,
-        out=out,
-        on_trajectory=progress,
-        backend=args.backend,
+    result = anyio.run(
+        lambda: _rollout_with_resources(args, cfg, out, progress), backend=args.backend
     )
     return _present(
         result.trajectories,
@@ -154,6 +162,35 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         check=args.check,
         show=args.show,
     )
+
+
+async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, progress):
+    """Open what the env needs for this rollout (a shared sandbox pool or client), then run."""
+    from contextlib import AsyncExitStack
+
+    from ._registry import spec
+    from ._runner import arollout
+
+    env_spec = spec(args.env)
+    async with AsyncExitStack() as stack:
+        resources: dict[str, Any] = {}
+        from .envs._sandbox import open_sandbox_runner, wants_sandbox
+
+        if args.sandbox or wants_sandbox(env_spec.entry_point):
+            resources["sandbox"] = await stack.enter_async_context(
+                open_sandbox_runner(args.sandbox or "local")
+            )
+        return await arollout(
+            args.env,
+            model=args.model,
+            n=args.num_tasks,
+            split=args.split,
+            task_offset=args.task_offset,
+            config=cfg,
+            out=out,
+            on_trajectory=progress,
+            env_resources=resources,
+        )
 
 
 def _present(
@@ -282,10 +319,39 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    from .sandboxes.__main__ import main as sandbox_main
+
+    return sandbox_main(args.sandbox_args, prog="agentrl sandbox")
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
     from ._doctor import run_doctor
 
-    return run_doctor(_console())
+    console = _console()
+    run_doctor(console)
+    try:
+        from .sandboxes._report import host_report
+
+        rows = host_report()
+    except Exception as exc:  # doctor never crashes: say why
+        console.print(f"[yellow]sandboxes: cannot probe: {type(exc).__name__}: {exc}[/]")
+        return 0
+    for name, ok, detail, guarantees in rows:
+        table = Table(
+            "guarantee",
+            "given",
+            "how / why not",
+            title=f"sandbox backend {name}: "
+            + ("[green]available[/]" if ok else "[yellow]unavailable[/]")
+            + f" — {detail}",
+        )
+        for g in guarantees:
+            table.add_row(g.name, "[green]yes[/]" if g.available else "[yellow]no[/]", g.detail)
+        console.print(table)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -299,12 +365,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "envs": _cmd_envs,
         "models": _cmd_models,
         "doctor": _cmd_doctor,
+        "sandbox": _cmd_sandbox,
+        **args.train_handlers,
     }
     try:
         return handlers[args.command](args)
     except AgentRLError as exc:
         print(f"agentrl: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        # sandbox errors come from agentrl.sandboxes, which has its own root (it runs alone)
+        if type(exc).__module__.startswith("agentrl.sandboxes"):
+            print(f"agentrl: error: {exc}", file=sys.stderr)
+            return 2
+        raise
     except KeyboardInterrupt:
         return 130
 

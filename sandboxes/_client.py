@@ -1,0 +1,219 @@
+"""Async client of the sandbox service (httpx; runs under trio and asyncio).
+
+``SandboxClient`` satisfies ``SandboxRunner``, like ``SandboxPool``: code written against one
+works with the other. Retries are safe by construction:
+
+- a **connection error before the request was sent** (``httpx.ConnectError`` /
+  ``ConnectTimeout``) is retried with exponential backoff, at most ``connect_retries`` times,
+  then raises ``SandboxUnreachable``;
+- **anything after the request may have been sent** — a read timeout, a dropped connection, a
+  5xx — is never re-sent (the program may have run): ``SandboxNoAnswer`` / ``SandboxHTTPError``;
+- **429** means the pool refused the request before running it: ``SandboxBusy`` (a ``PoolBusy``
+  with ``retry_after_s``), or, with ``retry_busy=True``, a wait of ``Retry-After`` and a retry,
+  at most ``max_busy_retries`` times.
+
+A request the service finds invalid comes back as ``RunResult(status="invalid_request")``,
+exactly as from the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from ._errors import PoolBusy, SandboxError
+from ._types import BatchRequest, BatchResult, RunRequest, RunResult, encode
+
+_result_decoder = msgspec.json.Decoder(RunResult)
+_batch_decoder = msgspec.json.Decoder(BatchResult)
+
+
+class SandboxBusy(PoolBusy):
+    """The service answered 429: over capacity, nothing ran; retrying later is safe."""
+
+
+class SandboxUnreachable(SandboxError):
+    """No connection to the service could be made (after the bounded retries); nothing ran."""
+
+
+class SandboxNoAnswer(SandboxError):
+    """The request was sent but no answer came (timeout, dropped connection). The program may
+    have run, so the client does not re-send it."""
+
+
+class SandboxHTTPError(SandboxError):
+    """The service answered with an error (4xx other than 429, or 5xx)."""
+
+    def __init__(
+        self, status_code: int, error_type: str, message: str, field: str | None = None
+    ) -> None:
+        super().__init__(f"HTTP {status_code} {error_type}: {message}")
+        self.status_code = status_code
+        self.error_type = error_type
+        self.field = field
+
+
+def _error_of(response: httpx.Response) -> tuple[str, str, str | None]:
+    try:
+        body = response.json()["error"]
+        return str(body["type"]), str(body["message"]), body.get("field")
+    except Exception:
+        return "http_error", response.text[:500] or response.reason_phrase, None
+
+
+class SandboxClient:
+    """Talks to ``agentrl sandbox serve``. Use as ``async with SandboxClient(url) as c:``.
+
+    ``timeout`` is the time allowed over the programs' own limits (queueing, transfer): a run
+    may take ``timeout + request.timeout_s``, a batch ``timeout + sum of timeout_s``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        connect_retries: int = 3,
+        backoff_s: float = 0.1,
+        retry_busy: bool = False,
+        max_busy_retries: int = 5,
+        max_busy_wait_s: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if connect_retries < 0 or max_busy_retries < 0:
+            raise ValueError("retry counts must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.connect_retries = connect_retries
+        self.backoff_s = backoff_s
+        self.retry_busy = retry_busy
+        self.max_busy_retries = max_busy_retries
+        self.max_busy_wait_s = max_busy_wait_s
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, transport=transport, trust_env=False
+        )
+        self.connect_attempts = 0
+        """Connection attempts that failed before a request was sent (for tests and logs)."""
+
+    async def __aenter__(self) -> SandboxClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _timeout(self, program_s: float) -> httpx.Timeout:
+        return httpx.Timeout(
+            connect=self.connect_timeout,
+            read=self.timeout + program_s,
+            write=self.timeout,
+            pool=self.timeout,
+        )
+
+    async def _send(self, method: str, path: str, body: bytes | None, program_s: float) -> Any:
+        connect_failures = 0
+        busy_retries = 0
+        while True:
+            try:
+                response = await self._http.request(
+                    method, path, content=body, timeout=self._timeout(program_s)
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # nothing was sent: safe to retry, with backoff and a bound
+                self.connect_attempts += 1
+                connect_failures += 1
+                if connect_failures > self.connect_retries:
+                    raise SandboxUnreachable(
+                        f"cannot connect to {self.base_url} after {connect_failures} attempts: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                await anyio.sleep(self.backoff_s * 2 ** (connect_failures - 1))
+                continue
+            except httpx.TimeoutException as exc:
+                raise SandboxNoAnswer(
+                    f"{method} {path}: no answer in time ({type(exc).__name__}); the request "
+                    "may have run and is not re-sent"
+                ) from exc
+            except httpx.TransportError as exc:
+                raise SandboxNoAnswer(
+                    f"{method} {path}: connection failed after sending "
+                    f"({type(exc).__name__}: {exc}); the request may have run and is not re-sent"
+                ) from exc
+            if response.status_code == 429:
+                retry_after = _retry_after(response)
+                if self.retry_busy and busy_retries < self.max_busy_retries:
+                    busy_retries += 1
+                    await anyio.sleep(min(retry_after, self.max_busy_wait_s))
+                    continue
+                kind, message, _ = _error_of(response)
+                raise SandboxBusy(message, retry_after)
+            return response
+
+    async def run(self, request: RunRequest) -> RunResult:
+        """Run one program on the service."""
+        response = await self._send("POST", "/v1/run", encode(request), request.timeout_s)
+        if response.status_code == 400:
+            kind, message, field = _error_of(response)
+            if kind == "invalid_request":
+                return RunResult(status="invalid_request", error=f"{field}: {message}")
+        _raise_for_status(response)
+        return _result_decoder.decode(response.content)
+
+    async def run_batch(self, requests: Sequence[RunRequest]) -> list[RunResult]:
+        """Run several programs in one HTTP request; results in order."""
+        if not requests:
+            return []
+        body = encode(BatchRequest(requests=list(requests)))
+        total = sum(r.timeout_s for r in requests)
+        response = await self._send("POST", "/v1/run_batch", body, total)
+        _raise_for_status(response)
+        results = _batch_decoder.decode(response.content).results
+        if len(results) != len(requests):
+            raise SandboxHTTPError(
+                response.status_code,
+                "protocol_error",
+                f"{len(results)} results for {len(requests)} requests",
+            )
+        return results
+
+    async def health(self) -> dict[str, Any]:
+        """Backend, pool statistics, limits and guarantees."""
+        response = await self._send("GET", "/health", None, 0.0)
+        _raise_for_status(response)
+        return response.json()
+
+    async def metrics(self) -> str:
+        """The Prometheus text exposition."""
+        response = await self._send("GET", "/metrics", None, 0.0)
+        _raise_for_status(response)
+        return response.text
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        kind, message, field = _error_of(response)
+        raise SandboxHTTPError(response.status_code, kind, message, field)

@@ -1,0 +1,150 @@
+"""Pool and backend configuration (pydantic: what people write in YAML or on the command line).
+
+The backend is a discriminated union on ``type``::
+
+    PoolConfig(backend={"type": "docker", "cpus": 1.0}, size=8)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_DOCKER_HOST = "unix:///run/agentrl-docker.sock"
+DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
+
+
+def docker_host_from_env() -> str:
+    """The Docker daemon the sandboxes use: ``$AGENTRL_DOCKER_HOST`` or the agentrl socket."""
+    return os.environ.get("AGENTRL_DOCKER_HOST") or DEFAULT_DOCKER_HOST
+
+
+def check_docker_socket(host: str) -> None:
+    """For a ``unix://`` host, raise ``OSError`` unless something accepts on the socket.
+
+    (The docker SDK leaks the socket of a failed connect, a ResourceWarning.)"""
+    if not host.startswith("unix://"):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(host.removeprefix("unix://"))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _ContainerConfig(_Model):
+    """Settings shared by the docker and gvisor backends (one warm container per sandbox)."""
+
+    image: str = DEFAULT_IMAGE
+    """Image with ``python3`` (and ``bash`` for bash programs); any user image is accepted."""
+    docker_host: str | None = None
+    """Docker daemon URL; ``None`` reads ``$AGENTRL_DOCKER_HOST`` (default the agentrl socket)."""
+    memory_mb: int = Field(1024, ge=64)
+    """Memory cap of the whole container (``mem_limit``, swap disabled). A request's own
+    ``memory_mb`` is applied per exec by the supervisor's rlimits, inside this cap."""
+    cpus: float = Field(1.0, gt=0)
+    """CPU cap of the whole container (``nano_cpus``): a runaway program cannot starve the host."""
+    pids_limit: int | None = Field(512, ge=16)
+    """Max host tasks (processes and threads) of the container's cgroup; ``None``: no limit."""
+    scratch_mb: int = Field(256, ge=8)
+    """Size of the ``/scratch`` tmpfs holding each request's fresh working dir."""
+    tmp_mb: int = Field(64, ge=8)
+    """Size of the ``/tmp`` tmpfs."""
+    shm_mb: int = Field(16, ge=1)
+    """Size of ``/dev/shm``."""
+    init_uid: int = Field(65532, ge=1)
+    """Non-root uid the container's init (PID 1, a reaper) switches to right after starting."""
+    program_uid_base: int = Field(200_000, ge=1000)
+    """Programs run as uid/gid ``program_uid_base + k``, ``k`` unique per container of a pool
+    (< 50000): never root, never the supervisor's or init's uid, so a program can signal neither,
+    and RLIMIT_NPROC (per uid on the host kernel under runc) is not shared across containers."""
+    max_concurrent_creates: int = Field(4, ge=1)
+    """Containers created at once (bounded: 20 concurrent starts take seconds here)."""
+    create_timeout_s: float = Field(60.0, gt=0)
+    """A container that is not healthy by then is removed and the create fails."""
+    exec_margin_s: float = Field(10.0, gt=0)
+    """Host-side deadline of one exec = request timeout + this margin; past it the exec is
+    abandoned and the container removed (killing everything in it)."""
+    labels: dict[str, str] = {}
+    """Extra labels on every container (``agentrl.sandbox=1``, ``agentrl.pool`` are always set)."""
+
+
+class DockerConfig(_ContainerConfig):
+    """Warm containers under Docker's default runtime (runc)."""
+
+    type: Literal["docker"] = "docker"
+    """Backend discriminator."""
+
+
+class GVisorConfig(_ContainerConfig):
+    """Warm containers under gVisor (``runsc``, registered in the daemon's config by
+    ``scripts/services start`` with ``--platform=ptrace --network=none``).
+
+    gVisor does not enforce RLIMIT_NPROC, so a fork bomb is stopped by the pids cgroup of the
+    runsc sandbox instead: reaching it kills the whole container within 1-2 s (measured here).
+    The request then ends as ``sandbox_error`` (the host notices the container is gone), the pool
+    replaces the container and keeps serving; the CPU cap keeps the host responsive meanwhile."""
+
+    type: Literal["gvisor"] = "gvisor"
+    """Backend discriminator."""
+    runtime: str = "runsc"
+    """Name of the gVisor runtime in the daemon's config."""
+    pids_limit: int | None = Field(1024, ge=256)
+    """Limit on the runsc sandbox's *host* tasks (sentry threads, ptrace stubs: about 40 idle,
+    +~1 per exec, so well below this until ``recycle_after``). Reaching it kills the container,
+    which is how a fork bomb ends here. ``None`` lets a bomb fill the memory cap instead, and
+    such a container can take minutes to remove."""
+    exec_margin_s: float = Field(20.0, gt=0)
+    """Host-side margin over the request timeout (gVisor execs start slower)."""
+
+
+class LocalConfig(_Model):
+    """bubblewrap + rlimits + a per-sandbox uid + cgroup v1 memory/pids where writable."""
+
+    type: Literal["local"] = "local"
+    """Backend discriminator."""
+    require: list[str] = []
+    """Guarantees (by name, see ``SandboxPool.guarantees()``) that must be available, else the
+    pool refuses to start with ``BackendUnavailable``."""
+    uid_base: int = Field(61000, ge=1000)
+    """Sandbox ``i`` runs its programs as uid/gid ``uid_base + i`` (needs root; otherwise the
+    programs run as the caller and the ``separate_uid`` guarantee is reported missing)."""
+    scratch_root: str | None = None
+    """Where per-sandbox temp dirs are made; ``None`` uses the system temp dir."""
+    cgroups: bool = True
+    """Use cgroup v1 memory/pids controllers where writable."""
+    max_processes: int = Field(512, ge=16)
+    """Processes per sandbox (cgroup ``pids.max`` and RLIMIT_NPROC of the sandbox uid)."""
+    cpus: float = Field(1.0, gt=0)
+    """CPU share per sandbox (cgroup cpu quota, where writable)."""
+    memory_mb: int | None = Field(None, ge=64)
+    """Memory cap of a whole sandbox (cgroup); ``None``: each request's ``memory_mb``."""
+    scratch_mb: int = Field(256, ge=8)
+    """Size of the tmpfs holding the request's working dir."""
+    tmp_mb: int = Field(64, ge=8)
+    """Size of the sandbox's ``/tmp`` tmpfs."""
+    shm_mb: int = Field(16, ge=1)
+    """Size of the sandbox's ``/dev/shm``."""
+
+
+BackendConfig = Annotated[DockerConfig | GVisorConfig | LocalConfig, Field(discriminator="type")]
+
+
+class PoolConfig(_Model):
+    """A pool of warm sandboxes behind a bounded admission queue."""
+
+    backend: BackendConfig = LocalConfig()
+    """Which backend makes the sandboxes, with its settings."""
+    size: int = Field(4, ge=1, le=256)
+    """Warm sandboxes kept ready, and the most requests running at once."""
+    max_queue: int = Field(64, ge=0)
+    """Requests allowed to wait for a sandbox; one more raises ``PoolBusy``."""
+    queue_timeout_s: float = Field(30.0, gt=0)
+    """A waiting request gives up after this long with ``PoolBusy``."""
+    recycle_after: int = Field(100, ge=1)
+    """Execs per sandbox before it is replaced by a fresh one."""

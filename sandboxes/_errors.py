@@ -1,0 +1,26 @@
+"""Errors of the sandbox package: one root, one subclass per failure a caller handles.
+
+User input never raises: an invalid request comes back as ``RunResult(status="invalid_request")``
+and a sandbox that breaks during a run as ``status="sandbox_error"``. These exceptions are for the
+pool and the host: too many requests, or a backend the host cannot give.
+"""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """Root of this package's errors."""
+
+
+class PoolBusy(SandboxError):
+    """The pool is over capacity (queue full, or a queued request waited too long).
+
+    The service answers 429 with ``Retry-After: retry_after_s``; nothing ran."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendUnavailable(SandboxError):
+    """This host cannot give the backend (or a guarantee it was asked for); the message says why."""

@@ -1,0 +1,170 @@
+"""The async client against the real service (a subprocess on a loopback port), under trio and
+asyncio: results, invalid requests, bounded connect retries, 429 handling, and never re-sending
+a request that may have run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import anyio
+import pytest
+from sandbox_service import running_service, scratch_root
+
+from agentrl.sandboxes import (
+    SandboxBusy,
+    SandboxClient,
+    SandboxHTTPError,
+    SandboxNoAnswer,
+    SandboxRunner,
+    SandboxUnreachable,
+)
+from agentrl.sandboxes._errors import PoolBusy
+from agentrl.sandboxes._types import RunRequest
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+def py(code: str, **kw) -> RunRequest:
+    return RunRequest(language="python", code=code, **kw)
+
+
+@pytest.fixture(scope="module")
+def local_service(tmp_path_factory):
+    """One service (local backend, 2 sandboxes, short queue) for this module."""
+    with scratch_root() as scratch:
+        config = tmp_path_factory.mktemp("cfg") / "pool.json"
+        backend = {"type": "local", "scratch_root": str(scratch)}
+        config.write_text(json.dumps({"backend": backend, "size": 1, "max_queue": 1}))
+        with running_service("--config", str(config), "--queue-timeout-s", "20") as svc:
+            yield svc
+            assert svc.stop() == 0, svc.output
+        assert not list(scratch.iterdir())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_run_batch_health_and_invalid(local_service):
+    async with SandboxClient(local_service.url) as client:
+        assert isinstance(client, SandboxRunner)
+        result = await client.run(py("import sys; print(sys.stdin.read()[::-1])", stdin="abc"))
+        assert (result.status, result.stdout) == ("ok", "cba\n")
+        results = await client.run_batch([py("print(1)"), py("raise SystemExit(4)")])
+        assert [r.status for r in results] == ["ok", "nonzero_exit"]
+        assert results[1].exit_code == 4
+        assert await client.run_batch([]) == []
+        invalid = await client.run(py("print(1)", memory_mb=1))
+        assert invalid.status == "invalid_request" and invalid.error.startswith("memory_mb")
+        health = await client.health()
+        assert health["backend"] == "local" and health["statistics"]["execs"] >= 3
+        assert "agentrl_sandbox_execs_total" in await client.metrics()
+
+
+async def test_connect_errors_retry_with_a_bound():
+    port = _free_port()  # nothing listens there: every attempt fails before sending
+    client = SandboxClient(f"http://127.0.0.1:{port}", connect_retries=3, backoff_s=0.01)
+    started = time.monotonic()
+    async with client:
+        with pytest.raises(SandboxUnreachable, match="after 4 attempts"):
+            await client.run(py("print(1)"))
+    assert client.connect_attempts == 4
+    assert time.monotonic() - started < 5
+
+
+async def test_busy_raises_or_waits(local_service):
+    """Size 1, queue 1: a third concurrent request is refused with 429 (nothing ran)."""
+    async with SandboxClient(local_service.url) as client:
+        slow = py("import time; time.sleep(1.2); print('slow')")
+        done: list[str] = []
+
+        async def run_slow() -> None:
+            done.append((await client.run(slow)).stdout)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_slow)
+            tg.start_soon(run_slow)  # queued behind the first
+            await anyio.sleep(0.4)
+            with pytest.raises(SandboxBusy) as caught:
+                await client.run(py("print(1)"))
+            assert isinstance(caught.value, PoolBusy) and caught.value.retry_after_s >= 1
+        assert done == ["slow\n", "slow\n"]
+
+    async with SandboxClient(local_service.url, retry_busy=True, max_busy_retries=10) as client:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.run, slow)
+            tg.start_soon(client.run, slow)
+            await anyio.sleep(0.4)
+            result = await client.run(py("print('waited')"))  # waits Retry-After, then runs
+        assert result.stdout == "waited\n"
+
+
+async def test_read_timeout_is_never_resent(local_service):
+    """A request that may have run is not re-sent: it runs exactly once on the service."""
+    async with SandboxClient(local_service.url) as client:
+        before = (await client.health())["statistics"]["execs"]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.run, py("import time; time.sleep(1.5)"))
+            await anyio.sleep(0.3)
+            impatient = SandboxClient(local_service.url, timeout=0.2, connect_retries=5)
+            async with impatient:
+                # queued behind the sleeper for ~1.2 s, longer than 0.2 s + its 0.5 s limit
+                with pytest.raises(SandboxNoAnswer, match="not re-sent"):
+                    await impatient.run(py("print('once')", timeout_s=0.5))
+            assert impatient.connect_attempts == 0
+        with anyio.fail_after(20):
+            while (await client.health())["statistics"]["execs"] < before + 2:
+                await anyio.sleep(0.1)
+        await anyio.sleep(0.5)
+        assert (await client.health())["statistics"]["execs"] == before + 2
+
+
+async def test_token_from_the_environment(tmp_path):
+    with scratch_root() as scratch:
+        await _token_from_the_environment(tmp_path, scratch)
+
+
+async def _token_from_the_environment(tmp_path, scratch):
+    config = tmp_path / "pool.json"
+    config.write_text(json.dumps({"backend": {"type": "local", "scratch_root": str(scratch)}}))
+    with running_service(
+        "--config", str(config), "--size", "1", env={"AGENTRL_SANDBOX_TOKEN": "t0ken"}
+    ) as svc:
+        async with SandboxClient(svc.url) as anonymous:
+            with pytest.raises(SandboxHTTPError) as caught:
+                await anonymous.run(py("print(1)"))
+            assert caught.value.status_code == 401 and caught.value.error_type == "unauthorized"
+        async with SandboxClient(svc.url, token="t0ken") as client:
+            assert (await client.run(py("print(1)"))).stdout == "1\n"
+        assert svc.stop() == 0
+
+
+async def test_server_errors_are_not_retried(anyio_backend):
+    """A 500 from a (tiny, real) HTTP server is raised once, never re-sent."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the stand-in server is aiohttp (asyncio only)")
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    hits = []
+
+    async def fail(request):
+        hits.append(request.path)
+        return web.json_response({"error": {"type": "internal_error", "message": "x"}}, status=500)
+
+    app = web.Application()
+    app.router.add_post("/v1/run", fail)
+    async with TestServer(app) as server:
+        async with SandboxClient(str(server.make_url("/"))) as client:
+            with pytest.raises(SandboxHTTPError) as caught:
+                await client.run(py("print(1)"))
+    assert caught.value.status_code == 500 and hits == ["/v1/run"]

@@ -1,0 +1,241 @@
+"""The docker and gvisor backends against the real daemon: container settings, the exec path,
+failures of the sandbox itself (container lost, exec hung), the orphan reaper, the image."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from agentrl.sandboxes import (
+    BackendUnavailable,
+    DockerConfig,
+    GVisorConfig,
+    PoolConfig,
+    build_image,
+    open_sandbox_pool,
+)
+from agentrl.sandboxes._config import DEFAULT_IMAGE, docker_host_from_env
+from agentrl.sandboxes._docker import CAPABILITIES, ContainerBackend
+from agentrl.sandboxes._types import RunRequest
+
+pytestmark = [pytest.mark.anyio, pytest.mark.docker]
+
+
+def py(code: str, **kw) -> RunRequest:
+    kw.setdefault("timeout_s", 5.0)
+    return RunRequest(language="python", code=code, **kw)
+
+
+@pytest.fixture
+def client():
+    import docker
+
+    c = docker.DockerClient(base_url=docker_host_from_env(), timeout=60)
+    yield c
+    c.close()
+
+
+async def test_container_is_locked_down(container_backend, client):
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(py("print('hi')"))
+        assert result.status == "ok" and result.stdout == "hi\n"
+        assert result.backend == container_backend.name
+        attrs = client.containers.get(result.sandbox_id).attrs
+        host = attrs["HostConfig"]
+        assert host["ReadonlyRootfs"] is True
+        assert host["NetworkMode"] == "none"
+        assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == sorted(CAPABILITIES)
+        assert "no-new-privileges" in host["SecurityOpt"]
+        assert host["Memory"] == 512 * 2**20 and host["MemorySwap"] == 512 * 2**20
+        assert host["NanoCpus"] == 10**9
+        assert set(host["Tmpfs"]) == {"/scratch", "/tmp"}
+        labels = attrs["Config"]["Labels"]
+        assert labels["agentrl.sandbox"] == "1" and labels["agentrl.pool"] == pool._backend.pool_id
+        if container_backend.name == "gvisor":
+            assert host["Runtime"] == "runsc" and host["PidsLimit"] == 1024
+        else:
+            assert host["PidsLimit"] == 512
+        names = {g.name: g.available for g in pool.guarantees()}
+        assert names["network_isolation"] and names["readonly_root"]
+        assert names["kernel_isolation"] is (container_backend.name == "gvisor")
+        assert names["pids_limit"]
+
+
+async def test_program_identity_and_environment(container_backend):
+    code = (
+        "import os\n"
+        "print(os.getuid(), os.getgid(), os.getcwd().startswith('/scratch/'))\n"
+        "print(open('/proc/1/status').read().split('Uid:')[1].split()[0])\n"
+    )
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(py(code))
+        assert result.status == "ok", result
+        ids, init_uid = result.stdout.split("\n")[:2]
+        uid, gid, in_scratch = ids.split()
+        assert 300_000 <= int(uid) < 350_000 and uid == gid and in_scratch == "True"
+        assert init_uid == "65532"
+        bash = await pool.run(RunRequest(language="bash", code="echo $((6*7)) $0", timeout_s=5))
+        assert bash.status == "ok" and bash.stdout.startswith("42"), bash
+
+
+async def test_files_and_stdin_reach_the_program(container_backend):
+    code = "import sys\nprint(open('pkg/data.txt').read(), sys.stdin.read())"
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(py(code, files={"pkg/data.txt": "from-file"}, stdin="from-stdin"))
+        assert result.status == "ok", result
+        assert result.stdout == "from-file from-stdin\n"
+
+
+async def test_memory_above_the_container_cap_is_clamped(container_backend):
+    # the container has 512 MB: asking for 4 GB gets 448 MB, so 1 GB fails as oom in the program
+    code = "x = bytearray(1024**3)\nprint('allocated')"
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(py(code, memory_mb=4096))
+        assert result.status == "oom", result
+        small = await pool.run(py("x = bytearray(200 * 1024**2)\nprint('ok')", memory_mb=4096))
+        assert small.status == "ok", small
+
+
+async def test_network_flag_is_refused(container_backend):
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(py("print(1)", network=True))
+        assert result.status == "invalid_request" and result.error.startswith("network")
+
+
+async def test_concurrent_runs_use_distinct_sandboxes(container_backend):
+    async with container_backend.open(size=3) as pool:
+        results = await pool.run_batch([py("import time; time.sleep(0.3)") for _ in range(6)])
+        assert [r.status for r in results] == ["ok"] * 6
+        assert len({r.sandbox_id for r in results}) == 3
+        assert pool.statistics().execs == 6
+
+
+async def test_lost_container_gives_sandbox_error_then_pool_recovers(container_backend, client):
+    async with container_backend.open(size=1) as pool:
+        first = await pool.run(py("print(1)"))
+        client.containers.get(first.sandbox_id).kill()
+        lost = await pool.run(py("print(2)"))
+        assert lost.status == "sandbox_error" and lost.error, lost
+        with anyio.fail_after(60):
+            again = await pool.run(py("print(3)", timeout_s=20))
+        assert again.status == "ok" and again.sandbox_id != first.sandbox_id
+        assert pool.statistics().failures == {"sandbox_error": 1}
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio", "asyncio"])
+async def test_hung_exec_hits_the_host_deadline(client, anyio_backend):
+    # A frozen container never answers: the host deadline (timeout + margin) ends the request.
+    config = PoolConfig(backend=DockerConfig(exec_margin_s=1.0, memory_mb=512), size=1)
+    async with open_sandbox_pool(config) as pool:
+        first = await pool.run(py("print(1)"))
+        container = client.containers.get(first.sandbox_id)
+        start = time.monotonic()
+        async with anyio.create_task_group() as tg:
+
+            async def freeze() -> None:
+                await anyio.sleep(0.3)
+                await anyio.to_thread.run_sync(container.pause)
+
+            tg.start_soon(freeze)
+            hung = await pool.run(py("import time; time.sleep(0.6); print('late')", timeout_s=1.0))
+        assert hung.status == "sandbox_error", hung
+        assert "no answer" in hung.error or "stopped" in hung.error, hung
+        assert time.monotonic() - start < 10
+        with anyio.fail_after(60):
+            assert (await pool.run(py("print(2)"))).status == "ok"
+    assert pool.statistics().recycles >= 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio", "asyncio"])
+async def test_cancelled_run_recycles_the_container(anyio_backend):
+    config = PoolConfig(backend=DockerConfig(memory_mb=512), size=1)
+    async with open_sandbox_pool(config) as pool:
+        with anyio.move_on_after(0.5):
+            await pool.run(py("import time; time.sleep(30)", timeout_s=30))
+        with anyio.fail_after(60):
+            result = await pool.run(py("print('next')"))
+        assert result.status == "ok"
+        assert pool.statistics().recycles == 1
+
+
+def _dead_owner() -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return f"{socket.gethostname()}:{proc.stdout.strip()}:1"
+
+
+async def test_orphan_reaper_removes_containers_of_dead_owners(client):
+    labels = {"agentrl.sandbox": "1", "agentrl.pool": "orphan-test"}
+    orphan = client.containers.create(
+        DEFAULT_IMAGE,
+        ["sleep", "60"],
+        labels={**labels, "agentrl.owner": _dead_owner()},
+        network_mode="none",
+    )
+    backend = ContainerBackend(DockerConfig())
+    alive = client.containers.create(
+        DEFAULT_IMAGE,
+        ["sleep", "60"],
+        labels={**labels, "agentrl.owner": backend.owner},
+        network_mode="none",
+    )
+    try:
+        await backend.start()
+        try:
+            listed = client.api.containers(all=True, filters={"label": "agentrl.pool=orphan-test"})
+            ids = {c["Id"] for c in listed}
+            assert orphan.id not in ids, "the orphan survived"
+            assert alive.id in ids, "a container of a live process was reaped"
+        finally:
+            await backend.aclose()
+    finally:
+        for container in (orphan, alive):
+            try:
+                container.remove(force=True)
+            except Exception:
+                pass
+
+
+async def test_unavailable_backends_say_why(client):
+    with pytest.raises(BackendUnavailable, match="unreachable"):
+        async with open_sandbox_pool(
+            {"backend": {"type": "docker", "docker_host": "unix:///nonexistent.sock"}}
+        ):
+            pass
+    with pytest.raises(BackendUnavailable, match="image build"):
+        async with open_sandbox_pool(
+            {"backend": {"type": "docker", "image": "agentrl-missing:none"}}
+        ):
+            pass
+    with pytest.raises(BackendUnavailable, match="runtime"):
+        async with open_sandbox_pool(PoolConfig(backend=GVisorConfig(runtime="no-such-runtime"))):
+            pass
+
+
+def test_image_build_reuses_the_tagged_image():
+    lines: list[str] = []
+    image_id = build_image(DEFAULT_IMAGE, progress=lines.append)
+    assert image_id.startswith("sha256:") and any("reusing" in line for line in lines)
+
+
+def test_image_build_command_runs_as_a_user_would():
+    env = {**os.environ, "AGENTRL_DOCKER_HOST": docker_host_from_env()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrl.sandboxes", "image", "build"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert DEFAULT_IMAGE in proc.stdout

@@ -1,0 +1,321 @@
+"""The sandbox service: in-process (aiohttp's test server, a real local pool) for the HTTP
+contract, and as a real subprocess for start-up rules and graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from sandbox_service import SERVE_CMD, running_service, scratch_root
+
+from agentrl.sandboxes._serve import is_loopback
+from agentrl.sandboxes._service import make_app, validation_field
+
+pytestmark = pytest.mark.anyio
+LOCAL = pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # aiohttp is asyncio-only
+
+
+def py(code: str, **kw) -> dict:
+    return {"language": "python", "code": code, **kw}
+
+
+class _Service:
+    """An in-process service on a real local pool, with an aiohttp test client."""
+
+    def __init__(self, backend, **app_kw) -> None:
+        self.backend = backend
+        self.app_kw = app_kw
+        self.pool_kw: dict = {}
+
+    async def __aenter__(self) -> TestClient:
+        self._pool_cm = self.backend.open(**self.pool_kw)
+        pool = await self._pool_cm.__aenter__()
+        self._client = TestClient(TestServer(make_app(pool, **self.app_kw)))
+        await self._client.start_server()
+        return self._client
+
+    async def __aexit__(self, *exc) -> None:
+        await self._client.close()
+        await self._pool_cm.__aexit__(*exc)
+
+
+def service(backend, pool: dict | None = None, **app_kw) -> _Service:
+    svc = _Service(backend, **app_kw)
+    svc.pool_kw = pool or {"size": 2}
+    return svc
+
+
+async def _error(response, status: int, kind: str, field: str | None = "") -> dict:
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    body = await response.json()
+    assert set(body) == {"error"} and body["error"]["type"] == kind, body
+    if field != "":
+        assert body["error"]["field"] == field, body
+    return body["error"]
+
+
+@LOCAL
+async def test_run_and_batch(sandbox_backend):
+    async with service(sandbox_backend) as client:
+        response = await client.post("/v1/run", json=py("print(input() * 2)", stdin="ab\n"))
+        assert response.status == 200
+        result = await response.json()
+        assert result["status"] == "ok" and result["stdout"] == "abab\n", result
+        assert result["backend"] == "local"
+
+        batch = {
+            "requests": [
+                py("print(1)", foo=1),  # unknown field
+                py("print(2)", timeout_s=10_000),  # out of range
+                {"language": "rust", "code": "fn main() {}"},  # bad enum
+                py("import sys; sys.exit(3)"),
+                py("print(5)"),
+            ]
+        }
+        response = await client.post("/v1/run_batch", json=batch)
+        assert response.status == 200, await response.text()
+        results = (await response.json())["results"]
+        assert [r["status"] for r in results] == [
+            "invalid_request",
+            "invalid_request",
+            "invalid_request",
+            "nonzero_exit",
+            "ok",
+        ]
+        assert results[0]["error"].startswith("requests[0].foo")
+        assert results[1]["error"].startswith("requests[1].timeout_s")
+        assert results[2]["error"].startswith("requests[2].language")
+        assert results[3]["exit_code"] == 3 and results[4]["stdout"] == "5\n"
+        response = await client.post("/v1/run_batch", json={"requests": []})
+        assert (await response.json()) == {"results": []}
+
+
+@LOCAL
+async def test_structured_errors_name_the_field(sandbox_backend):
+    async with service(sandbox_backend, max_request_bytes=4096, max_batch=3) as client:
+        post = client.post
+        await _error(await post("/v1/run", data=b"{not json"), 400, "malformed_json")
+        await _error(await post("/v1/run", json=py("1", foo=2)), 400, "invalid_request", "foo")
+        await _error(await post("/v1/run", json=py(1)), 400, "invalid_request", "code")
+        await _error(await post("/v1/run", json={"code": "x"}), 400, "invalid_request", "language")
+        await _error(await post("/v1/run", json=py("1", memory_mb=1)), 400, "invalid_request")
+        err = await _error(
+            await post("/v1/run", json=py("1", files={"../x": "y"})), 400, "invalid_request"
+        )
+        assert err["field"].startswith("files[")
+        await _error(await post("/v1/run", json=[]), 400, "invalid_request")
+        await _error(await post("/v1/run_batch", json={"reqs": []}), 400, "invalid_request")
+        await _error(
+            await post("/v1/run_batch", json={"requests": [py("1")] * 4}),
+            400,
+            "invalid_request",
+            "requests",
+        )
+        err = await _error(
+            await post("/v1/run", json=py("x" * 10_000)), 413, "request_too_large", None
+        )
+        assert "4096" in err["message"]
+        await _error(await client.get("/nope"), 404, "not_found", None)
+        await _error(await client.get("/v1/run"), 405, "method_not_allowed", None)
+        ok = await post("/v1/run", json=py("print('fine')"))  # still serving
+        assert (await ok.json())["stdout"] == "fine\n"
+
+
+@LOCAL
+async def test_bearer_token(sandbox_backend):
+    async with service(sandbox_backend, token="s3cret") as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = await client.post("/v1/run", json=py("print(1)"), headers=headers)
+            await _error(response, 401, "unauthorized", None)
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+        await _error(await client.get("/health"), 401, "unauthorized", None)
+        good = {"Authorization": "Bearer s3cret"}
+        response = await client.post("/v1/run", json=py("print(1)"), headers=good)
+        assert response.status == 200 and (await response.json())["stdout"] == "1\n"
+        assert (await client.get("/metrics", headers=good)).status == 200
+
+
+@LOCAL
+async def test_over_capacity_is_429_never_a_hang(sandbox_backend):
+    svc = service(sandbox_backend, pool={"size": 1, "max_queue": 0})
+    async with svc as client:
+        slow = py("import time; time.sleep(1.5); print('slow')")
+        statuses: dict[str, int] = {}
+
+        async def first() -> None:
+            response = await client.post("/v1/run", json=slow)
+            statuses["first"] = response.status
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.sleep(0.4)  # the slow run holds the only sandbox
+            started = time.monotonic()
+            response = await client.post("/v1/run", json=py("print(1)"))
+            err = await _error(response, 429, "busy", None)
+            assert int(response.headers["Retry-After"]) >= 1 and "nothing ran" in err["message"]
+            response = await client.post("/v1/run_batch", json={"requests": [py("print(1)")]})
+            await _error(response, 429, "busy", None)
+            assert time.monotonic() - started < 1.0  # answered at once
+        assert statuses["first"] == 200
+        response = await client.post("/v1/run", json=py("print('after')"))
+        assert (await response.json())["stdout"] == "after\n"
+        metrics = await (await client.get("/metrics")).text()
+        assert 'agentrl_sandbox_busy_rejections_total{backend="local"} 2' in metrics
+
+
+_SAMPLE_RE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? \S+$')
+
+
+@LOCAL
+async def test_health_and_metrics(sandbox_backend):
+    async with service(sandbox_backend) as client:
+        await client.post("/v1/run", json=py("print(1)"))
+        await client.post("/v1/run", json=py("raise SystemExit(2)"))
+        health = await (await client.get("/health")).json()
+        assert health["status"] == "ok" and health["backend"] == "local"
+        stats = health["statistics"]
+        assert stats["execs"] == 2 and stats["failures"] == {"nonzero_exit": 1}
+        assert stats["in_use"] == 0 and stats["queued"] == 0
+        assert health["limits"]["size"] == 2
+        assert {g["name"] for g in health["guarantees"]} and all(
+            set(g) >= {"name", "available", "detail"} for g in health["guarantees"]
+        )
+        response = await client.get("/metrics")
+        assert response.status == 200 and response.content_type == "text/plain"
+        text = await response.text()
+        for line in text.splitlines():
+            assert line.startswith("# ") or _SAMPLE_RE.match(line), line
+        for needle in (
+            'agentrl_sandbox_execs_total{backend="local"} 2',
+            'agentrl_sandbox_failures_total{backend="local",status="nonzero_exit"} 1',
+            'agentrl_sandbox_results_total{backend="local",status="ok"} 1',
+            'agentrl_sandbox_in_use{backend="local"} 0',
+            'agentrl_sandbox_idle{backend="local"}',
+            'agentrl_sandbox_queued{backend="local"} 0',
+            'agentrl_sandbox_recycles_total{backend="local"}',
+            'agentrl_sandbox_exec_seconds_bucket{le="+Inf"} 2',
+            "agentrl_sandbox_exec_seconds_count 2",
+            'agentrl_sandbox_http_requests_total{code="200",route="/v1/run"} 2',
+            "# TYPE agentrl_sandbox_exec_seconds histogram",
+        ):
+            assert needle in text, needle
+
+
+def test_validation_field_and_loopback():
+    import msgspec
+
+    from agentrl.sandboxes._types import decode_request
+
+    def field(raw: bytes, prefix: str = "") -> str | None:
+        try:
+            decode_request(raw)
+        except msgspec.ValidationError as exc:
+            return validation_field(exc, prefix)
+        raise AssertionError("no error")
+
+    assert field(b'{"language":"python","code":"x","foo":1}') == "foo"
+    assert field(b'{"language":"python","code":1}') == "code"
+    assert field(b'{"code":"x"}', "requests[3]") == "requests[3].language"
+    assert field(b'{"language":"python","code":"x","files":{"a":1}}') == "files[...]"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert not is_loopback("example.com")
+
+
+# -- the service as a subprocess ------------------------------------------------------------------
+
+
+def test_refuses_non_loopback_without_token():
+    env = {k: v for k, v in __import__("os").environ.items() if k != "AGENTRL_SANDBOX_TOKEN"}
+    proc = subprocess.run(
+        [*SERVE_CMD, "--backend", "local", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2, proc
+    assert "requires a bearer token" in proc.stderr
+
+
+def test_unavailable_backend_is_a_clear_error(tmp_path):
+    config = tmp_path / "pool.json"
+    config.write_text(json.dumps({"backend": {"type": "local", "require": ["no_such_thing"]}}))
+    proc = subprocess.run(
+        [*SERVE_CMD, "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc
+    assert "unavailable" in proc.stderr and "no_such_thing" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serves_a_second_process_and_shuts_down_cleanly(tmp_path, sig):
+    with scratch_root() as scratch:
+        _serve_and_stop(tmp_path, scratch, sig)
+
+
+def _serve_and_stop(tmp_path, scratch, sig):
+    config = tmp_path / "pool.json"
+    config.write_text(
+        json.dumps({"backend": {"type": "local", "scratch_root": str(scratch)}, "size": 2})
+    )
+    with running_service("--config", str(config)) as svc:
+        assert svc.url.startswith("http://127.0.0.1:")
+        client = (
+            "import sys, anyio\n"
+            "from agentrl.sandboxes import SandboxClient\n"
+            "from agentrl.sandboxes._types import RunRequest\n"
+            "async def main():\n"
+            "    async with SandboxClient(sys.argv[1]) as c:\n"
+            "        r = await c.run(RunRequest(language='python', code='print(6 * 7)'))\n"
+            "        b = await c.run_batch([RunRequest(language='bash', code='echo hi')] * 3)\n"
+            "        h = await c.health()\n"
+            "        print(r.stdout.strip(), [x.stdout.strip() for x in b], h['backend'])\n"
+            "anyio.run(main, backend='trio')\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", client, svc.url], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "42 ['hi', 'hi', 'hi'] local"
+        assert any(scratch.iterdir())  # the pool's sandboxes live here while it runs
+        assert svc.stop(sig) == 0, svc.output
+    assert "pool closed" in svc.output
+    assert not list(scratch.iterdir()), "the pool left temp dirs behind"
+
+
+@pytest.mark.docker
+def test_docker_backend_through_the_service():
+    with running_service("--backend", "docker", "--size", "1") as svc:
+        code = (
+            "import sys, anyio\n"
+            "from agentrl.sandboxes import SandboxClient\n"
+            "from agentrl.sandboxes._types import RunRequest\n"
+            "async def main():\n"
+            "    async with SandboxClient(sys.argv[1]) as c:\n"
+            "        req = RunRequest(language='python', code='import os; print(os.getuid())')\n"
+            "        r = await c.run(req)\n"
+            "        print(r.status, r.backend)\n"
+            "anyio.run(main)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, svc.url], capture_output=True, text=True, timeout=120
+        )
+        assert proc.stdout.split() == ["ok", "docker"], proc
+        assert svc.stop() == 0, svc.output

@@ -1,0 +1,329 @@
+"""The supervisor script, run the way the backends run it: a subprocess with JSON on stdin.
+
+As root it drops each program to ``PROGRAM_UID`` (a uid no host process uses, not 65534: the
+supervisor's sweep kills *every* process of the program's uid, and a host may run daemons as
+nobody). Programs run under the system ``/usr/bin/python3`` (the uid cannot reach a venv under
+/root). Every answer must be exactly one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SUPERVISOR = Path(__file__).resolve().parents[2] / "sandboxes" / "_supervisor.py"
+PROGRAM_UID = 64_900
+SYSTEM_PYTHON = "/usr/bin/python3"
+MB = 1 << 20
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the supervisor drops to another uid: needs root"),
+    pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason=f"{SYSTEM_PYTHON} is missing"),
+]
+
+
+def uid_processes(uid: int = PROGRAM_UID) -> list[str]:
+    """Host processes (zombies included) whose real uid is ``uid``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                status = Path(f"/proc/{name}/status").read_text()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if fields.get("Uid", "").split()[:1] == [str(uid)]:
+                found.append(f"{name}:{fields['Name'].strip()}:{fields['State'].strip()[:1]}")
+    return found
+
+
+def answer(stdout: bytes) -> dict[str, Any]:
+    lines = stdout.splitlines()
+    assert len(lines) == 1, f"expected one JSON line, got {stdout[:2000]!r}"
+    return json.loads(lines[0])
+
+
+def supervise(code: str, language: str = "python", *, scratch: Path, **fields: Any) -> dict:
+    """Run one request through a fresh supervisor; the envelope's keys come from ``fields``
+    (``uid``, ``cgroup``, ...), the rest is the request."""
+    envelope_keys = {"uid", "gid", "cgroup", "max_processes", "rlimit_as_mb", "env"}
+    envelope: dict[str, Any] = {
+        "uid": PROGRAM_UID,
+        "gid": PROGRAM_UID,
+        "cgroup": None,
+        "scratch_root": str(scratch),
+        "python": SYSTEM_PYTHON,
+    }
+    request: dict[str, Any] = {"language": language, "code": code, "timeout_s": 5.0}
+    for key, value in fields.items():
+        (envelope if key in envelope_keys else request)[key] = value
+    envelope["request"] = request
+    proc = subprocess.run(
+        [sys.executable, str(SUPERVISOR)],
+        input=json.dumps(envelope).encode(),
+        capture_output=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    return answer(proc.stdout)
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A scratch root the program's uid can traverse (pytest's tmp_path is under a 0700 dir)."""
+    path = Path(tempfile.mkdtemp(prefix="agentrl-test-supervisor-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_ok_with_measurements(scratch):
+    r = supervise("print(6 * 7)", scratch=scratch)
+    assert r["status"] == "ok" and r["exit_code"] == 0 and r["stdout"] == "42\n"
+    assert r["stderr"] == "" and not r["stdout_truncated"] and r["error"] is None
+    assert 0 < r["wall_s"] < 5 and r["cpu_s"] >= 0 and r["peak_memory_mb"] > 0
+    assert list(scratch.iterdir()) == []  # the scratch dir is gone
+
+
+@pytest.mark.parametrize(
+    ("language", "code"), [("python", "import sys; sys.exit(3)"), ("bash", "echo hi; exit 3")]
+)
+def test_nonzero_exit(scratch, language, code):
+    r = supervise(code, language, scratch=scratch)
+    assert r["status"] == "nonzero_exit" and r["exit_code"] == 3 and r["signal"] is None
+
+
+@pytest.mark.parametrize("code", ["while True: pass", "import time; time.sleep(1000)"])
+def test_wall_timeout(scratch, code):
+    start = time.monotonic()
+    r = supervise(code, scratch=scratch, timeout_s=1.0)
+    assert r["status"] == "timeout" and r["signal"] == 9
+    assert 1.0 <= r["wall_s"] < 3 and time.monotonic() - start < 10
+
+
+def test_cpu_time_limit(scratch):
+    r = supervise("while True: pass", scratch=scratch, timeout_s=20.0, cpu_time_s=1.0)
+    assert r["status"] == "timeout" and r["wall_s"] < 10
+    assert r["cpu_s"] > 0.5  # rusage samples by ticks: below the limit the kernel enforced
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_output_limit(scratch, stream):
+    code = f"import sys\nwhile True:\n    sys.{stream}.write('x' * 999 + '\\n')\n"
+    r = supervise(code, scratch=scratch, output_limit_bytes=10_000)
+    assert r["status"] == "output_limit" and r[f"{stream}_truncated"]
+    assert r[stream] == ("x" * 999 + "\n") * 10
+
+
+def test_huge_single_line(scratch):
+    r = supervise("import sys; sys.stdout.write('a' * 10**8)", scratch=scratch, memory_mb=512)
+    assert r["status"] == "output_limit" and r["stdout"] == "a" * MB and r["stdout_truncated"]
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["x = bytearray(300 * 2**20)", "a = []\nwhile True:\n    a.append(' ' * 10**6)\n"],
+)
+def test_oom_under_rlimit_as(scratch, code):
+    r = supervise(code, scratch=scratch, memory_mb=64)
+    assert r["status"] == "oom" and "MemoryError" in r["stderr"]
+
+
+def test_oom_through_a_memory_cgroup(scratch):
+    """No RLIMIT_AS: the cgroup's OOM killer ends the program, counted in oom_control."""
+    root = Path("/sys/fs/cgroup/memory")
+    if not (root / "memory.limit_in_bytes").exists() or not os.access(root, os.W_OK):
+        pytest.skip("no writable cgroup v1 memory controller")
+    group = root / f"agentrl-test-supervisor-{os.getpid()}"
+    group.mkdir()
+    try:
+        code = "a = []\nwhile True:\n    a.append(bytearray(8 * 2**20))\n"
+        r = supervise(code, scratch=scratch, memory_mb=64, rlimit_as_mb=None, cgroup=[str(group)])
+        assert r["status"] == "oom" and r["signal"] == 9, r
+        assert 50 <= r["peak_memory_mb"] <= 80
+        assert (group / "cgroup.procs").read_text() == ""
+    finally:
+        group.rmdir()
+
+
+@pytest.mark.parametrize(
+    ("code", "signal"),
+    [("import os; os.kill(os.getpid(), 9)", 9), ("import ctypes; ctypes.string_at(0)", 11)],
+)
+def test_signal(scratch, code, signal):
+    r = supervise(code, scratch=scratch)
+    assert r["status"] == "signal" and r["signal"] == signal and r["exit_code"] is None
+
+
+def test_stdin_is_fed(scratch):
+    r = supervise("import sys; print(sys.stdin.read().upper())", scratch=scratch, stdin="abc")
+    assert r["stdout"] == "ABC\n"
+    r = supervise("import sys; print(repr(sys.stdin.read()))", scratch=scratch)
+    assert r["stdout"] == "''\n"  # no stdin: EOF at once, never a hang
+
+
+def test_huge_stdin_and_a_program_that_never_reads_it(scratch):
+    data = "0123456789" * 800_000
+    r = supervise("import sys; print(len(sys.stdin.read()))", scratch=scratch, stdin=data)
+    assert r["status"] == "ok" and r["stdout"] == f"{len(data)}\n"
+    r = supervise("print('bye')", scratch=scratch, stdin=data)
+    assert r["status"] == "ok" and r["stdout"] == "bye\n"
+
+
+def test_files_are_written_into_the_scratch_dir(scratch):
+    code = (
+        "import os, helper\n"
+        "print(open('data/in.txt').read(), helper.X, os.getcwd().startswith(os.environ['HOME']))"
+    )
+    files = {"data/in.txt": "hello", "helper.py": "X = 5"}
+    r = supervise(code, scratch=scratch, files=files)
+    assert r["status"] == "ok" and r["stdout"] == "hello 5 True\n"
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"../evil": "x"},
+        {"/etc/evil": "x"},
+        {"a/../../evil": "x"},
+        {"a//b": "x"},
+        {"./a": "x"},
+        {"": "x"},
+        {"a": "x", "a/b": "y"},
+    ],
+)
+def test_bad_file_names_are_refused(scratch, files):
+    r = supervise("print('ran')", scratch=scratch, files=files)
+    assert r["status"] == "invalid_request" and "files[" in r["error"]
+    assert r["stdout"] == "" and list(scratch.iterdir()) == []
+
+
+def test_symlinks_are_not_followed_when_cleaning_up(scratch, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "keep.txt").write_text("precious")
+    code = f"import os; os.symlink({str(outside)!r}, 'link'); os.symlink('/etc', 'etc')"
+    r = supervise(code, scratch=scratch)
+    assert r["status"] == "ok", r
+    assert (outside / "keep.txt").read_text() == "precious"
+    assert list(scratch.iterdir()) == []
+
+
+def test_runs_as_the_uid_with_a_minimal_environment(scratch, monkeypatch):
+    monkeypatch.setenv("AGENTRL_SUPERVISOR_SECRET", "s3cret")
+    code = (
+        "import os, json\n"
+        "print(json.dumps([os.getuid(), os.getgid(), os.getgroups(), dict(os.environ)]))"
+    )
+    r = supervise(code, scratch=scratch)
+    uid, gid, groups, env = json.loads(r["stdout"])
+    assert (uid, gid, groups) == (PROGRAM_UID, PROGRAM_UID, [])
+    assert set(env) <= {"PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "TMPDIR"}
+    assert "s3cret" not in r["stdout"]
+
+
+def test_daemons_are_killed_after_the_run(scratch):
+    code = (
+        "import os, time\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.write(w, str(os.getpid()).encode())\n"
+        "        time.sleep(600)\n"  # keeps stdout open: the run must not wait for it
+        "    os._exit(0)\n"
+        "print(os.read(r, 32).decode())\n"
+    )
+    r = supervise(code, scratch=scratch, timeout_s=30.0)
+    assert r["status"] == "ok" and r["wall_s"] < 5
+    daemon = int(r["stdout"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(daemon, 0)
+    assert uid_processes() == []
+
+
+def test_zombies_are_reaped(scratch):
+    code = "import os\nfor _ in range(50):\n    if os.fork() == 0:\n        os._exit(0)\n"
+    r = supervise(code, scratch=scratch)
+    assert r["status"] == "ok"
+    assert uid_processes() == []
+
+
+def test_rlimit_nproc_bounds_a_fork_bomb(scratch):
+    code = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(60)\n"
+        "        n += 1\n"
+        "except OSError:\n"
+        "    print(n)\n"
+    )
+    r = supervise(code, scratch=scratch, max_processes=20)
+    assert r["status"] == "ok" and int(r["stdout"]) < 20
+    assert uid_processes() == []
+
+
+def test_code_longer_than_an_argument_goes_through_a_file(scratch):
+    code = "print('big')\n" + "# padding\n" * 20_000
+    r = supervise(code, scratch=scratch)
+    assert r["status"] == "ok" and r["stdout"] == "big\n"
+
+
+def test_a_missing_interpreter_is_a_sandbox_error(scratch):
+    envelope = {"request": {"language": "python", "code": "1"}, "python": "/nonexistent/python"}
+    proc = subprocess.run(
+        [sys.executable, str(SUPERVISOR)], input=json.dumps(envelope).encode(), capture_output=True
+    )
+    r = answer(proc.stdout)
+    assert r["status"] == "sandbox_error" and "exec" in r["error"]
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b'{"request": 5}'])
+def test_bad_input_still_gives_one_line(data):
+    proc = subprocess.run([sys.executable, str(SUPERVISOR)], input=data, capture_output=True)
+    assert proc.returncode == 0
+    assert answer(proc.stdout)["status"] in {"sandbox_error", "invalid_request"}
+
+
+def test_serve_mode_answers_each_line(scratch):
+    jobs = [
+        {"request": {"language": "python", "code": f"print({i})"}, "python": SYSTEM_PYTHON,
+         "uid": PROGRAM_UID, "scratch_root": str(scratch)}
+        for i in range(3)
+    ]  # fmt: skip
+    data = "".join(json.dumps(job) + "\n" for job in jobs).encode()
+    proc = subprocess.run(
+        [sys.executable, str(SUPERVISOR), "--serve"], input=data, capture_output=True, timeout=60
+    )
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["stdout"] for r in results] == ["0\n", "1\n", "2\n"]
+
+
+def test_runs_as_python_dash_c_source(scratch):
+    envelope = {"request": {"language": "bash", "code": "echo $((6*7))"}, "uid": PROGRAM_UID}
+    proc = subprocess.run(
+        [SYSTEM_PYTHON, "-c", SUPERVISOR.read_text()],
+        input=json.dumps(envelope).encode(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert answer(proc.stdout)["stdout"] == "42\n"
+
+
+def test_selftest():
+    proc = subprocess.run(
+        [sys.executable, str(SUPERVISOR), "--selftest"], capture_output=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout.decode()
