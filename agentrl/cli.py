@@ -174,9 +174,14 @@ async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, prog
         from .envs._sandbox import open_sandbox_runner, wants_sandbox
 
         if args.sandbox or wants_sandbox(env_spec.entry_point):
-            resources["sandbox"] = await stack.enter_async_context(
-                open_sandbox_runner(args.sandbox or "local")
-            )
+            try:
+                resources["sandbox"] = await stack.enter_async_context(
+                    open_sandbox_runner(args.sandbox or "local")
+                )
+            except ValueError as exc:
+                from ._errors import ConfigError
+
+                raise ConfigError(f"--sandbox {args.sandbox!r}: {exc}") from None
         return await arollout(
             args.env,
             model=args.model,

@@ -175,3 +175,37 @@ def test_rollout_on_smollm2(tmp_path):
     assert len(trajectories) == 4
     assert all(t.status != "error" for t in trajectories)
     assert all(sum(t.loss_mask) > 0 for t in trajectories)
+
+
+@pytest.mark.parametrize("env_id", ["python-math-v0", "code-tests-v0"])
+def test_rollout_with_a_local_sandbox(env_id, tmp_path, tiny_model_path):
+    if not Path("/usr/bin/bwrap").exists():
+        pytest.skip("bubblewrap is not installed (scripts/services start installs it)")
+    proc = agentrl(
+        "rollout",
+        "--env", env_id,
+        "--model", "tiny-random",
+        "-n", "1",
+        "--group", "2",
+        "--max-turns", "2",
+        "--max-new-tokens", "16",
+        "--sandbox", "local",
+        "--out", str(tmp_path),
+        "--check",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    trajectories = read_trajectories(str(tmp_path / "trajectories.jsonl"))
+    assert len(trajectories) == 2 and all(t.status != "error" for t in trajectories)
+
+
+def test_bad_sandbox_spec_is_a_clear_error(tmp_path, tiny_model_path):
+    proc = agentrl(
+        "rollout",
+        "--env", "python-math-v0",
+        "--model", "tiny-random",
+        "-n", "1",
+        "--sandbox", "nonsense",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    assert "nonsense" in proc.stderr
