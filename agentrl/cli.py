@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
 
     sub.add_parser("doctor", help="what this host can do")
+    sub.add_parser(
+        "serve", help="serve a model over SGLang's HTTP API subset (agentrl serve --help)"
+    )
     sb = sub.add_parser(
         "sandbox",
         help="sandbox images and service: 'image build', 'serve --backend docker --port 8090'",
@@ -357,6 +360,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # its options live with the server (importing it loads torch)
+        from .engine._server import serve_main
+
+        return serve_main(argv[1:])
     args = _parser().parse_args(argv)
     # like `python -m`, let `--env mymodule:name-v0` import modules from the working directory
     if "" not in sys.path and "." not in sys.path:

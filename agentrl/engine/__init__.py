@@ -1,13 +1,34 @@
 """Inference engines behind one async client protocol.
 
-``Engine`` is the protocol the rollout runtime talks to; ``EmbeddedEngine`` runs a transformers
-model in a worker thread of this process (``open_embedded_engine`` owns one for a block).
+``Engine`` is the protocol the rollout runtime talks to. ``EmbeddedEngine`` is ours: a
+Llama/Qwen2-family forward in torch (``_model``) over a paged KV pool (``_kv``), a radix prefix
+cache (``_radix``), sessions that pin a trajectory's KV between turns (``_session``) and a
+continuous-batching scheduler (``_scheduler``), run by one worker thread (``_worker``) of this
+process; ``open_embedded_engine`` owns one for a block.
 """
 
 from ._embedded import EmbeddedEngine as EmbeddedEngine
+from ._embedded import EngineOptions as EngineOptions
 from ._embedded import EngineStatistics as EngineStatistics
 from ._embedded import open_embedded_engine as open_embedded_engine
 from ._protocol import Engine as Engine
+from ._radix import RadixStatistics as RadixStatistics
 from ._sampling import sample_token as sample_token
 
-__all__ = ["EmbeddedEngine", "Engine", "EngineStatistics", "open_embedded_engine", "sample_token"]
+__all__ = [
+    "EmbeddedEngine",
+    "Engine",
+    "EngineOptions",
+    "EngineStatistics",
+    "RadixStatistics",
+    "open_embedded_engine",
+    "sample_token",
+]
+
+# The SGLang HTTP client (speaks to SGLang 0.5.17 and to ``agentrl serve``, whose aiohttp app
+# lives in ``_server`` and is imported only by the ``serve`` command: aiohttp stays optional).
+from ._sglang import SGLangEngine as SGLangEngine
+from ._sglang import SGLangHTTPError as SGLangHTTPError
+from ._sglang import SGLangStatistics as SGLangStatistics
+
+__all__ += ["SGLangEngine", "SGLangHTTPError", "SGLangStatistics"]

@@ -1,26 +1,37 @@
-"""``EmbeddedEngine``: a transformers model in this process, behind the async ``Engine`` protocol.
+"""``EmbeddedEngine``: our Llama/Qwen2 forward over a paged KV pool, behind the async ``Engine``.
 
-One background thread owns the model (see ``_worker``) and batches continuously: new requests are
-prefilled one at a time between decode steps and join the running batch; finished ones leave.
-``generate`` works under trio and asyncio (anyio): it hands the request to the thread and waits
-on an ``anyio.Event`` that the thread sets through ``anyio.from_thread.run_sync(..., token=...)``.
-Cancelling the waiting task aborts the request in the worker.
+One background thread owns the model, the KV pool, the radix cache and the sessions' pins
+(``_worker``); ``_scheduler`` decides every step. ``generate`` works under trio and asyncio
+(anyio): it hands the request to the thread and waits on an ``anyio.Event`` that the thread sets
+through ``anyio.from_thread.run_sync(..., token=...)``. Cancelling the waiting task aborts the
+request in the worker.
 
-Sessions are recorded and validated only (no KV is kept between calls yet): the caller always
-sends the whole context, so results do not depend on them; ``cached_tokens`` is always 0.
+Reuse. A request's context is matched against its session's pinned KV (verified token by token)
+and otherwise against the radix tree (whole pages of ``block_size`` tokens); only the rest is
+computed. ``GenerateResult.cached_tokens`` counts the reused tokens. Sessions behave like
+SGLang's streaming sessions (see ``_session``): turn k+1 reuses all of turn k's context but its
+last sampled token. The caller still sends the whole context, and results never depend on
+what was reused beyond fp32 rounding (see below).
 
-Weight updates are applied between decode steps once no request is running; requests that arrive
-meanwhile wait, so every request runs on one weight version (``GenerateResult.weight_version``).
+Weight updates (``update_weights``) never mix versions inside one request. The rule for requests
+in flight is ``EngineOptions.in_flight``:
 
-Batch invariance: a request's prompt is always prefilled alone; only decode steps are batched,
-and fp32 CPU GEMMs of different batch sizes may differ in the last bits, so logprobs can differ
-by ~1e-6 between a request run alone and in a batch (greedy ids are equal in our tests).
+- ``"finish"`` (default): requests already started finish on the old weights; the update waits
+  for them, and requests not yet started wait for the update.
+- ``"abort"``: started requests are thrown back into the queue with their output discarded and
+  their seed's generator reset, then recompute from scratch on the new weights (the caller
+  only sees the longer latency).
+
+Either way the update then unpins every session, empties the radix cache and reports the new
+``weight_version`` on every later result.
+
+Numerics: fp32. A token's KV may come from a prefill chunk, a decode step or a cache hit, and a
+row may share a step with others; GEMMs of different shapes can differ in the last bits, so
+logprobs may differ by ~1e-6 between such runs (greedy ids are equal in our tests).
 
 CPU threads: the worker calls ``torch.set_num_threads(num_threads or os.cpu_count())``. Every
 thread that runs torch ops owns an OpenMP team; on this 2-core box a second live team in the
-process (another thread that ran a forward pass) slows the worker's decode steps ~1.7x (measured
-32 -> 55 ms per SmolLM2-135M step), so keep other torch work out of the engine's process or give
-each side fewer threads.
+process slows the worker ~1.7x, so keep other torch work out of the engine's process.
 """
 
 from __future__ import annotations
@@ -30,66 +41,92 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from agentrl._errors import EngineError
 from agentrl._models import resolve_model
 from agentrl._types import GenerateResult, SamplingParams
 
-from ._sampling import check_sampling, make_generator
-from ._worker import Request, WeightUpdate, Worker
-
-
-class EngineStatistics(msgspec.Struct, frozen=True):
-    """Counters since the engine started (``EmbeddedEngine.statistics()``)."""
-
-    requests_done: int
-    """Requests that ended with ``stop`` or ``length``."""
-    requests_aborted: int
-    requests_failed: int
-    tokens_generated: int
-    prefill_tokens: int
-    decode_steps: int
-    mean_batch_size: float
-    """Mean number of rows per decode step (0 before the first step)."""
-    running: int
-    waiting: int
-    weight_version: int
+from ._kv import KVPool
+from ._model import CausalLM, ModelConfig, read_safetensors
+from ._options import EngineOptions, EngineStatistics
+from ._radix import RadixCache
+from ._sampling import check_sampling
+from ._scheduler import Request, Scheduler
+from ._seq import KVManager
+from ._session import SessionTable
+from ._worker import CloseSession, FlushCache, OpenSession, WeightUpdate, Worker
 
 
 class EmbeddedEngine:
-    """A Llama-family causal LM in fp32 on CPU with continuous batching. See the module docs."""
+    """A Llama/Qwen2-family causal LM in fp32 on CPU with paged KV, a radix prefix cache,
+    sessions and continuous batching. See the module docs."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        tokenizer: object,
+        model: CausalLM | torch.nn.Module,
+        tokenizer: Any,
+        options: EngineOptions | None = None,
         *,
-        max_batch_size: int = 16,
-        num_threads: int | None = None,
         weight_version: int = 0,
+        model_path: str | None = None,
+        **overrides: Any,
     ) -> None:
-        if max_batch_size < 1:
-            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        model.eval()
-        model.requires_grad_(False)
-        self._vocab_size = int(model.config.vocab_size)
-        self._max_context = int(model.config.max_position_embeddings)
+        opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
+        if opts.max_batch_size < 1 or opts.max_step_tokens < 1 or opts.block_size < 1:
+            raise EngineError(f"invalid engine options: {opts}")
+        if opts.in_flight not in ("finish", "abort"):
+            raise EngineError(f"in_flight must be 'finish' or 'abort', got {opts.in_flight!r}")
+        if not isinstance(model, CausalLM):  # an HF model: take its config and weights
+            config = ModelConfig.from_dict(model.config.to_dict())  # type: ignore[union-attr]
+            model = CausalLM(config, model.state_dict(), _torch_dtype(opts.dtype))
+        self.options = opts
+        self.model_path = model_path
+        config = model.config
+        bytes_per_token = config.kv_bytes_per_token(model.dtype)
+        tokens = opts.kv_cache_tokens or min(
+            opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * config.max_context
+        )
+        pool = KVPool(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            num_blocks=max(1, tokens // opts.block_size),
+            block_size=opts.block_size,
+            dtype=model.dtype,
+        )
+        tree = (
+            RadixCache(opts.block_size, pool.free, opts.radix_token_budget)
+            if opts.radix_cache
+            else None
+        )
+        kv = KVManager(pool, tree)
+        sessions = SessionTable(
+            cap_tokens=opts.session_cap_tokens or pool.capacity_tokens // 2,
+            ttl_s=opts.session_ttl_s,
+            release=kv.release,
+        )
+        self._bytes_per_token = bytes_per_token
+        self._vocab_size = config.vocab_size
+        self._max_context = min(config.max_context, pool.capacity_tokens)
         self._sessions: dict[str, int | None] = {}
         self._closed = False
+        scheduler = Scheduler(
+            kv, sessions, max_batch_size=opts.max_batch_size, max_step_tokens=opts.max_step_tokens
+        )
         self._worker = Worker(
-            model,  # type: ignore[arg-type]
-            tokenizer,  # type: ignore[arg-type]
-            max_batch_size=max_batch_size,
-            num_threads=num_threads or os.cpu_count() or 1,
+            model,
+            tokenizer,
+            scheduler,
+            num_threads=opts.num_threads or os.cpu_count() or 1,
+            in_flight=opts.in_flight,
             weight_version=weight_version,
         )
         self._worker.thread.start()
@@ -97,24 +134,21 @@ class EmbeddedEngine:
 
     @classmethod
     def from_pretrained(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        max_batch_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        num_threads: int | None = None,
+        cls, path: str | os.PathLike[str], options: EngineOptions | None = None, **overrides: Any
     ) -> EmbeddedEngine:
         """Load an HF safetensors folder (or a registered model name) and start the worker.
 
         Blocking (model load, and on first use of a registered name, its download/build).
+        ``overrides`` are ``EngineOptions`` fields.
         """
         folder = resolve_model(path)
+        opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            model = CausalLM.from_folder(folder, _torch_dtype(opts.dtype))
             tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             raise EngineError(f"cannot load a causal LM from {folder}: {exc}") from exc
-        return cls(model, tokenizer, max_batch_size=max_batch_size, num_threads=num_threads)
+        return cls(model, tokenizer, opts, model_path=str(folder))
 
     @property
     def weight_version(self) -> int:
@@ -122,22 +156,40 @@ class EmbeddedEngine:
 
     @property
     def max_context(self) -> int:
-        """Most tokens (prompt + generated) a request may reach: ``max_position_embeddings``."""
+        """Most tokens (prompt + generated) a request may reach: the model's positions, or the
+        KV pool's capacity if smaller."""
         return self._max_context
 
     def statistics(self) -> EngineStatistics:
         c = self._worker.counters
+        scheduler = self._worker.scheduler
+        s, pool, sessions = scheduler.counters, scheduler.kv.pool, scheduler.sessions
+        tree = scheduler.kv.tree
         return EngineStatistics(
             requests_done=c.requests_done,
             requests_aborted=c.requests_aborted,
             requests_failed=c.requests_failed,
             tokens_generated=c.tokens_generated,
-            prefill_tokens=c.prefill_tokens,
+            prefill_tokens=s.prefill_tokens,
             decode_steps=c.decode_steps,
             mean_batch_size=c.decode_rows / c.decode_steps if c.decode_steps else 0.0,
             running=self._worker.running,
             waiting=self._worker.waiting,
             weight_version=self._worker.weight_version,
+            cached_tokens=s.cached_tokens,
+            preemptions=s.preemptions,
+            kv_blocks=pool.num_blocks,
+            kv_blocks_free=pool.num_free,
+            block_size=pool.block_size,
+            sessions_open=len(self._sessions),
+            sessions_pinned=sessions.pinned_sessions,
+            session_pinned_tokens=sessions.pinned_tokens,
+            session_pinned_bytes=sessions.pinned_tokens * self._bytes_per_token,
+            session_mismatches=sessions.mismatches,
+            sessions_unpinned=(
+                sessions.unpinned_by_ttl + sessions.unpinned_by_cap + sessions.unpinned_by_pressure
+            ),
+            radix=tree.statistics() if tree is not None else None,
         )
 
     def _check_open(self) -> None:
@@ -152,9 +204,10 @@ class EmbeddedEngine:
         """Sample a continuation of the whole context ``input_ids``.
 
         Returns exactly the sampled ids (a matched stop token or the tokens covering a matched
-        stop string included) and their unfiltered logprobs. Raises ``EngineError`` for an unknown
-        session, invalid ids or sampling params, a context that leaves no room to generate, a
-        closed engine, or a failure while generating this request.
+        stop string included), their unfiltered logprobs and ``cached_tokens`` (context tokens
+        whose KV was reused). Raises ``EngineError`` for an unknown session, invalid ids or
+        sampling params, a context that leaves no room to generate, a closed engine, or a
+        failure while generating this request.
         """
         self._check_open()
         limit = self._max_context
@@ -176,21 +229,19 @@ class EmbeddedEngine:
             return GenerateResult(
                 [], [], "length", prompt_tokens=len(ids), weight_version=self.weight_version
             )
+        seed = sampling.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
         request = Request(
             input_ids=ids,
             sampling=sampling,
             limit=limit,
-            generator=make_generator(sampling.seed),
+            seed=seed,
             token=anyio.lowlevel.current_token(),
             done=anyio.Event(),
+            session=session,
         )
-        self._worker.submit(request)
-        try:
-            await request.done.wait()
-        except BaseException:  # cancelled: tell the worker to drop the request
-            request.aborted = True
-            self._worker.wake()
-            raise
+        await self._submit_and_wait(request)
         if request.error is not None:
             raise request.error
         assert request.result is not None
@@ -202,42 +253,64 @@ class EmbeddedEngine:
         if capacity_tokens is not None and capacity_tokens < 2:
             raise EngineError(f"capacity_tokens must be >= 2, got {capacity_tokens}")
         session_id = uuid.uuid4().hex
+        self._worker.submit(OpenSession(session_id))
         self._sessions[session_id] = capacity_tokens
         return session_id
 
     async def close_session(self, session_id: str) -> None:
+        """Release a session and its pinned KV (returns once the worker dropped the pin)."""
         if self._sessions.pop(session_id, False) is False:
             raise EngineError(f"unknown session {session_id!r}")
+        if self._closed or self._worker.broken is not None:
+            return
+        await self._submit_and_wait(
+            CloseSession(session_id, anyio.lowlevel.current_token(), anyio.Event())
+        )
 
     async def update_weights(self, version: int, source: str | dict[str, torch.Tensor]) -> None:
         """Load new weights (an HF folder with safetensors, a registered name, or a state dict).
 
         The source must hold every tensor of the model under its HF name and shape (a tied
-        ``lm_head.weight`` may be omitted); values are copied (and cast) into the model. Applied
-        by the worker once no request is running: in-flight requests finish on the old weights,
-        requests submitted meanwhile wait. Raises ``EngineError`` when the source cannot be read
-        or does not match the model (nothing is changed then).
+        ``lm_head.weight`` may be omitted); values are copied (and cast). In-flight requests
+        follow ``EngineOptions.in_flight``; the radix cache and every session pin are flushed.
+        Raises ``EngineError`` when the source cannot be read or does not match the model
+        (nothing is changed then).
         """
         self._check_open()
         if isinstance(source, dict):
             state = dict(source)
         else:
-            state = await anyio.to_thread.run_sync(_read_safetensors, source)
+            state = await anyio.to_thread.run_sync(_read_weights, source)
+        self._worker.model.check_state_dict(state)  # fail fast, before disturbing anything
         update = WeightUpdate(
             version=int(version),
             state=state,
             token=anyio.lowlevel.current_token(),
             done=anyio.Event(),
         )
-        self._worker.submit(update)
-        try:
-            await update.done.wait()
-        except BaseException:
-            update.aborted = True  # skipped unless the worker already applied it
-            self._worker.wake()
-            raise
+        await self._submit_and_wait(update)
         if update.error is not None:
             raise update.error
+
+    async def flush_cache(self) -> bool:
+        """Drop every cached and pinned KV block (SGLang's ``/flush_cache``). Returns False, and
+        changes nothing, while requests are running or waiting."""
+        self._check_open()
+        item = FlushCache(anyio.lowlevel.current_token(), anyio.Event())
+        await self._submit_and_wait(item)
+        return item.flushed
+
+    async def _submit_and_wait(
+        self, item: Request | WeightUpdate | CloseSession | FlushCache
+    ) -> None:
+        self._worker.submit(item)
+        assert item.done is not None
+        try:
+            await item.done.wait()
+        except BaseException:  # cancelled: tell the worker to drop the item
+            item.aborted = True
+            self._worker.wake()
+            raise
 
     async def aclose(self) -> None:
         """Stop the worker; requests still running or waiting end with ``finish_reason="abort"``."""
@@ -255,34 +328,30 @@ class EmbeddedEngine:
             await self.aclose()
 
 
-def _read_safetensors(source: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def _torch_dtype(value: str | torch.dtype) -> torch.dtype:
+    dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value), None)
+    if not isinstance(dtype, torch.dtype):
+        raise EngineError(f"unknown dtype {value!r}")
+    return dtype
+
+
+def _read_weights(source: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     try:
         folder = resolve_model(source)
     except Exception as exc:
         raise EngineError(f"cannot resolve weights {source!r}: {exc}") from exc
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"no *.safetensors in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    return state
+    return read_safetensors(folder)
 
 
 @asynccontextmanager
 async def open_embedded_engine(
-    path: str | os.PathLike[str],
-    *,
-    max_batch_size: int = 16,
-    dtype: torch.dtype = torch.float32,
-    num_threads: int | None = None,
+    path: str | os.PathLike[str], options: EngineOptions | None = None, **overrides: Any
 ) -> AsyncIterator[EmbeddedEngine]:
-    """Load the model in a thread, yield the engine, close it (aborting leftovers) on exit."""
+    """Load the model in a thread, yield the engine, close it (aborting leftovers) on exit.
+    ``overrides`` are ``EngineOptions`` fields (``max_batch_size=4``, ``num_threads=2``...)."""
 
     def load() -> EmbeddedEngine:
-        return EmbeddedEngine.from_pretrained(
-            path, max_batch_size=max_batch_size, dtype=dtype, num_threads=num_threads
-        )
+        return EmbeddedEngine.from_pretrained(path, options, **overrides)
 
     engine = await anyio.to_thread.run_sync(load)
     async with engine:

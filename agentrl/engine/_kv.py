@@ -1,0 +1,214 @@
+"""The paged KV pool and the one attention function over it.
+
+The pool is a fixed set of blocks of ``block_size`` tokens, per layer
+``k, v: [num_blocks, block_size, kv_heads, head_dim]`` (model dtype), views of two tensors
+``[layers, num_blocks, block_size, kv_heads, head_dim]``. A sequence's KV lives in the blocks its
+*block table* lists, in order: token ``i`` is at block ``table[i // block_size]``, offset
+``i % block_size`` (flat slot ``block * block_size + offset``). Blocks are handed out and taken
+back through a free list; who owns a block (a request, a session, the radix tree) is tracked by
+the owners, the pool only checks that nothing is freed twice.
+
+``paged_attention`` is the single place that reads the cache. On CPU it gathers each sequence's
+blocks and calls torch SDPA; issue E may swap in a Triton paged-decode kernel on GPU behind the
+same signature.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from agentrl._errors import EngineError
+
+
+class KVPool:
+    """``num_blocks`` blocks of ``block_size`` tokens for ``num_layers`` layers.
+
+    ``k``/``v``: ``[layers, num_blocks, block_size, kv_heads, head_dim]`` in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise EngineError(f"KV pool needs blocks, got {num_blocks} x {block_size} tokens")
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks needed to hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+    def alloc(self, count: int) -> list[int]:
+        """Take ``count`` free blocks; ``EngineError`` when fewer are free (callers check
+        ``num_free`` and evict first)."""
+        if count > len(self._free):
+            raise EngineError(f"KV pool exhausted: {count} blocks wanted, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._is_free[block] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the free list; a double free is a bug and raises ``AssertionError``."""
+        for block in blocks:
+            assert not self._is_free[block], f"KV block {block} freed twice"
+            self._is_free[block] = True
+            self._free.append(block)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``index``."""
+        return self.k[index], self.v[index]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at flat ``slots`` ``[T]`` (int64)."""
+        kv_heads, dim = k.shape[1], k.shape[2]
+        self.k[layer].view(-1, kv_heads, dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, kv_heads, dim).index_copy_(0, slots, v)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V (every layer) from ``src`` to ``dst``."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+class AttentionBatch(NamedTuple):
+    """How the ``T`` packed query tokens of a step map onto ``B`` sequences.
+
+    Rows ``[0, num_decode)`` are decode rows (one query token each, listed first); the rest are
+    prefill chunks. Row ``b``'s queries are tokens ``query_starts[b]:query_starts[b + 1]`` and sit
+    at the *end* of its ``seq_lens[b]`` keys (its KV, this step's tokens included).
+
+    - ``block_tables``: ``[B, max_blocks]`` int64, padded with 0.
+    - ``seq_lens``/``query_starts``: Python ints (``B`` and ``B + 1`` of them).
+    - ``runs``: per row, the first block when its table is one ascending run of blocks (its KV is
+      then a contiguous slice of the pool and is read without a copy), else ``None``.
+    - ``decode_mask``: ``[num_decode, 1, 1, L]`` bool (``True`` = attend; ``L`` the longest decode
+      row rounded up to blocks) or ``None`` when every decode row spans all ``L`` keys.
+    - ``prefill_masks``: per prefill row, ``[q_len, seq_len]`` bool causal mask.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    query_starts: list[int]
+    runs: list[int | None]
+    num_decode: int
+    decode_mask: torch.Tensor | None
+    prefill_masks: list[torch.Tensor]
+
+
+def make_attention_batch(
+    tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int
+) -> AttentionBatch:
+    """Build the metadata for rows whose decode rows (``query_lens == 1``) come first;
+    ``tables[b]`` lists exactly the blocks holding row ``b``'s ``seq_lens[b]`` keys."""
+    num_decode = 0
+    while num_decode < len(query_lens) and query_lens[num_decode] == 1:
+        num_decode += 1
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    runs = [t[0] if t[-1] - t[0] == len(t) - 1 and _ascending(t) else None for t in tables]
+    decode_mask = None
+    if num_decode > 1:
+        span = -(-max(seq_lens[:num_decode]) // block_size) * block_size
+        lens = torch.tensor(seq_lens[:num_decode], dtype=torch.long)
+        if bool((lens != span).any()):
+            decode_mask = (torch.arange(span) < lens[:, None]).view(num_decode, 1, 1, span)
+    prefill_masks = []
+    for q, n in zip(query_lens[num_decode:], seq_lens[num_decode:], strict=True):
+        # query i sits at position n - q + i and sees keys 0..n - q + i
+        prefill_masks.append(torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None])
+    return AttentionBatch(
+        block_tables, seq_lens, starts, runs, num_decode, decode_mask, prefill_masks
+    )
+
+
+def _ascending(table: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(table, table[1:], strict=False))
+
+
+def _row_kv(cache: torch.Tensor, batch: AttentionBatch, row: int, block_size: int) -> torch.Tensor:
+    """Row ``row``'s keys (or values) ``[seq_len, kv_heads, head_dim]``: a view of the pool when
+    its blocks form one run, else gathered block by block (``index_select`` copies whole blocks;
+    advanced indexing is ~500x slower here)."""
+    n = batch.seq_lens[row]
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    first = batch.runs[row]
+    if first is not None:
+        return flat[first * block_size : first * block_size + n]
+    table = batch.block_tables[row, : -(-n // block_size)]
+    return cache.index_select(0, table).view(-1, cache.shape[2], cache.shape[3])[:n]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries over paged KV.
+
+    ``q``: ``[T, heads, head_dim]``; ``k_cache``/``v_cache``: one layer of the pool,
+    ``[num_blocks, block_size, kv_heads, head_dim]``, already holding this step's keys/values.
+    Returns ``[T, heads, head_dim]`` (``q``'s dtype). Grouped-query attention folds the query
+    heads sharing a KV head into the query-length axis, so KV is never repeated.
+    """
+    tokens, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    nd = batch.num_decode
+    if nd == 1:
+        k = _row_kv(k_cache, batch, 0, block_size).transpose(0, 1)  # [K, n, D]
+        v = _row_kv(v_cache, batch, 0, block_size).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[0].view(kv_heads, group, dim), k, v, scale=scale)
+        out[0] = o.reshape(heads, dim)
+    elif nd:
+        span = -(-max(batch.seq_lens[:nd]) // block_size)
+        table = batch.block_tables[:nd, :span].reshape(-1)
+        k = k_cache.index_select(0, table).view(nd, span * block_size, kv_heads, dim)
+        v = v_cache.index_select(0, table).view(nd, span * block_size, kv_heads, dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, K, L, D]
+        qd = q[:nd].view(nd, kv_heads, group, dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, heads, dim)
+    for row in range(nd, len(batch.seq_lens)):
+        start, end = batch.query_starts[row], batch.query_starts[row + 1]
+        q_len = end - start
+        k = _row_kv(k_cache, batch, row, block_size).transpose(0, 1)  # [K, n, D]
+        v = _row_kv(v_cache, batch, row, block_size).transpose(0, 1)
+        # [q_len, H, D] -> [K, group * q_len, D]: head h = kv_head * group + g
+        qp = q[start:end].view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
+        qp = qp.reshape(kv_heads, group * q_len, dim)
+        mask = batch.prefill_masks[row - nd].repeat(group, 1)  # [group * q_len, n]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = (
+            o.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3).reshape(q_len, heads, dim)
+        )
+    return out

@@ -1,0 +1,403 @@
+"""``agentrl serve``: an engine behind the SGLang 0.5.17 HTTP subset (aiohttp, asyncio).
+
+Endpoints: ``POST /generate`` (one prompt or a batch of ``input_ids`` or ``text``, ``n``
+samples, ``return_logprob``, ``session_params``), ``/open_session``, ``/close_session``,
+``/update_weights_from_disk``, ``/flush_cache``, ``/get_model_info`` (and ``/model_info``),
+``/get_weight_version``, ``/v1/models``, ``/health``, ``/health_generate``, ``/metrics``
+(Prometheus text). Session semantics are SGLang's (see ``_server_sessions``).
+
+Choices where SGLang leaves room, or where agentrl serve differs:
+
+- ``output_ids`` are exactly the sampled ids (a matched stop token, or the tokens covering a
+  matched stop string, included), as SGLang returns them. ``text`` follows SGLang's detokenizer:
+  with ``no_stop_trim=false`` (the default) a matched stop token is left out of the text and a
+  matched stop string cuts the text where it starts; with ``no_stop_trim=true`` the text keeps the
+  stop token, and is cut right after a matched stop string.
+- Like SGLang, generation also stops at the model's EOS ids unless ``ignore_eos`` (which, as in
+  SGLang, turns off ``stop_token_ids`` too). When the last allowed token is a stop token, the
+  embedded engine reports ``stop`` (SGLang reports ``length``; ``SGLangEngine`` normalizes).
+- ``return_logprob`` with ``logprob_start_len=-1`` returns SGLang's one input entry
+  ``[null, last_input_id, null]``; input-token logprobs at earlier positions are not computed
+  (400). ``top_logprobs_num`` > 0 and ``stream=true`` are refused (400).
+- ``weight_version`` is an integer sent as a string (SGLang's type).
+- ``/close_session`` of an unknown id answers 200 as SGLang does (body says it was not open).
+
+Errors: invalid input is a 400 ``{"error": {"message": ..., "field": ...}}`` naming the field;
+an unexpected failure is a 500 with the same shape. No request can stop the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+from aiohttp import web
+
+from agentrl._errors import AgentRLError
+from agentrl._types import GenerateResult
+
+from . import _wire as w
+from ._protocol import Engine
+from ._server_generate import (
+    BadRequest,
+    Item,
+    ModelFacts,
+    check_logprob_start,
+    plan_generate,
+    render_result,
+)
+from ._server_metrics import Counters, engine_statistics, kv_facts, prometheus_text
+from ._server_sessions import SessionError, SessionTable, Turn
+
+_JSON = "application/json"
+
+
+def _json(payload: msgspec.Struct | list | dict | str, status: int = 200) -> web.Response:
+    return web.Response(body=w.encoder.encode(payload), status=status, content_type=_JSON)
+
+
+def _error(status: int, message: str, field: str | None = None) -> web.Response:
+    body = w.WireError(w.WireErrorBody(message, field), code=status)
+    return _json(body, status)
+
+
+class _Server:
+    def __init__(self, engine: Engine, tokenizer: Any, model_path: str, served_name: str) -> None:
+        self.engine = engine
+        self.model_path = model_path
+        self.served_name = served_name
+        self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
+        self.sessions = SessionTable(engine, self.facts.bos_token_id)
+        self.counters = Counters()
+
+    # --- /generate ----------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        try:
+            req = w.generate_req_decoder.decode(await request.read())
+            items, single = plan_generate(req, self.facts)
+        except msgspec.ValidationError as exc:
+            return _error(400, f"invalid /generate request: {exc}", w.error_field(exc))
+        except msgspec.DecodeError as exc:
+            return _error(400, f"/generate body is not valid JSON: {exc}")
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.field)
+        await self.sessions.reap()
+        results: list[w.WireGenerateResp | None] = [None] * len(items)
+        try:
+            async with anyio.create_task_group() as tg:
+                for index, item in enumerate(items):
+                    tg.start_soon(self._run_item, item, index, results, started)
+        except BaseExceptionGroup as group:
+            return self._failure(group)
+        body = [r for r in results if r is not None]
+        return _json(body[0] if single else body)
+
+    def _failure(self, group: BaseExceptionGroup) -> web.Response:
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        if isinstance(exc, Exception):
+            self.counters.failed += 1
+        if isinstance(exc, SessionError):
+            return _error(400, str(exc), "session_params")
+        if isinstance(exc, BadRequest):
+            return _error(400, str(exc), exc.field)
+        if isinstance(exc, AgentRLError):
+            return _error(400, str(exc))
+        if isinstance(exc, Exception):
+            return _error(500, f"internal error: {exc!r}")
+        raise group  # cancellation and KeyboardInterrupt are not ours to turn into a response
+
+    async def _run_item(
+        self, item: Item, index: int, out: list[w.WireGenerateResp | None], started: float
+    ) -> None:
+        turn: Turn | None = None
+        context, session = item.input_ids, None
+        if item.session is not None:
+            turn = self.sessions.begin(
+                item.session, item.input_ids, item.rid, item.sampling.max_new_tokens
+            )
+            context, session = turn.context, turn.engine_session
+        result: GenerateResult | None = None
+        try:
+            check_logprob_start(item, len(context))
+            with anyio.CancelScope() as scope:
+                if turn is not None:
+                    turn.node.cancel = scope.cancel
+                result = await self.engine.generate(context, item.sampling, session=session)
+            if result is None:  # a replace in the same session aborted this request
+                version = self.engine.weight_version
+                result = GenerateResult(
+                    [], [], "abort", prompt_tokens=len(context), weight_version=version
+                )
+        finally:
+            if turn is not None:
+                ok = result is not None and result.finish_reason != "abort"
+                await self.sessions.finish(turn, result.token_ids if ok and result else None)
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(context)
+        self.counters.generation_tokens += len(result.token_ids)
+        self.counters.cached_tokens += result.cached_tokens
+        out[index] = render_result(item, context, result, self.facts, started)
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        try:
+            req = w.open_session_decoder.decode(await request.read() or b"{}")
+            session_id = await self.sessions.open(
+                req.session_id, req.capacity_of_str_len, bool(req.streaming), req.timeout
+            )
+        except msgspec.MsgspecError as exc:
+            return _error(400, f"invalid /open_session request: {exc}", w.error_field(exc))
+        except SessionError as exc:
+            return _error(400, str(exc), "session_id")
+        except AgentRLError as exc:
+            return _error(400, str(exc))
+        return _json(session_id)
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        try:
+            req = w.close_session_decoder.decode(await request.read())
+        except msgspec.MsgspecError as exc:
+            return _error(400, f"invalid /close_session request: {exc}", "session_id")
+        closed = await self.sessions.close(req.session_id)
+        return _json({"success": closed, "message": "closed" if closed else "not open"})
+
+    # --- weights, cache, info ---------------------------------------------------------------
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            req = w.update_weights_req_decoder.decode(await request.read())
+        except msgspec.MsgspecError as exc:
+            msg = f"invalid /update_weights_from_disk request: {exc}"
+            return _error(400, msg, w.error_field(exc))
+        version = self.engine.weight_version
+        if req.weight_version is not None:
+            try:
+                version = int(req.weight_version)
+            except ValueError:
+                msg = f"weight_version must be an integer string, got {req.weight_version!r}"
+                return _json(w.WireUpdateWeightsResp(False, msg), 400)
+        try:
+            await self.engine.update_weights(version, req.model_path)
+        except AgentRLError as exc:
+            return _json(w.WireUpdateWeightsResp(False, f"failed to update weights: {exc}"), 400)
+        message = f"Succeeded to update model weights. Weight version updated to {version}."
+        return _json(w.WireUpdateWeightsResp(True, message))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        flush = getattr(self.engine, "flush_cache", None)
+        if flush is not None:
+            try:
+                outcome = flush()
+                if hasattr(outcome, "__await__"):
+                    outcome = await outcome
+            except AgentRLError as exc:
+                return web.Response(text=f"Cache not flushed: {exc}\n", status=400)
+            if outcome is False:
+                return web.Response(text="Cache not flushed (requests running).\n", status=400)
+        return web.Response(text="Cache flushed.\n")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        facts = self.facts
+        info = w.WireModelInfo(
+            model_path=self.model_path,
+            tokenizer_path=self.model_path,
+            weight_version=str(self.engine.weight_version),
+            agentrl={
+                "engine": type(self.engine).__name__,
+                "max_context_length": self.engine.max_context,
+                "vocab_size": facts.vocab_size,
+                **kv_facts(self.engine),
+            },
+        )
+        return _json(info)
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return _json({"weight_version": str(self.engine.weight_version)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = w.WireModelCard(
+            self.served_name, root=self.model_path, max_model_len=self.engine.max_context
+        )
+        return _json(w.WireModelList([card]))
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine answers ``statistics()`` and its worker has not crashed."""
+        try:
+            engine_statistics(self.engine)
+        except AgentRLError:
+            return web.Response(status=503)
+        broken = getattr(getattr(self.engine, "_worker", None), "broken", None)
+        return web.Response(status=503 if broken is not None else 200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        from agentrl._types import SamplingParams
+
+        try:
+            with anyio.fail_after(20):
+                first = self.facts.bos_token_id or 0
+                await self.engine.generate([first], SamplingParams(1, 0.0))
+        except (AgentRLError, TimeoutError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = prometheus_text(self.counters, self.engine, len(self.sessions), self.served_name)
+        return web.Response(text=text, content_type="text/plain")
+
+
+SERVER_KEY: web.AppKey[_Server] = web.AppKey("agentrl_server", _Server)
+
+
+def create_app(
+    engine: Engine, tokenizer: Any, model_path: str | Path, *, served_model_name: str | None = None
+) -> web.Application:
+    """The aiohttp application serving ``engine`` (which the caller owns and closes)."""
+    server = _Server(engine, tokenizer, str(model_path), served_model_name or str(model_path))
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    routes = [
+        ("POST", "/generate", server.generate),
+        ("PUT", "/generate", server.generate),
+        ("*", "/open_session", server.open_session),
+        ("*", "/close_session", server.close_session),
+        ("POST", "/update_weights_from_disk", server.update_weights_from_disk),
+        ("*", "/flush_cache", server.flush_cache),
+        ("GET", "/get_model_info", server.model_info),
+        ("GET", "/model_info", server.model_info),
+        ("GET", "/get_weight_version", server.weight_version),
+        ("GET", "/v1/models", server.models),
+        ("GET", "/health", server.health),
+        ("GET", "/health_generate", server.health_generate),
+        ("GET", "/metrics", server.metrics),
+    ]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+
+    async def session_reaper(app: web.Application) -> AsyncIterator[None]:
+        """Close timed-out sessions every second (SGLang's scheduler does the same)."""
+
+        async def reap_forever() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                await server.sessions.reap()
+
+        task = asyncio.create_task(reap_forever())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.sessions.close_all()
+
+    app.cleanup_ctx.append(session_reaper)
+    app[SERVER_KEY] = server
+    return app
+
+
+async def run_server(
+    engine: Engine,
+    host: str,
+    port: int,
+    model_path: str | Path,
+    *,
+    tokenizer: Any = None,
+    served_model_name: str | None = None,
+) -> None:
+    """Serve ``engine`` on ``host:port`` until cancelled (the caller owns the engine)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
+    app = create_app(engine, tokenizer, model_path, served_model_name=served_model_name)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        print(f"agentrl serve: listening on http://{host}:{bound}", file=sys.stderr, flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``agentrl serve`` options (SGLang's names where they exist)."""
+    parser.add_argument("--model", "--model-path", dest="model", default="smollm2-135m",
+                        help="registered model name or local HF folder")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--page-size",
+        dest="block_size",
+        type=int,
+        default=None,
+        help="KV block size in tokens (the embedded engine's block_size)",
+    )
+    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size")
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """Load the embedded engine for ``args.model`` and serve it until SIGINT/SIGTERM."""
+    from agentrl._models import resolve_model
+
+    from ._embedded import open_embedded_engine
+
+    try:
+        folder = resolve_model(args.model)
+    except AgentRLError as exc:
+        print(f"agentrl serve: {exc}", file=sys.stderr)
+        return 2
+    names = ("max_batch_size", "num_threads", "block_size", "kv_cache_tokens")
+    options = {k: getattr(args, k, None) for k in names}
+    options = {k: v for k, v in options.items() if v is not None}
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        async with open_embedded_engine(folder, **options) as engine:
+            await run_server(
+                engine, args.host, args.port, folder, served_model_name=args.served_model_name
+            )
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        pass
+    except (AgentRLError, OSError) as exc:
+        print(f"agentrl serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m agentrl.engine._server --model tiny-random --port 30000``."""
+    parser = argparse.ArgumentParser(
+        prog="agentrl serve", description="Serve a model over the SGLang HTTP API subset."
+    )
+    add_serve_arguments(parser)
+    return serve_from_args(parser.parse_args(argv))
+
+
+__all__ = ["add_serve_arguments", "create_app", "run_server", "serve_from_args", "serve_main"]
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -1,0 +1,284 @@
+"""``POST /generate`` for ``agentrl serve``: SGLang request -> engine requests -> SGLang response.
+
+``plan_generate`` validates a decoded request and expands it into one ``Item`` per sample (batch
+prompts x ``n``, prompt-major, as SGLang orders them); ``render_result`` turns an engine result
+into SGLang's response object (text trimming rules: see ``_server``'s module docs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentrl._errors import EngineError
+from agentrl._types import GenerateResult, SamplingParams
+
+from . import _wire as w
+
+MAX_N = 64
+"""Most samples one prompt may ask for (``sampling_params.n``)."""
+
+
+class BadRequest(EngineError):
+    """Invalid ``/generate`` input; ``field`` names the offending field (HTTP 400)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What request validation and rendering need to know about the served model."""
+
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    """Ids that stop generation unless ``ignore_eos`` (config + generation config + tokenizer)."""
+    bos_token_id: int | None
+    max_context: int
+
+    @classmethod
+    def read(cls, folder: Path, tokenizer: Any, max_context: int) -> ModelFacts:
+        config = _read_json(folder / "config.json")
+        eos: list[int] = []
+        for source in (config, _read_json(folder / "generation_config.json")):
+            value = source.get("eos_token_id")
+            eos += value if isinstance(value, list) else [value] if isinstance(value, int) else []
+        if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+            eos.append(tokenizer.eos_token_id)
+        vocab = int(config.get("vocab_size") or len(tokenizer))
+        bos = getattr(tokenizer, "bos_token_id", None)
+        return cls(tokenizer, vocab, tuple(dict.fromkeys(eos)), bos, max_context)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sample to generate."""
+
+    input_ids: list[int]
+    """The whole context, or inside a session the new suffix."""
+    sampling: SamplingParams
+    rid: str
+    return_logprob: bool
+    logprob_start_len: int
+    text_in_logprobs: bool
+    no_stop_trim: bool
+    skip_special_tokens: bool
+    session: w.WireSessionParams | None
+
+
+def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item], bool]:
+    """Validate ``req``; return its samples and whether the response is a single object."""
+    if req.stream:
+        raise BadRequest("stream=true is not supported by agentrl serve", "stream")
+    if req.top_logprobs_num:
+        raise BadRequest(
+            "top_logprobs_num > 0 is not supported by agentrl serve", "top_logprobs_num"
+        )
+    prompts, batch = _prompts(req, facts)
+    start = -1 if req.logprob_start_len is None else req.logprob_start_len
+    params = req.sampling_params
+    if isinstance(params, list):
+        if not batch or len(params) != len(prompts):
+            raise BadRequest(
+                f"a list of sampling_params needs a batch of as many prompts ({len(prompts)})",
+                "sampling_params",
+            )
+    else:
+        params = [params or w.WireSamplingParams()] * len(prompts)
+    rids = _rids(req.rid, len(prompts), batch)
+    session = req.session_params
+    if session is not None and session.id is None:
+        raise BadRequest("session_params.id is required", "session_params.id")
+    items: list[Item] = []
+    for index, (prompt, wire, rid) in enumerate(zip(prompts, params, rids, strict=True)):
+        field = f"sampling_params[{index}]" if isinstance(req.sampling_params, list) else None
+        sampling, n, no_stop_trim, skip = _sampling(wire, facts, field or "sampling_params")
+        if session is not None and (batch or n > 1):
+            raise BadRequest("session_params needs a single prompt and n=1", "session_params")
+        for sample in range(n):
+            seed = sampling.seed
+            items.append(
+                Item(
+                    input_ids=prompt,
+                    sampling=_with_seed(sampling, None if seed is None else seed + sample),
+                    rid=rid if n == 1 else f"{rid}-{sample}",
+                    return_logprob=bool(req.return_logprob),
+                    logprob_start_len=start,
+                    text_in_logprobs=bool(req.return_text_in_logprobs),
+                    no_stop_trim=no_stop_trim,
+                    skip_special_tokens=skip,
+                    session=session,
+                )
+            )
+    return items, not batch and len(items) == 1
+
+
+def _with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
+    if seed == sampling.seed:
+        return sampling
+    fields = {f: getattr(sampling, f) for f in sampling.__struct_fields__}
+    return SamplingParams(**{**fields, "seed": seed})
+
+
+def _prompts(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[list[int]], bool]:
+    if (req.input_ids is None) == (req.text is None):
+        raise BadRequest("give exactly one of input_ids and text", "input_ids")
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        if not texts:
+            raise BadRequest("text is an empty batch", "text")
+        prompts = [list(facts.tokenizer.encode(t)) for t in texts]
+        batch, field = not isinstance(req.text, str), "text"
+    else:
+        ids = req.input_ids or []
+        lists = [isinstance(x, list) for x in ids]
+        if any(lists) and not all(lists):
+            raise BadRequest("input_ids mixes token ids and lists of token ids", "input_ids")
+        batch, field = bool(ids) and all(lists), "input_ids"
+        prompts = [list(x) for x in ids] if batch else [list(ids)]  # type: ignore[arg-type]
+    for index, prompt in enumerate(prompts):
+        where = f"{field}[{index}]" if batch else field
+        if not prompt:
+            raise BadRequest(f"{where} is empty", where)
+        bad = next((t for t in prompt if not 0 <= t < facts.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(
+                f"{where}: token id {bad} is out of range [0, {facts.vocab_size})", where
+            )
+    return prompts, batch
+
+
+def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(rid, str):
+        return [rid] if not batch else [f"{rid}-{i}" for i in range(count)]
+    if len(rid) != count or len(set(rid)) != count:
+        raise BadRequest(f"rid needs {count} distinct ids, got {len(rid)}", "rid")
+    return list(rid)
+
+
+def _sampling(
+    wire: w.WireSamplingParams, facts: ModelFacts, field: str
+) -> tuple[SamplingParams, int, bool, bool]:
+    def bad(name: str, why: str, value: object) -> BadRequest:
+        return BadRequest(f"{field}.{name} {why}, got {value!r}", f"{field}.{name}")
+
+    for name, neutral in (
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("min_new_tokens", 0),
+    ):
+        value = getattr(wire, name)
+        if value is not None and value != neutral:
+            raise bad(name, f"is not supported by agentrl serve (only {neutral})", value)
+    max_new = 128 if wire.max_new_tokens is None else wire.max_new_tokens
+    if max_new < 0:
+        raise bad("max_new_tokens", "must be >= 0", max_new)
+    temperature = 1.0 if wire.temperature is None else wire.temperature
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise bad("temperature", "must be finite and >= 0", temperature)
+    top_p = 1.0 if wire.top_p is None else wire.top_p
+    if not 0 < top_p <= 1:
+        raise bad("top_p", "must be in (0, 1]", top_p)
+    top_k = -1 if wire.top_k is None or wire.top_k >= facts.vocab_size else wire.top_k
+    if top_k != -1 and top_k < 1:
+        raise bad("top_k", "must be -1 (off) or >= 1", top_k)
+    min_p = 0.0 if wire.min_p is None else wire.min_p
+    if not 0 <= min_p <= 1:
+        raise bad("min_p", "must be in [0, 1]", min_p)
+    stop = [wire.stop] if isinstance(wire.stop, str) else list(wire.stop or [])
+    if any(not s for s in stop):
+        raise bad("stop", "must hold non-empty strings", stop)
+    stop_ids = list(wire.stop_token_ids or [])
+    if any(not 0 <= t < facts.vocab_size for t in stop_ids):
+        raise bad("stop_token_ids", f"must be in [0, {facts.vocab_size})", stop_ids)
+    n = 1 if wire.n is None else wire.n
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"must be in [1, {MAX_N}]", n)
+    # SGLang: ignore_eos turns off EOS *and* stop_token_ids; otherwise both stop generation.
+    stop_ids = [] if wire.ignore_eos else list(dict.fromkeys(stop_ids + list(facts.eos_token_ids)))
+    sampling = SamplingParams(
+        max_new_tokens=max_new,
+        temperature=0.0 if temperature < 1e-6 else temperature,  # SGLang: greedy below 1e-6
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        seed=wire.sampling_seed,
+    )
+    skip = True if wire.skip_special_tokens is None else wire.skip_special_tokens
+    return sampling, n, bool(wire.no_stop_trim), skip
+
+
+def check_logprob_start(item: Item, context_len: int) -> None:
+    """Input-token logprobs are not computed: only -1 (or ``len - 1``, the same) is accepted."""
+    start = item.logprob_start_len
+    if start < -1 or start >= context_len:
+        raise BadRequest(
+            f"logprob_start_len ({start}) must be -1 or smaller than the input length "
+            f"({context_len})",
+            "logprob_start_len",
+        )
+    if item.return_logprob and start not in (-1, context_len - 1):
+        raise BadRequest(
+            "input-token logprobs (logprob_start_len >= 0 before the last input token) are not "
+            "supported by agentrl serve; use -1",
+            "logprob_start_len",
+        )
+
+
+def render_result(
+    item: Item, context: list[int], result: GenerateResult, facts: ModelFacts, started: float
+) -> w.WireGenerateResp:
+    """SGLang's response object for one sample."""
+    tokenizer, ids = facts.tokenizer, list(result.token_ids)
+    matched = result.matched_stop if result.finish_reason == "stop" else None
+    text_ids = ids[:-1] if isinstance(matched, int) and not item.no_stop_trim and ids else ids
+    text = tokenizer.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
+    if isinstance(matched, str):
+        pos = text.find(matched)
+        if pos != -1:
+            text = text[: pos + len(matched)] if item.no_stop_trim else text[:pos]
+    if result.finish_reason == "stop":
+        finish = w.WireFinishReason("stop", matched=matched)
+    elif result.finish_reason == "length":
+        finish = w.WireFinishReason("length", length=item.sampling.max_new_tokens)
+    else:
+        finish = w.WireFinishReason("abort", message="request aborted")
+    meta = w.WireMetaInfo(
+        id=item.rid,
+        finish_reason=finish,
+        prompt_tokens=len(context),
+        completion_tokens=len(ids),
+        cached_tokens=int(result.cached_tokens),
+        weight_version=str(result.weight_version),
+        e2e_latency=time.perf_counter() - started,
+    )
+    if item.return_logprob:
+
+        def piece(token: int) -> str | None:
+            return tokenizer.decode([token]) if item.text_in_logprobs else None
+
+        meta.output_token_logprobs = [
+            (float(lp), int(t), piece(t)) for t, lp in zip(ids, result.logprobs, strict=True)
+        ]
+        meta.input_token_logprobs = [(None, context[-1], piece(context[-1]))]
+    return w.WireGenerateResp(text=text, meta_info=meta, output_ids=ids)

@@ -1,0 +1,418 @@
+"""``SGLangEngine``: the ``Engine`` protocol over SGLang's HTTP API (SGLang 0.5.17, agentrl serve).
+
+Requests go through httpx (anyio-native: trio and asyncio). Every ``/generate`` asks for
+``return_logprob`` with ``logprob_start_len=-1`` (output logprobs only), ``no_stop_trim`` and
+``skip_special_tokens=false``; ids and logprobs come from ``meta_info.output_token_logprobs``.
+
+Sessions. ``open_session`` opens a server session on one server and pins the trajectory there
+(sticky routing; new sessions go to the server with the fewest sessions and requests). It asks
+for a streaming session (KV kept between turns) and falls back to a classic one when the server
+refuses. The caller always passes the whole context; the engine remembers what the server holds
+for the session (the last request's input + output, as SGLang prepends them) and sends only the
+new suffix with ``session_params.rid`` naming the last request. When the context does not extend
+what the server holds (or the suffix starts with BOS, which SGLang would strip), it starts over:
+a new root request with the whole context (classic), or a fresh server session (streaming).
+A reply whose ``prompt_tokens`` differs from the context length, or a 400 that mentions the
+session, drops the session state and the request is repeated without the session.
+Weight updates restart every session's chain (streaming KV was computed with the old weights).
+
+Connections (``_sglang_http``): one pooled ``httpx.AsyncClient`` lives while requests are in
+flight; ``async with engine:`` keeps it (and its keep-alive connections) for the whole block.
+Used without ``async with`` (e.g. handed to ``agentrl.rollout``), the pool closes whenever the
+engine goes idle, so no socket outlives the event loop. Connection failures (nothing was sent)
+are retried with backoff; timeouts, broken connections and HTTP errors raise ``EngineError``
+naming URL, status and body (``SGLangHTTPError`` for an HTTP error status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from agentrl._errors import EngineError
+from agentrl._types import GenerateResult, SamplingParams
+
+from . import _wire as w
+from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
+
+
+class SGLangStatistics(msgspec.Struct, frozen=True):
+    """Counters since the engine was created (``SGLangEngine.statistics()``)."""
+
+    requests: int
+    session_requests: int
+    """Requests that sent only a suffix inside a session."""
+    tokens_sent: int
+    tokens_saved: int
+    """Context tokens not sent because the session held them."""
+    session_restarts: int
+    fallbacks: int
+    """Session requests repeated without the session (server refused or disagreed)."""
+    connect_retries: int
+
+
+@dataclass(eq=False)
+class _Session:
+    server: Upstream
+    capacity: int
+    remote_id: str | None = None
+    streaming: bool = False
+    used: bool = False
+    """The remote session already holds a turn (streaming sessions can only be appended to)."""
+    history: list[int] | None = None
+    """What the server holds for ``last_rid``: its input + output ids."""
+    last_rid: str | None = None
+    busy: bool = False
+
+
+class SGLangEngine:
+    """The ``Engine`` protocol over one or more SGLang-compatible servers. See the module docs.
+
+    ``max_context`` defaults to the smallest ``max_model_len`` the servers report on
+    ``/v1/models``; ``bos_token_id`` defaults to ``bos_token_id`` in the served model's
+    ``config.json`` when that folder exists on this machine.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        max_context: int | None = None,
+        bos_token_id: int | None = None,
+        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        connect_retries: int = 3,
+        streaming_sessions: bool = True,
+        session_timeout_s: float | None = 3600.0,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise EngineError("SGLangEngine needs at least one server URL")
+        self._servers = [Upstream(u.rstrip("/")) for u in urls]
+        self._max_context = max_context
+        self._bos = bos_token_id
+        self._streaming = streaming_sessions
+        self._session_timeout = session_timeout_s
+        https = any(s.url.startswith("https") for s in self._servers)
+        self._http = Transport(request_timeout_s, connect_timeout_s, connect_retries, https)
+        self._sessions: dict[str, _Session] = {}
+        self._weight_version = 0
+        self._connected = False
+        self._connecting: anyio.Event | None = None
+        self._closed = False
+        self._scopes: set[anyio.CancelScope] = set()
+        self._hold: AsyncExitStack | None = None
+        self._turn = 0
+        self._counts = dict.fromkeys(SGLangStatistics.__struct_fields__[:-1], 0)
+
+    # --- protocol properties ----------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens one request may reach (asks the servers, blocking, if still unknown)."""
+        if self._max_context is None:
+            for server in self._servers:
+                self._http.probe_blocking(server)
+            self._settle()
+        if self._max_context is None:
+            raise EngineError("the servers report no context length: pass max_context=")
+        return self._max_context
+
+    def statistics(self) -> SGLangStatistics:
+        return SGLangStatistics(**self._counts, connect_retries=self._http.connect_retries)
+
+    # --- connection ---------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Read every server's model info (weight version, context length, model path)."""
+        failures: list[str] = []
+
+        async def probe(server: Upstream) -> None:
+            try:
+                await self._http.probe(server)
+            except EngineError as exc:
+                failures.append(str(exc))
+
+        async with anyio.create_task_group() as tg:
+            for server in self._servers:
+                tg.start_soon(probe, server)
+        if failures:
+            raise EngineError("; ".join(failures))
+        self._settle()
+
+    def _settle(self) -> None:
+        self._connected = True
+        self._weight_version = min(s.weight_version for s in self._servers)
+        contexts = [s.max_context for s in self._servers if s.max_context]
+        if self._max_context is None and contexts:
+            self._max_context = min(contexts)
+        if self._bos is None and self._servers[0].model_path:
+            config = Path(self._servers[0].model_path) / "config.json"
+            try:
+                bos = json.loads(config.read_text()).get("bos_token_id")
+            except (OSError, ValueError):
+                bos = None
+            self._bos = bos if isinstance(bos, int) else None
+
+    async def _ready(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
+        while not self._connected:  # one probe at a time; the others wait for its outcome
+            if self._connecting is None:
+                self._connecting = anyio.Event()
+                try:
+                    await self.connect()
+                finally:
+                    event, self._connecting = self._connecting, None
+                    event.set()
+            else:
+                await self._connecting.wait()
+
+    # --- generate -----------------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> GenerateResult:
+        """Sample a continuation of the whole context ``input_ids`` (see the module docs)."""
+        await self._ready()
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise EngineError("input_ids is empty")
+        state = None
+        if session is not None:
+            state = self._sessions.get(session)
+            if state is None:
+                raise EngineError(f"unknown session {session!r}")
+        with anyio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                if state is None or state.busy:
+                    server = state.server if state else self._least_loaded(sessions=False)
+                    return await self._generate(server, ids, ids, sampling)
+                state.busy = True
+                try:
+                    return await self._in_session(state, ids, sampling)
+                finally:
+                    state.busy = False
+            finally:
+                self._scopes.discard(scope)
+        # only reached when aclose() cancelled this request
+        version = self._weight_version
+        return GenerateResult([], [], "abort", prompt_tokens=len(ids), weight_version=version)
+
+    async def _in_session(
+        self, state: _Session, ids: list[int], sampling: SamplingParams
+    ) -> GenerateResult:
+        held = state.history
+        if state.remote_id is not None and held and _extends(ids, held, self._bos):
+            params = w.WireSessionParams(id=state.remote_id, rid=state.last_rid)
+            send = ids[len(held) :]
+        else:
+            if state.remote_id is None or (state.streaming and state.used):
+                await self._restart(state)
+            params, send = w.WireSessionParams(id=state.remote_id), ids
+        rid = uuid.uuid4().hex
+        try:
+            result = await self._generate(state.server, ids, send, sampling, rid, params)
+        except SGLangHTTPError as exc:
+            if exc.status != 400 or "session" not in exc.body.lower():
+                raise
+            result = None
+        state.used = True
+        if result is None or result.prompt_tokens != len(ids):
+            # the server refused the session request or built another context: start over
+            self._counts["fallbacks"] += 1
+            state.history, state.last_rid = None, None
+            if state.streaming:
+                await self._restart(state)
+            return await self._generate(state.server, ids, ids, sampling)
+        if send is not ids:
+            self._counts["session_requests"] += 1
+            self._counts["tokens_saved"] += len(ids) - len(send)
+        ok = result.finish_reason != "abort"
+        state.history = ids + list(result.token_ids) if ok else None
+        state.last_rid = rid if ok else None
+        return result
+
+    async def _generate(
+        self,
+        server: Upstream,
+        context: list[int],
+        send: list[int],
+        sampling: SamplingParams,
+        rid: str | None = None,
+        session: w.WireSessionParams | None = None,
+    ) -> GenerateResult:
+        request = w.WireGenerateReq(
+            input_ids=list(send),
+            sampling_params=wire_sampling(sampling),
+            rid=rid or uuid.uuid4().hex,
+            return_logprob=True,
+            logprob_start_len=-1,
+            session_params=session,
+        )
+        server.inflight += 1
+        try:
+            body = await self._http.call(server, "POST", "/generate", request)
+        finally:
+            server.inflight -= 1
+        self._counts["requests"] += 1
+        self._counts["tokens_sent"] += len(send)
+        try:
+            reply = w.generate_resp_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"{server.url}/generate: unexpected reply: {exc}") from exc
+        if isinstance(reply, list):
+            if len(reply) != 1:
+                raise EngineError(f"{server.url}/generate: {len(reply)} results for one request")
+            reply = reply[0]
+        return to_result(
+            reply, sampling, self._weight_version, server.url, session is None, context
+        )
+
+    def _least_loaded(self, *, sessions: bool) -> Upstream:
+        self._turn += 1
+        order = self._servers[self._turn % len(self._servers) :] + self._servers
+        if sessions:
+            return min(order, key=lambda s: (s.sessions, s.inflight))
+        return min(order, key=lambda s: s.inflight)
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    async def open_session(self, capacity_tokens: int | None = None) -> str:
+        """Open a session on the least-loaded server; its requests stay on that server."""
+        await self._ready()
+        if capacity_tokens is not None and capacity_tokens < 2:
+            raise EngineError(f"capacity_tokens must be >= 2, got {capacity_tokens}")
+        state = _Session(self._least_loaded(sessions=True), capacity_tokens or self.max_context)
+        await self._open_remote(state)
+        session_id = uuid.uuid4().hex
+        self._sessions[session_id] = state
+        state.server.sessions += 1
+        return session_id
+
+    async def _open_remote(self, state: _Session) -> None:
+        streaming = self._streaming and state.server.streaming is not False
+        request = w.WireOpenSessionReq(
+            capacity_of_str_len=state.capacity,
+            session_id=uuid.uuid4().hex,
+            streaming=streaming or None,
+            timeout=self._session_timeout,
+        )
+        try:
+            body = await self._http.call(state.server, "POST", "/open_session", request)
+        except SGLangHTTPError as exc:
+            if not streaming or exc.status != 400:
+                raise
+            state.server.streaming = streaming = False  # no streaming sessions there
+            request.streaming = None
+            body = await self._http.call(state.server, "POST", "/open_session", request)
+        try:
+            remote = w.session_id_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"{state.server.url}/open_session: unexpected reply: {exc}") from exc
+        if not remote:
+            raise EngineError(f"{state.server.url}/open_session returned no session id")
+        if streaming:
+            state.server.streaming = True
+        state.remote_id, state.streaming, state.used = remote, streaming, False
+        state.history, state.last_rid = None, None
+
+    async def _restart(self, state: _Session) -> None:
+        """A fresh server session on the same server (the old one is closed, best effort)."""
+        if state.remote_id is not None:
+            self._counts["session_restarts"] += 1
+            old, state.remote_id = state.remote_id, None
+            try:
+                await self._close_remote(state.server, old)
+            except EngineError:
+                pass
+        await self._open_remote(state)
+
+    async def _close_remote(self, server: Upstream, remote_id: str) -> None:
+        with anyio.CancelScope(shield=True):
+            request = w.WireCloseSessionReq(remote_id)
+            await self._http.call(server, "POST", "/close_session", request, timeout=30)
+
+    async def close_session(self, session_id: str) -> None:
+        state = self._sessions.pop(session_id, None)
+        if state is None:
+            raise EngineError(f"unknown session {session_id!r}")
+        state.server.sessions -= 1
+        if state.remote_id is not None:
+            await self._close_remote(state.server, state.remote_id)
+
+    # --- weights and lifetime -------------------------------------------------------------
+
+    async def update_weights(self, version: int, source: str | dict[str, Any]) -> None:
+        """``/update_weights_from_disk`` on every server (``source``: a folder they can read)."""
+        await self._ready()
+        if not isinstance(source, str | os.PathLike):
+            raise EngineError("SGLangEngine updates weights from a path only; save the tensors")
+        request = w.WireUpdateWeightsFromDiskReq(
+            model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=True
+        )
+        failures: list[str] = []
+
+        async def one(server: Upstream) -> None:
+            try:
+                body = await self._http.call(server, "POST", "/update_weights_from_disk", request)
+                reply = w.update_weights_resp_decoder.decode(body)
+                if not reply.success:
+                    failures.append(f"{server.url}: {reply.message}")
+            except (EngineError, msgspec.DecodeError) as exc:
+                failures.append(f"{server.url}: {exc}")
+
+        async with anyio.create_task_group() as tg:
+            for server in self._servers:
+                tg.start_soon(one, server)
+        if failures:
+            raise EngineError("update_weights failed on " + "; ".join(failures))
+        self._weight_version = int(version)
+        for state in self._sessions.values():
+            state.history, state.last_rid = None, None
+
+    async def aclose(self) -> None:
+        """Abort requests in flight, close open sessions (best effort), drop connections."""
+        if self._closed:
+            return
+        self._closed = True
+        for scope in list(self._scopes):
+            scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            for session_id in list(self._sessions):
+                try:
+                    await self.close_session(session_id)
+                except EngineError:
+                    pass
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            await hold.aclose()
+
+    async def __aenter__(self) -> SGLangEngine:
+        self._hold = AsyncExitStack()
+        await self._hold.enter_async_context(self._http.use())
+        await self._ready()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+
+
+def _extends(ids: list[int], held: list[int], bos: int | None) -> bool:
+    n = len(held)
+    return len(ids) > n and ids[:n] == held and ids[n] != bos

@@ -1,0 +1,418 @@
+"""``agentrl serve``'s HTTP API in process: the aiohttp app on a real loopback port, the real
+embedded engine on tiny-random, real HTTP through httpx. asyncio only (aiohttp is asyncio-only)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from agentrl.engine import open_embedded_engine
+from agentrl.engine._server import create_app
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Served:
+    client: httpx.AsyncClient
+    tokenizer: Any
+
+    async def post(self, path: str, body: Any = None, status: int = 200) -> Any:
+        response = await self.client.post(path, json=body)
+        assert response.status_code == status, response.text
+        return response.json() if response.content else None
+
+    async def generate(self, status: int = 200, **body: Any) -> Any:
+        return await self.post("/generate", body, status)
+
+    async def greedy(self, ids: list[int], max_new_tokens: int = 6, **extra: Any) -> Any:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, **extra.pop("sp", {})}
+        return await self.generate(input_ids=ids, sampling_params=params, **extra)
+
+
+@asynccontextmanager
+async def serving(model_dir: Path) -> AsyncIterator[Served]:
+    async with open_embedded_engine(model_dir, max_batch_size=8, num_threads=1) as engine:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        server = TestServer(create_app(engine, tokenizer, model_dir), host="127.0.0.1", port=0)
+        await server.start_server()
+        try:
+            base = str(server.make_url("")).rstrip("/")
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                yield Served(client, tokenizer)
+        finally:
+            await server.close()
+
+
+@pytest.fixture(scope="module")
+async def served(tiny_dir: Path) -> AsyncIterator[Served]:
+    async with serving(tiny_dir) as value:
+        yield value
+
+
+def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
+    """A copy of ``model_dir`` whose weights got seeded noise (same shapes, same tokenizer)."""
+    shutil.copytree(model_dir, dest)
+    state = load_file(dest / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+# --- /generate ------------------------------------------------------------------------------
+
+
+async def test_generate_answers_in_sglang_shape(served: Served) -> None:
+    out = await served.greedy(PROMPT, return_logprob=True, rid="r-1")
+    meta = out["meta_info"]
+    assert meta["id"] == "r-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 6
+    assert meta["cached_tokens"] >= 0 and meta["weight_version"] == "0"
+    assert meta["e2e_latency"] > 0
+    triples = meta["output_token_logprobs"]
+    assert [t[1] for t in triples] == out["output_ids"] and len(out["output_ids"]) == 6
+    assert all(t[0] <= 0 and t[2] is None for t in triples)
+    assert meta["input_token_logprobs"] == [[None, PROMPT[-1], None]]
+    assert out["text"] == served.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    plain = await served.greedy(PROMPT)
+    assert "output_token_logprobs" not in plain["meta_info"]
+    assert plain["output_ids"] == out["output_ids"]
+
+
+async def test_text_in_logprobs(served: Served) -> None:
+    out = await served.greedy(PROMPT, return_logprob=True, return_text_in_logprobs=True)
+    for _, token, text in out["meta_info"]["output_token_logprobs"]:
+        assert text == served.tokenizer.decode([token])
+
+
+async def test_text_prompt_is_tokenized(served: Served) -> None:
+    by_text = await served.generate(text="Hello world", sampling_params={"temperature": 0})
+    ids = served.tokenizer.encode("Hello world")
+    by_ids = await served.greedy(ids, max_new_tokens=128)
+    assert by_text["output_ids"] == by_ids["output_ids"]
+    assert by_text["meta_info"]["prompt_tokens"] == len(ids)
+
+
+async def test_batch_and_n_answer_a_list_prompt_major(served: Served) -> None:
+    prompts = [PROMPT, PROMPT[:4], PROMPT[:7]]
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 3, "n": 2}}
+    out = await served.post("/generate", body)
+    assert isinstance(out, list) and len(out) == 6
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [10, 10, 4, 4, 7, 7]
+    assert len({o["meta_info"]["id"] for o in out}) == 6
+    single_n = await served.generate(
+        input_ids=PROMPT, sampling_params={"n": 3, "max_new_tokens": 2}
+    )
+    assert isinstance(single_n, list) and len(single_n) == 3
+    one_batch = await served.generate(input_ids=[PROMPT], sampling_params={"max_new_tokens": 2})
+    assert isinstance(one_batch, list) and len(one_batch) == 1
+    per_prompt = [{"max_new_tokens": 1}, {"max_new_tokens": 3}]
+    mixed = await served.generate(input_ids=[PROMPT, PROMPT], sampling_params=per_prompt)
+    assert [o["meta_info"]["completion_tokens"] for o in mixed] == [1, 3]
+
+
+async def test_seeded_sampling_is_reproducible(served: Served) -> None:
+    params = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7}
+    first = await served.generate(input_ids=PROMPT, sampling_params=params)
+    again = await served.generate(input_ids=PROMPT, sampling_params=params)
+    assert first["output_ids"] == again["output_ids"]
+
+
+async def test_stop_token_is_returned_and_trimmed_from_text(served: Served) -> None:
+    ids = (await served.greedy(PROMPT))["output_ids"]
+    stop = ids[2]
+    first = ids.index(stop)
+    for no_stop_trim in (False, True):
+        sp = {"stop_token_ids": [stop], "no_stop_trim": no_stop_trim, "skip_special_tokens": False}
+        out = await served.greedy(PROMPT, sp=sp)
+        assert out["output_ids"] == ids[: first + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        text_ids = out["output_ids"] if no_stop_trim else out["output_ids"][:-1]
+        assert out["text"] == served.tokenizer.decode(text_ids)
+
+
+async def test_stop_string_cuts_the_text_sglang_style(served: Served) -> None:
+    ids = (await served.greedy(PROMPT, max_new_tokens=8))["output_ids"]
+    text = served.tokenizer.decode(ids)
+    piece = served.tokenizer.decode(ids[3:4]).strip() or served.tokenizer.decode(ids[3:4])
+    stop = piece[:3]
+    at = text.find(stop)
+    assert at >= 0
+    for no_stop_trim in (False, True):
+        sp = {"stop": stop, "no_stop_trim": no_stop_trim, "skip_special_tokens": False}
+        out = await served.greedy(PROMPT, max_new_tokens=8, sp=sp)
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop in served.tokenizer.decode(out["output_ids"])
+        assert stop not in served.tokenizer.decode(out["output_ids"][:-1])
+        assert out["text"] == (text[: at + len(stop)] if no_stop_trim else text[:at])
+
+
+async def test_ignore_eos_turns_stop_ids_off_too(served: Served) -> None:
+    """As in SGLang, ``ignore_eos`` disables the model's EOS and ``stop_token_ids`` alike."""
+    ids = (await served.greedy(PROMPT))["output_ids"]
+    sp = {"stop_token_ids": [ids[0]], "ignore_eos": True}
+    out = await served.greedy(PROMPT, sp=sp)
+    assert out["output_ids"] == ids and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"input_ids": [1, "x"]}, "input_ids[1]"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_q": 1}}, "sampling_params.top_q"),
+        ({"input_ids": [1, 99999]}, "input_ids"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [[1], []]}, "input_ids[1]"),
+        ({"input_ids": [1, [2]]}, "input_ids"),
+        ({"input_ids": [1], "text": "a"}, "input_ids"),
+        ({}, "input_ids"),
+        ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
+        ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+        (
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
+            "sampling_params.frequency_penalty",
+        ),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+        (
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 0},
+            "logprob_start_len",
+        ),
+        ({"input_ids": [1, 2], "logprob_start_len": 5}, "logprob_start_len"),
+        ({"input_ids": [1], "session_params": {"rid": "x"}}, "session_params.id"),
+    ],
+)
+async def test_bad_requests_are_400_naming_the_field(
+    served: Served, body: dict[str, Any], field: str
+) -> None:
+    response = await served.client.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"]
+
+
+async def test_bad_bodies_never_stop_the_server(served: Served) -> None:
+    for raw in (b"not json", b"[1, 2]", b'{"input_ids": [1e400]}', b"\xff\xfe", b""):
+        response = await served.client.post("/generate", content=raw)
+        assert response.status_code == 400 and "message" in response.json()["error"]
+    assert (await served.client.get("/health")).status_code == 200
+    await served.greedy(PROMPT, max_new_tokens=1)
+
+
+async def test_context_beyond_the_window_is_a_400(served: Served) -> None:
+    out = await served.post("/generate", {"input_ids": [5] * 2048}, 400)
+    assert "2048" in out["error"]["message"]
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+
+async def test_classic_session_prepends_the_parent(served: Served) -> None:
+    sid = await served.post("/open_session", {"capacity_of_str_len": 1000})
+    t1 = await served.greedy(PROMPT, session_params={"id": sid}, rid="t1")
+    t1_ids = t1["output_ids"]
+    suffix = [198, 1, 520, 9531, 198]
+    t2 = await served.greedy(suffix, session_params={"id": sid, "rid": "t1"}, rid="t2")
+    full = PROMPT + t1_ids + suffix
+    assert t2["meta_info"]["prompt_tokens"] == len(full)
+    assert t2["output_ids"] == (await served.greedy(full))["output_ids"]
+    # a second child of t1 (branching), drop_previous_output, offset, BOS trimmed on appends
+    sib = await served.greedy([1] + suffix, session_params={"id": sid, "rid": "t1"}, rid="t2b")
+    assert sib["meta_info"]["prompt_tokens"] == len(full)  # leading BOS dropped
+    drop = {"id": sid, "rid": "t1", "drop_previous_output": True}
+    out = await served.greedy(suffix, session_params=drop, rid="t3")
+    assert out["output_ids"] == (await served.greedy(PROMPT + suffix))["output_ids"]
+    offset = {"id": sid, "rid": "t2", "offset": -1}
+    out = await served.greedy(suffix, session_params=offset, rid="t4")
+    base = full + t2["output_ids"]
+    assert out["meta_info"]["prompt_tokens"] == len(base) - 1 + len(suffix)
+    assert out["output_ids"] == (await served.greedy(base[:-1] + suffix))["output_ids"]
+    # replace drops t1's other children: t2 is gone afterwards
+    await served.greedy(suffix, session_params={"id": sid, "rid": "t1", "replace": True}, rid="t5")
+    gone = await served.greedy(suffix, session_params={"id": sid, "rid": "t2"}, status=400)
+    assert "invalid request session id" in gone["error"]["message"]
+    reused = await served.greedy(
+        suffix, session_params={"id": sid, "rid": "t5"}, rid="t5", status=400
+    )
+    assert "already used" in reused["error"]["message"]
+    await served.post("/close_session", {"session_id": sid})
+
+
+async def test_session_errors(served: Served) -> None:
+    unknown = await served.greedy(PROMPT, session_params={"id": "nope"}, status=400)
+    assert unknown["error"]["field"] == "session_params"
+    sid = await served.post("/open_session", {"capacity_of_str_len": 10, "session_id": "fixed"})
+    assert sid == "fixed"
+    dup = await served.post("/open_session", {"session_id": "fixed"}, status=400)
+    assert "already open" in dup["error"]["message"]
+    bad = await served.greedy(PROMPT, session_params={"id": sid, "rid": "missing"}, status=400)
+    assert "invalid request session id" in bad["error"]["message"]
+    batch = {"input_ids": [PROMPT, PROMPT], "session_params": {"id": sid}}
+    assert (await served.post("/generate", batch, 400))["error"]["field"] == "session_params"
+    closed = await served.post("/close_session", {"session_id": sid})
+    assert closed == {"success": True, "message": "closed"}
+    assert (await served.post("/close_session", {"session_id": sid}))["success"] is False
+    await served.greedy(PROMPT, session_params={"id": sid}, status=400)
+    await served.post("/close_session", {}, status=400)
+    await served.post("/open_session", {"timeout": -1}, status=400)
+
+
+async def test_streaming_session_is_append_only(served: Served) -> None:
+    sid = await served.post("/open_session", {"capacity_of_str_len": 100, "streaming": True})
+    t1 = await served.greedy(PROMPT, session_params={"id": sid})
+    suffix = [198, 1, 520, 198]
+    t2 = await served.greedy(suffix, session_params={"id": sid})
+    full = PROMPT + t1["output_ids"] + suffix
+    assert t2["meta_info"]["prompt_tokens"] == len(full)
+    assert t2["output_ids"] == (await served.greedy(full))["output_ids"]
+    for extra in ({"replace": True}, {"offset": 3}, {"drop_previous_output": True}):
+        out = await served.greedy(suffix, session_params={"id": sid, **extra}, status=400)
+        assert "Streaming sessions do not support" in out["error"]["message"]
+    t3 = await served.greedy(suffix, session_params={"id": sid})
+    assert t3["meta_info"]["prompt_tokens"] == len(full) + len(t2["output_ids"]) + len(suffix)
+    await served.post("/close_session", {"session_id": sid})
+
+
+async def test_replace_aborts_a_running_parent_and_busy_parents_refuse_children(
+    served: Served,
+) -> None:
+    sid = await served.post("/open_session", {"capacity_of_str_len": 100})
+    result: dict[str, Any] = {}
+
+    async def long_parent() -> None:
+        sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": PROMPT, "sampling_params": sp, "session_params": {"id": sid}}
+        result["a"] = await served.post("/generate", {**body, "rid": "a"})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_parent)
+        with anyio.fail_after(30):
+            while True:  # wait until the parent runs in the engine
+                metrics = (await served.client.get("/metrics")).text
+                if 'sglang:num_running_reqs{model_name="' in metrics and _metric(
+                    metrics, "sglang:num_running_reqs"
+                ):
+                    break
+                await anyio.sleep(0.01)
+        busy = await served.greedy([198], session_params={"id": sid, "rid": "a"}, status=400)
+        assert "hasn't finished" in busy["error"]["message"]
+        params = {"id": sid, "rid": "a", "replace": True}
+        child = await served.greedy([198], session_params=params, rid="b")
+    assert result["a"]["meta_info"]["finish_reason"]["type"] == "abort"
+    # the aborted parent contributes its input only (it has no output)
+    assert child["meta_info"]["prompt_tokens"] == len(PROMPT) + 1
+    grandchild = await served.greedy([198], session_params={"id": sid, "rid": "b"})
+    assert grandchild["meta_info"]["prompt_tokens"] == len(PROMPT) + 2 + 6
+    await served.post("/close_session", {"session_id": sid})
+
+
+async def test_session_timeout_closes_it(served: Served) -> None:
+    async def open_sessions() -> float:
+        return _metric((await served.client.get("/metrics")).text, "agentrl:open_sessions")
+
+    sid = await served.post("/open_session", {"timeout": 0.05})
+    opened = await open_sessions()
+    with anyio.fail_after(10):  # the server reaps idle sessions every second
+        while await open_sessions() >= opened:
+            await anyio.sleep(0.05)
+    await served.greedy(PROMPT, session_params={"id": sid}, status=400)
+
+
+# --- weights, cache, info, health, metrics ---------------------------------------------------
+
+
+async def test_update_weights_from_disk(tiny_dir: Path, tmp_path: Path) -> None:
+    noisy = perturbed_copy(tiny_dir, tmp_path / "noisy")
+    async with serving(tiny_dir) as served:
+        before = (await served.greedy(PROMPT, max_new_tokens=8))["output_ids"]
+        body = {"model_path": str(noisy), "weight_version": "3", "flush_cache": True}
+        reply = await served.post("/update_weights_from_disk", body)
+        assert reply["success"] is True and "3" in reply["message"]
+        after = await served.greedy(PROMPT, max_new_tokens=8)
+        assert after["output_ids"] != before and after["meta_info"]["weight_version"] == "3"
+        info = (await served.client.get("/get_model_info")).json()
+        assert info["weight_version"] == "3"
+        assert (await served.client.get("/get_weight_version")).json() == {"weight_version": "3"}
+        bad = {"model_path": str(tmp_path / "missing"), "weight_version": "4"}
+        reply = await served.post("/update_weights_from_disk", bad, 400)
+        assert reply["success"] is False and "missing" in reply["message"]
+        not_int = {"model_path": str(tiny_dir), "weight_version": "v5"}
+        assert (await served.post("/update_weights_from_disk", not_int, 400))["success"] is False
+        await served.post("/update_weights_from_disk", {"model_path": str(tiny_dir)})
+        restored = await served.greedy(PROMPT, max_new_tokens=8)
+        assert restored["output_ids"] == before and restored["meta_info"]["weight_version"] == "3"
+
+
+async def test_flush_cache_drops_cached_prefixes(served: Served) -> None:
+    long_prompt = PROMPT * 4
+    await served.greedy(long_prompt, max_new_tokens=1)
+    assert (await served.client.post("/flush_cache")).status_code == 200
+    again = await served.greedy(long_prompt, max_new_tokens=1)
+    assert again["meta_info"]["cached_tokens"] == 0
+
+
+async def test_info_endpoints(served: Served, tiny_dir: Path) -> None:
+    for path in ("/get_model_info", "/model_info"):
+        info = (await served.client.get(path)).json()
+        assert info["model_path"] == str(tiny_dir) and info["is_generation"] is True
+        assert info["agentrl"]["max_context_length"] == 2048
+        assert isinstance(info["agentrl"]["paged_kv"], bool)
+    models = (await served.client.get("/v1/models")).json()
+    assert models["data"][0]["max_model_len"] == 2048
+    assert (await served.client.post("/flush_cache")).status_code == 200
+    assert (await served.client.get("/health")).status_code == 200
+    assert (await served.client.get("/health_generate")).status_code == 200
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+async def test_metrics_are_prometheus_text(served: Served) -> None:
+    await served.greedy(PROMPT, max_new_tokens=3)
+    text = (await served.client.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert line.startswith(("# HELP ", "# TYPE "))
+            continue
+        name, value = line.rsplit(" ", 1)
+        assert "{" in name and name.endswith("}") and math.isfinite(float(value))
+    assert _metric(text, "sglang:num_requests_total") >= 1
+    assert _metric(text, "sglang:generation_tokens_total") >= 3
+    assert _metric(text, "sglang:prompt_tokens_total") >= len(PROMPT)
+    for name in ("sglang:cached_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs"):
+        assert _metric(text, name) >= 0
+    assert _metric(text, "agentrl:engine_prefill_tokens") > 0

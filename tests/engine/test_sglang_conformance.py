@@ -1,0 +1,500 @@
+"""Conformance: ``SGLangEngine`` against real servers over real HTTP, on trio and asyncio.
+
+Always against ``agentrl serve`` (a subprocess on a free loopback port, tiny-random); against a
+real SGLang 0.5.17 when ``AGENTRL_SGLANG_URL`` is set (e.g. ``http://127.0.0.1:30000``). For the
+real SGLang: ``AGENTRL_SGLANG_TOKENIZER`` names a local folder with the served model's tokenizer
+(default: the server's ``model_path`` if it exists here, else tiny-random's SmolLM2 tokenizer),
+and ``AGENTRL_SGLANG_UPDATE_PATH`` a weights folder *on the server's machine* for the weight
+update case (skipped without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+import agentrl
+from agentrl._errors import EngineError
+from agentrl._types import SamplingParams
+from agentrl.engine import Engine
+from agentrl.engine._sglang import SGLangEngine, SGLangHTTPError
+from agentrl.formats import check_boundary, get_format
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
+SUFFIX = [198, 1, 520, 9531, 198]  # "\n<|im_start|>assistant\n": never starts with BOS
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+
+@dataclass(frozen=True)
+class Server:
+    kind: str  # "agentrl-serve" or "sglang"
+    url: str
+
+    @property
+    def ours(self) -> bool:
+        return self.kind == "agentrl-serve"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve_command() -> list[str]:
+    """``agentrl serve`` once the CLI has it, else the module entry point."""
+    from agentrl import cli
+
+    for action in cli._parser()._actions:
+        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
+            return [sys.executable, "-m", "agentrl.cli", "serve"]
+    return [sys.executable, "-m", "agentrl.engine._server"]
+
+
+def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [*_serve_command(), "--model", str(model), "--port", str(port), "--num-threads", "1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agentrl serve exited with {proc.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_serve(proc)
+    raise RuntimeError(f"agentrl serve did not become healthy: {log.read_text()}")
+
+
+def stop_serve(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def agentrl_serve(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        yield url
+    finally:
+        stop_serve(proc)
+
+
+@pytest.fixture(scope="module", params=["agentrl-serve", "sglang"])
+def server(request: pytest.FixtureRequest) -> Server:
+    if request.param == "sglang":
+        url = os.environ.get("AGENTRL_SGLANG_URL")
+        if not url:
+            pytest.skip("AGENTRL_SGLANG_URL is not set: no real SGLang 0.5.17 to check against")
+        return Server("sglang", url.rstrip("/"))
+    return Server("agentrl-serve", request.getfixturevalue("agentrl_serve"))
+
+
+@pytest.fixture
+def tokenizer_for(server: Server, tiny_dir: Path) -> Any:
+    folder = os.environ.get("AGENTRL_SGLANG_TOKENIZER") if not server.ours else None
+    if folder is None:
+        info = httpx.get(server.url + "/get_model_info", timeout=30).json()
+        local = Path(info["model_path"])
+        folder = str(local if (local / "config.json").is_file() else tiny_dir)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+async def greedy_ids(engine: SGLangEngine, context: list[int], n: int = 8) -> list[int]:
+    result = await engine.generate(context, SamplingParams(max_new_tokens=n, temperature=0.0))
+    return result.token_ids
+
+
+def page_floor(tokens: int, page: int) -> int:
+    return tokens // page * page
+
+
+# --- generate -------------------------------------------------------------------------------
+
+
+async def test_round_trip(server: Server) -> None:
+    async with SGLangEngine([server.url]) as engine:
+        assert isinstance(engine, Engine)
+        assert engine.max_context > len(PROMPT) and engine.weight_version >= 0
+        result = await engine.generate(PROMPT, GREEDY)
+        assert len(result.token_ids) == len(result.logprobs) == 8
+        assert result.finish_reason == "length" and result.matched_stop is None
+        assert result.prompt_tokens == len(PROMPT) and result.cached_tokens >= 0
+        assert all(lp <= 0 for lp in result.logprobs)
+        assert result.weight_version == engine.weight_version
+        # a stop id is returned as the last sampled token
+        stop = result.token_ids[3]
+        first = result.token_ids.index(stop)
+        sampling = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[stop])
+        stopped = await engine.generate(PROMPT, sampling)
+        assert stopped.token_ids == result.token_ids[: first + 1]
+        assert stopped.finish_reason == "stop" and stopped.matched_stop == stop
+        tolerance = 1e-4 if server.ours else 5e-2  # GPU kernels differ between batch shapes
+        assert stopped.logprobs == pytest.approx(result.logprobs[: first + 1], abs=tolerance)
+
+
+async def test_stop_strings(server: Server, tokenizer_for: Any) -> None:
+    async with SGLangEngine([server.url]) as engine:
+        ids = await greedy_ids(engine, PROMPT)
+        text = tokenizer_for.decode(ids)
+        stop = next(
+            piece[:2]
+            for piece in (tokenizer_for.decode(ids[i : i + 1]).strip() for i in range(2, 8))
+            if len(piece) >= 2
+        )
+        sampling = SamplingParams(max_new_tokens=8, temperature=0.0, stop=[stop])
+        result = await engine.generate(PROMPT, sampling)
+        assert result.finish_reason == "stop" and result.matched_stop == stop
+        assert result.token_ids == ids[: len(result.token_ids)]
+        assert stop in tokenizer_for.decode(result.token_ids)
+        assert stop not in tokenizer_for.decode(result.token_ids[:-1])
+        assert stop in text
+
+
+async def test_logprobs_match_a_local_forward(server: Server, recompute: Any) -> None:
+    if not server.ours:
+        pytest.skip("the reference forward runs tiny-random, which only agentrl serve serves")
+    async with SGLangEngine([server.url]) as engine:
+        for sampling in (
+            GREEDY,
+            SamplingParams(max_new_tokens=8, temperature=0.7, top_k=20, seed=3),
+            SamplingParams(max_new_tokens=8, temperature=1.0, seed=4),
+        ):
+            result = await engine.generate(PROMPT, sampling)
+            expected, _ = recompute(PROMPT, result.token_ids, sampling.temperature)
+            got = torch.tensor(result.logprobs)
+            assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+async def test_greedy_is_deterministic(server: Server) -> None:
+    async with SGLangEngine([server.url]) as engine:
+        runs = [await greedy_ids(engine, PROMPT, 12) for _ in range(3)]
+        assert runs[0] == runs[1] == runs[2]
+        if server.ours:  # per-request seeds (SGLang needs deterministic inference for this)
+            seeded = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11)
+            first, again = [await engine.generate(PROMPT, seeded) for _ in range(2)]
+            assert first.token_ids == again.token_ids
+
+
+# --- sessions -------------------------------------------------------------------------------
+
+
+async def _model_page(server: Server) -> int | None:
+    info = httpx.get(server.url + "/get_model_info", timeout=30).json()
+    extra = info.get("agentrl")
+    if extra is None:
+        return 1  # SGLang: page size 1 unless --page-size; turn 2 reuses turn 1 (DESIGN.md)
+    return int(extra.get("page_size") or 1) if extra.get("paged_kv") else None
+
+
+async def test_session_turns_send_only_the_suffix(server: Server) -> None:
+    async with SGLangEngine([server.url]) as engine:
+        session = await engine.open_session()
+        turn1 = await engine.generate(PROMPT, GREEDY, session=session)
+        context = PROMPT + turn1.token_ids + SUFFIX
+        before = engine.statistics()
+        turn2 = await engine.generate(context, GREEDY, session=session)
+        after = engine.statistics()
+        assert after.session_requests == before.session_requests + 1
+        assert after.tokens_sent - before.tokens_sent == len(SUFFIX)
+        assert after.tokens_saved - before.tokens_saved == len(PROMPT) + len(turn1.token_ids)
+        assert after.fallbacks == 0
+        assert turn2.prompt_tokens == len(context)
+        assert turn2.token_ids == await greedy_ids(engine, context)
+        assert turn2.cached_tokens >= 0
+        page = await _model_page(server)
+        if page is not None:  # paged KV (always on SGLang): turn 1's KV is reused
+            ideal = page_floor(len(PROMPT) + len(turn1.token_ids) - 1, page)
+            assert turn2.cached_tokens >= ideal
+        # a context that does not extend the history starts over, still correct
+        other = PROMPT[:5] + SUFFIX
+        assert (await engine.generate(other, GREEDY, session=session)).token_ids == (
+            await greedy_ids(engine, other)
+        )
+        third = other + (await greedy_ids(engine, other)) + SUFFIX
+        assert (await engine.generate(third, GREEDY, session=session)).token_ids == (
+            await greedy_ids(engine, third)
+        )
+        assert engine.statistics().fallbacks == 0
+        await engine.close_session(session)
+
+
+async def test_open_and_close_session_errors(server: Server) -> None:
+    async with SGLangEngine([server.url]) as engine:
+        with pytest.raises(EngineError, match="unknown session"):
+            await engine.close_session("nope")
+        with pytest.raises(EngineError, match="unknown session"):
+            await engine.generate(PROMPT, GREEDY, session="nope")
+        with pytest.raises(EngineError, match="capacity_tokens"):
+            await engine.open_session(1)
+        session = await engine.open_session(256)
+        await engine.close_session(session)
+        with pytest.raises(EngineError, match="unknown session"):
+            await engine.generate(PROMPT, GREEDY, session=session)
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        opened = await client.post("/open_session", json={"capacity_of_str_len": 10})
+        session_id = opened.json()
+        again = await client.post(
+            "/open_session", json={"capacity_of_str_len": 10, "session_id": session_id}
+        )
+        assert again.status_code != 200
+        gone = {"input_ids": PROMPT, "session_params": {"id": session_id, "rid": "missing"}}
+        assert (await client.post("/generate", json=gone)).status_code != 200
+        assert (await client.post("/close_session", json={"session_id": session_id})).is_success
+        stale = {"input_ids": PROMPT, "session_params": {"id": session_id}}
+        assert (await client.post("/generate", json=stale)).status_code != 200
+
+
+# --- weights, cache, health, metrics -------------------------------------------------------
+
+
+def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
+    shutil.copytree(model_dir, dest)
+    state = load_file(dest / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+async def test_update_weights_from_disk(server: Server, tiny_dir: Path, tmp_path: Path) -> None:
+    if server.ours:
+        new, original = perturbed_copy(tiny_dir, tmp_path / "noisy"), str(tiny_dir)
+    else:
+        new, original = os.environ.get("AGENTRL_SGLANG_UPDATE_PATH"), None
+        if not new:
+            pytest.skip("AGENTRL_SGLANG_UPDATE_PATH (weights on the SGLang host) is not set")
+    async with SGLangEngine([server.url]) as engine:
+        version = engine.weight_version
+        session = await engine.open_session()
+        before = await engine.generate(PROMPT, GREEDY, session=session)
+        await engine.update_weights(version + 1, str(new))
+        assert engine.weight_version == version + 1
+        info = httpx.get(server.url + "/get_model_info", timeout=30).json()
+        assert str(info["weight_version"]) == str(version + 1)
+        after = await engine.generate(PROMPT + before.token_ids + SUFFIX, GREEDY, session=session)
+        assert after.weight_version == version + 1
+        changed = await engine.generate(PROMPT, GREEDY)
+        if server.ours:
+            assert changed.token_ids != before.token_ids
+        with pytest.raises(EngineError, match="update_weights failed"):
+            await engine.update_weights(version + 2, str(tmp_path / "missing"))
+        with pytest.raises(EngineError, match="path"):
+            await engine.update_weights(version + 2, {"w": torch.zeros(1)})
+        assert engine.weight_version == version + 1
+        if original is not None:  # leave the shared server as the other tests expect it
+            await engine.update_weights(version + 2, original)
+            assert (await engine.generate(PROMPT, GREEDY)).token_ids == before.token_ids
+        await engine.close_session(session)
+
+
+async def test_flush_cache_and_health(server: Server) -> None:
+    async with SGLangEngine([server.url]) as engine:
+        context = PROMPT * 4
+        await engine.generate(context, GREEDY)
+        repeat = await engine.generate(context, GREEDY)
+        page = await _model_page(server)
+        if page is not None:  # a repeated prompt is served from the prefix cache
+            assert repeat.cached_tokens >= page_floor(len(context) - 1, page)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        assert (await client.post("/flush_cache")).status_code == 200
+        async with SGLangEngine([server.url]) as engine:
+            assert (await engine.generate(context, GREEDY)).cached_tokens == 0
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/health_generate")).status_code == 200
+        info = (await client.get("/get_model_info")).json()
+        assert info["model_path"] and "weight_version" in info
+
+
+async def test_metrics_parse(server: Server) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        response = await client.get("/metrics")
+    if not server.ours and response.status_code == 404:
+        pytest.skip("this SGLang runs without --enable-metrics")
+    assert response.status_code == 200
+    names = set()
+    for line in response.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        float(value)
+        names.add(name.split("{", 1)[0])
+    assert {"sglang:prompt_tokens_total", "sglang:generation_tokens_total"} <= names
+    assert {"sglang:num_running_reqs", "sglang:num_queue_reqs"} <= names
+
+
+# --- client errors (agentrl serve only: they need a server we control) ----------------------
+
+
+async def test_http_failures_are_engine_errors(server: Server) -> None:
+    if not server.ours:
+        pytest.skip("checked against agentrl serve")
+    dead = SGLangEngine([f"http://127.0.0.1:{_free_port()}"], connect_retries=1, max_context=64)
+    with pytest.raises(EngineError, match="cannot connect"):
+        await dead.generate(PROMPT, GREEDY)
+    assert dead.statistics().connect_retries == 1
+    async with SGLangEngine([server.url]) as engine:
+        with pytest.raises(SGLangHTTPError, match="HTTP 400") as caught:
+            await engine.generate([99999], GREEDY)
+        assert caught.value.status == 400 and "out of range" in caught.value.body
+    slow = SGLangEngine([server.url], request_timeout_s=0.05)
+    with pytest.raises(EngineError, match="timed out"):
+        long = SamplingParams(max_new_tokens=1500, temperature=0.0, stop_token_ids=[])
+        await slow.generate(PROMPT, long)
+    await slow.aclose()
+
+
+async def test_aclose_aborts_requests_in_flight(server: Server) -> None:
+    engine = SGLangEngine([server.url])
+    await engine.connect()
+    results = []
+
+    async def long_request() -> None:
+        sampling = SamplingParams(max_new_tokens=1500, temperature=0.0)
+        results.append(await engine.generate(PROMPT, sampling))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_request)
+        with anyio.fail_after(10):
+            while not engine._servers[0].inflight:  # the request is on its way
+                await anyio.sleep(0.01)
+        await engine.aclose()
+    assert results[0].finish_reason == "abort"
+    with pytest.raises(EngineError, match="closed"):
+        await engine.generate(PROMPT, GREEDY)
+
+
+# --- the whole rollout ----------------------------------------------------------------------
+
+
+async def test_rollout_through_sglang_engine(
+    server: Server, tokenizer_for: Any, tmp_path: Path
+) -> None:
+    engine = SGLangEngine([server.url])
+    folder = tokenizer_for.name_or_path
+    result = await agentrl.arollout(
+        "calc-v0",
+        engine=engine,
+        tokenizer=tokenizer_for,
+        model=folder,
+        n=2,
+        config=agentrl.RolloutConfig(group_size=2, max_new_tokens=24),
+        out=tmp_path / "run",
+    )
+    assert len(result.trajectories) == 4
+    fmt = get_format("chatml-hermes", tokenizer_for)
+    for trajectory in result.trajectories:
+        assert trajectory.error is None, trajectory.error
+        trajectory.validate()
+        report = check_boundary(fmt, trajectory)
+        assert report.ok, report
+        assert trajectory.policy_version == engine.weight_version
+    lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    await engine.aclose()
+
+
+def test_rollout_sync_api(server: Server, tokenizer_for: Any) -> None:
+    """The way the brief uses it: ``agentrl.rollout(..., engine=SGLangEngine([url]))``."""
+    result = agentrl.rollout(
+        "calc-v0",
+        engine=SGLangEngine([server.url]),
+        tokenizer=tokenizer_for,
+        model=tokenizer_for.name_or_path,
+        n=2,
+    )
+    fmt = get_format("chatml-hermes", tokenizer_for)
+    assert len(result.trajectories) == 2
+    for trajectory in result.trajectories:
+        assert trajectory.error is None and check_boundary(fmt, trajectory).ok
+
+
+@pytest.mark.slow
+def test_multi_turn_rollout_on_smollm2_uses_sessions(server: Server, tmp_path: Path) -> None:
+    """SmolLM2 calls calc-v0's tools often enough at level 0 that some trajectories take
+    several turns: those turns must go out as session suffixes, and every boundary must hold."""
+    if not server.ours:
+        pytest.skip("starts its own agentrl serve with smollm2-135m")
+    from agentrl._models import resolve_model
+
+    folder = resolve_model("smollm2-135m")
+    proc, url = start_serve(folder, tmp_path / "smollm2.log")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        engine = SGLangEngine([url])
+        config = agentrl.RolloutConfig(group_size=2, env_kwargs={"levels": [0]})
+        result = agentrl.rollout(
+            "calc-v0", engine=engine, tokenizer=tokenizer, model=str(folder), n=4, config=config
+        )
+    finally:
+        stop_serve(proc)
+    fmt = get_format("chatml-hermes", tokenizer)
+    for trajectory in result.trajectories:
+        assert trajectory.error is None and check_boundary(fmt, trajectory).ok
+    multi_turn = sum(t.num_turns > 1 for t in result.trajectories)
+    stats = engine.statistics()
+    assert multi_turn >= 1, [t.termination_reason for t in result.trajectories]
+    assert stats.session_requests >= multi_turn and stats.fallbacks == 0
+    assert stats.tokens_saved > 0
+
+
+# --- several servers: sticky sessions -------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_sessions_stick_to_one_of_several_servers(
+    server: Server, tiny_dir: Path, tmp_path: Path
+) -> None:
+    if not server.ours:
+        pytest.skip("needs a second server we start")
+    proc, second = start_serve(tiny_dir, tmp_path / "second.log")
+    try:
+        async with SGLangEngine([server.url, second]) as engine:
+            sessions = [await engine.open_session() for _ in range(4)]
+            turn1 = [await engine.generate(PROMPT, GREEDY, session=s) for s in sessions]
+            for session, first in zip(sessions, turn1, strict=True):
+                context = PROMPT + first.token_ids + SUFFIX
+                result = await engine.generate(context, GREEDY, session=session)
+                assert result.token_ids == await greedy_ids(engine, context)
+            stats = engine.statistics()
+            assert stats.session_requests == 4 and stats.fallbacks == 0
+            open_counts = [_open_sessions(url) for url in (server.url, second)]
+            assert open_counts == [2, 2]
+            for session in sessions:
+                await engine.close_session(session)
+            assert [_open_sessions(url) for url in (server.url, second)] == [0, 0]
+    finally:
+        stop_serve(proc)
+
+
+def _open_sessions(url: str) -> int:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith("agentrl:open_sessions{"))
+    return int(float(line.rsplit(" ", 1)[1]))
