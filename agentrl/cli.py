@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sb.add_argument("sandbox_args", nargs=argparse.REMAINDER)
+    from .loop import add_train_commands  # train, eval, export (issue D)
+
+    p.set_defaults(train_handlers=add_train_commands(sub))
     return p
 
 
@@ -376,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": _cmd_models,
         "doctor": _cmd_doctor,
         "sandbox": _cmd_sandbox,
+        **args.train_handlers,
     }
     try:
         return handlers[args.command](args)

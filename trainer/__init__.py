@@ -4,7 +4,12 @@ It publishes weights through a ``WeightSink`` protocol and never imports the eng
 
 Layering (pure torch, each module imports only those above it): ``_batch`` (trajectories →
 micro-batches, the alignment convention) → ``_logprob`` (chunked log-prob + entropy) →
-``_kl`` → ``_advantages`` → ``_losses``. The DeepSpeed engine, loop and checkpoint build on these.
+``_kl`` → ``_advantages`` → ``_losses``. On top: ``_config`` (algorithm and optimizer
+settings), ``_attention`` (varlen attention) and ``_prefix`` (shared-prefix packing),
+``_schedule`` (LR), ``_engine`` (DeepSpeed ZeRO-3 policy / reference / critic;
+deepspeed is imported lazily), ``_stats`` and ``_learner`` (one training step),
+``_checkpoint`` (atomic loop checkpoints, export) and ``_sink`` (the ``WeightSink`` protocol
+the loop implements).
 """
 
 from ._advantages import GAE as GAE
@@ -24,9 +29,34 @@ from ._batch import overlong_filter as overlong_filter
 from ._batch import pack_trajectories as pack_trajectories
 from ._batch import pad_trajectories as pad_trajectories
 from ._batch import turn_advantages as turn_advantages
+from ._checkpoint import IN_FLIGHT_RULE as IN_FLIGHT_RULE
+from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import LoopState as LoopState
+from ._checkpoint import consolidated_state_dict as consolidated_state_dict
+from ._checkpoint import export_checkpoint as export_checkpoint
+from ._checkpoint import latest_checkpoint as latest_checkpoint
+from ._checkpoint import list_checkpoints as list_checkpoints
+from ._checkpoint import load_checkpoint as load_checkpoint
+from ._checkpoint import read_state as read_state
+from ._checkpoint import save_checkpoint as save_checkpoint
+from ._checkpoint import step_dir as step_dir
+from ._checkpoint import verify_state as verify_state
+from ._config import AlgorithmConfig as AlgorithmConfig
+from ._config import AlgorithmName as AlgorithmName
+from ._config import OptimizerConfig as OptimizerConfig
+from ._engine import DistInfo as DistInfo
+from ._engine import ModelEngine as ModelEngine
+from ._engine import TokenScorer as TokenScorer
+from ._engine import deepspeed_config as deepspeed_config
+from ._engine import init_distributed as init_distributed
+from ._engine import open_critic as open_critic
+from ._engine import open_policy as open_policy
+from ._engine import open_reference as open_reference
 from ._kl import KLEstimator as KLEstimator
 from ._kl import kl_estimate as kl_estimate
 from ._kl import kl_in_reward as kl_in_reward
+from ._learner import Learner as Learner
+from ._learner import LearnerSettings as LearnerSettings
 from ._logprob import TokenLogprobs as TokenLogprobs
 from ._logprob import causal_lm_token_logprobs as causal_lm_token_logprobs
 from ._logprob import token_logprobs_and_entropy as token_logprobs_and_entropy
@@ -38,3 +68,9 @@ from ._losses import ValueLossOutput as ValueLossOutput
 from ._losses import aggregate as aggregate
 from ._losses import policy_loss as policy_loss
 from ._losses import value_loss as value_loss
+from ._prefix import pack_shared_prefix as pack_shared_prefix
+from ._schedule import LRSchedule as LRSchedule
+from ._schedule import lr_multiplier as lr_multiplier
+from ._sink import WeightSink as WeightSink
+from ._stats import PairStats as PairStats
+from ._stats import StepStats as StepStats

@@ -70,6 +70,8 @@ class PackedBatch:
     - ``step_loss_tokens`` / ``step_sequences``: the number of loss tokens / sequences with at
       least one loss token over *all* micro-batches returned by the same call, the denominators
       for ``token-mean`` / ``seq-mean-*`` aggregation across gradient accumulation.
+    - ``segment_bounds`` / ``segment_parents``: only for the shared-prefix layout
+      (``pack_shared_prefix``), see ``attention_segments``.
     """
 
     input_ids: torch.Tensor
@@ -87,6 +89,10 @@ class PackedBatch:
     packed: bool
     step_loss_tokens: int
     step_sequences: int
+    segment_bounds: torch.Tensor | None = None
+    """``[G + 1]`` int32 boundaries of the row's attention segments (shared-prefix layout)."""
+    segment_parents: torch.Tensor | None = None
+    """``[G]`` int64: the segment whose keys each segment also attends to (-1: none)."""
 
     @property
     def num_sequences(self) -> int:
@@ -108,6 +114,15 @@ class PackedBatch:
         )
         out[1:] = torch.cumsum(self.sequence_lengths, 0)
         return out
+
+    @property
+    def attention_segments(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What varlen attention needs for a packed row: segment boundaries ``[G + 1]`` and,
+        for the shared-prefix layout, each segment's parent ``[G]`` (a suffix attends to its
+        parent prefix, then causally to itself). Plain packing: ``(cu_seqlens, None)``."""
+        if self.segment_bounds is not None:
+            return self.segment_bounds, self.segment_parents
+        return self.cu_seqlens, None
 
     def split_sequences(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-sequence views ``[L_s]`` of a ``[B, T]`` tensor laid out like this batch."""

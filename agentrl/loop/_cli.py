@@ -1,0 +1,100 @@
+"""The ``train``, ``eval`` and ``export`` commands, registered into ``agentrl``'s parser by
+``add_train_commands(subparsers)`` (which returns the handlers by command name)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def add_train_commands(subparsers) -> dict[str, Handler]:
+    """Add ``train``, ``eval`` and ``export`` to an argparse subparsers object."""
+    t = subparsers.add_parser("train", help="train a policy with RL (DeepSpeed ZeRO-3)")
+    t.add_argument("--config", default=None, help="YAML run config (see examples/)")
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set algorithm.kl_coef=0.01 (repeatable)",
+    )
+    t.add_argument("--model", default=None, help="shortcut for --set model=NAME")
+    t.add_argument("--max-steps", type=int, default=None, help="shortcut for train.max_steps")
+    t.add_argument("--out", default=None, help="run directory (default runs/train-<env>-<time>)")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run")
+    t.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
+
+    e = subparsers.add_parser("eval", help="evaluate a checkpoint on the held-out split")
+    e.add_argument("--config", default=None, help="YAML run config (env, eval section)")
+    e.add_argument("--checkpoint", required=True, help="checkpoint, run dir, model or folder")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--num-tasks", type=int, default=None, help="shortcut for eval.num_tasks")
+    e.add_argument("--out", default=None, help="write eval_summary.json and trajectories here")
+
+    x = subparsers.add_parser("export", help="write a checkpoint as an HF safetensors folder")
+    x.add_argument("run_dir", help="run directory")
+    x.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    x.add_argument("--out", required=True, help="output folder")
+    return {"train": _cmd_train, "eval": _cmd_eval, "export": _cmd_export}
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from agentrl._errors import ConfigError
+
+    from ._config import load_train_config
+    from ._train import train
+
+    if args.resume:
+        run = Path(args.resume)
+        if args.config:
+            raise ConfigError("--resume reads RUN_DIR/config.yaml; drop --config")
+        if args.out and Path(args.out).resolve() != run.resolve():
+            raise ConfigError("--resume continues in RUN_DIR; drop --out")
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"--resume {run}: no config.yaml (not a training run)")
+        cfg = load_train_config(
+            run / "config.yaml", args.set, model=args.model, max_steps=args.max_steps
+        )
+        out = run
+    else:
+        cfg = load_train_config(args.config, args.set, model=args.model, max_steps=args.max_steps)
+        env = cfg.env.split(":")[-1]
+        out = Path(args.out or f"runs/train-{env}-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(
+        f"train {cfg.env} on {cfg.model}: {cfg.algorithm.name}, {cfg.train.max_steps} steps × "
+        f"{cfg.train.tasks_per_step} tasks × {cfg.rollout.group_size} samples → {out}",
+        flush=True,
+    )
+    result = train(cfg, out, resume=bool(args.resume), backend=args.backend)
+    print(f"done: {result.steps} steps, policy version {result.policy_version}; ledger: "
+          f"{out / 'ledger.jsonl'}", flush=True)  # fmt: skip
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    import anyio
+
+    from ._config import load_train_config
+    from ._eval import aevaluate
+
+    sets = list(args.set)
+    if args.num_tasks is not None:
+        sets.append(f"eval.num_tasks={args.num_tasks}")
+    cfg = load_train_config(args.config, sets)
+    metrics = anyio.run(lambda: aevaluate(cfg, args.checkpoint, out=args.out))
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ._eval import export_run
+
+    path = export_run(args.run_dir, args.step, args.out)
+    print(f"exported {args.run_dir} step {args.step or 'latest'} → {path}")
+    return 0

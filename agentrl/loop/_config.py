@@ -1,0 +1,245 @@
+"""The one YAML file of a training run (pydantic: every field documented, extras refused).
+
+The file is also what ``agentrl rollout --config`` reads (its ``rollout`` section). Overrides
+``--set dotted.key=value`` are applied to the parsed mapping before validation, values parsed as
+YAML scalars (``--set algorithm.kl_coef=0.01 --set env_kwargs.levels=[0,1]``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+
+from agentrl._config import RolloutConfig, validate_config
+from agentrl._errors import ConfigError
+from agentrl.trainer import AlgorithmConfig, OptimizerConfig
+
+_GROUP_ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo")
+
+
+class _Section(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainSection(_Section):
+    """How long and how much per step."""
+
+    max_steps: int = pydantic.Field(100, ge=1)
+    """Learner steps (each: rollout, update, publish one policy version)."""
+    tasks_per_step: int = pydantic.Field(8, ge=1)
+    """Training tasks per step; each is sampled ``rollout.group_size`` times."""
+    micro_batch_tokens: int = pydantic.Field(4096, ge=16)
+    """Positions per packed micro-batch. A trajectory must fit one: the rollout's
+    ``max_context_tokens`` is capped at this."""
+    packing: bool = True
+    """Sequence packing (no padding); False: the padded fallback."""
+    share_prefix: bool = True
+    """Compute a group's shared prompt once per micro-batch (needs packing and varlen
+    attention; on calc-v0 the prompt is ~88% of every sequence)."""
+    attention: Literal["varlen", "dense"] = "varlen"
+    """varlen: each packed sequence attends on its own (no mask, Σ L² work); dense: one
+    block-causal T × T mask per micro-batch (T² work and, on CPU, T² memory per layer)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward (less memory, ~30% more compute)."""
+    logprob_chunk_size: int = pydantic.Field(1024, ge=1)
+    """Tokens per chunk of the chunked log-prob (at most chunk × vocab logits at a time)."""
+    seed: int = 0
+    """Seed of the task order (shuffled per epoch) and of the training task list."""
+    pass_threshold: float = 1.0
+    """A trajectory with reward >= this counts as passed (pass rate)."""
+    num_threads: int | None = pydantic.Field(None, ge=1)
+    """Torch CPU threads of the learner (default: cores / local ranks)."""
+
+
+class CheckpointSection(_Section):
+    """Loop checkpoints (DeepSpeed state + loop state, written atomically)."""
+
+    dir: str | None = None
+    """Folder of the checkpoints (default: OUT/checkpoints)."""
+    every_steps: int = pydantic.Field(10, ge=0)
+    """Save after every N steps (0: only at the end)."""
+    keep: int = pydantic.Field(2, ge=1)
+    """Newest checkpoints kept."""
+    at_end: bool = True
+    """Also save after the last step."""
+
+
+class LoggingSection(_Section):
+    """What the run writes besides the ledger."""
+
+    tensorboard: bool = True
+    """TensorBoard event files in OUT/tensorboard."""
+    progress: bool = True
+    """A rich progress bar with ETA (on a terminal) and one line per step."""
+    trajectories: bool = True
+    """Append every training trajectory to OUT/trajectories.jsonl."""
+
+
+class EvalSection(_Section):
+    """Held-out evaluation on the env's eval split."""
+
+    every_steps: int = pydantic.Field(0, ge=0)
+    """Evaluate after every N steps (0: never during training)."""
+    at_start: bool = False
+    """Evaluate the initial policy before step 1."""
+    num_tasks: int = pydantic.Field(32, ge=1)
+    """The first N tasks of the split, one sample each."""
+    split: str = "eval"
+    """The env's held-out split."""
+    temperature: float = pydantic.Field(0.0, ge=0.0)
+    """Sampling temperature for evaluation (0: greedy)."""
+
+
+class TrainConfig(_Section):
+    """A training run: model, environment, rollout, algorithm, optimizer, DeepSpeed,
+    checkpointing, logging, evaluation."""
+
+    model: str = "smollm2-135m"
+    """A registered model name (``agentrl models list``) or an HF folder."""
+    env: str = "calc-v0"
+    """Environment id (``name-vN`` or ``module:name-vN``)."""
+    env_kwargs: dict[str, Any] = pydantic.Field(default_factory=dict)
+    """Environment factory arguments; merged into ``rollout.env_kwargs`` (a key given in both
+    places is an error)."""
+    rollout: RolloutConfig = pydantic.Field(default_factory=RolloutConfig)
+    """How trajectories are sampled (the section ``agentrl rollout --config`` reads)."""
+    algorithm: AlgorithmConfig = pydantic.Field(default_factory=AlgorithmConfig)
+    """The RL algorithm (``agentrl.trainer.AlgorithmConfig``)."""
+    optimizer: OptimizerConfig = pydantic.Field(default_factory=OptimizerConfig)
+    """AdamW, clipping and the LR schedule (``agentrl.trainer.OptimizerConfig``)."""
+    deepspeed: dict[str, Any] = pydantic.Field(default_factory=dict)
+    """Merged key by key over the generated DeepSpeed config (ZeRO-3, AdamW, clipping)."""
+    engine: dict[str, Any] = pydantic.Field(default_factory=dict)
+    """Embedded-engine options (``EngineOptions`` fields, e.g. ``max_batch_size``)."""
+    train: TrainSection = pydantic.Field(default_factory=TrainSection)
+    """Steps, tasks per step, micro-batches, layout, seed."""
+    checkpoint: CheckpointSection = pydantic.Field(default_factory=CheckpointSection)
+    """Where and how often the loop is checkpointed."""
+    logging: LoggingSection = pydantic.Field(default_factory=LoggingSection)
+    """TensorBoard, progress, trajectory files."""
+    eval: EvalSection = pydantic.Field(default_factory=EvalSection)
+    """Held-out evaluation."""
+
+    @pydantic.model_validator(mode="after")
+    def _resolve(self) -> TrainConfig:
+        rollout = self.rollout
+        both = sorted(set(self.env_kwargs) & set(rollout.env_kwargs))
+        if both:
+            raise ValueError(f"env_kwargs keys {both} are given in both env_kwargs and rollout")
+        updates: dict[str, Any] = {}
+        if self.env_kwargs:
+            updates["env_kwargs"] = {**rollout.env_kwargs, **self.env_kwargs}
+        group = self.algorithm.group_size
+        if group is not None:
+            if "group_size" in rollout.model_fields_set and rollout.group_size != group:
+                raise ValueError(
+                    f"algorithm.group_size={group} and rollout.group_size={rollout.group_size}"
+                    " differ; give one"
+                )
+            updates["group_size"] = group
+        limit = self.train.micro_batch_tokens
+        if rollout.max_context_tokens is None or rollout.max_context_tokens > limit:
+            updates["max_context_tokens"] = limit
+        if updates:  # object.__setattr__: an assignment would re-run this validator
+            object.__setattr__(self, "env_kwargs", {})
+            object.__setattr__(self, "rollout", rollout.model_copy(update=updates))
+        if self.rollout.temperature <= 0:
+            raise ValueError("rollout.temperature must be > 0 for training (logprobs at τ)")
+        if self.algorithm.name in _GROUP_ALGORITHMS and self.rollout.group_size < 2:
+            raise ValueError(
+                f"algorithm {self.algorithm.name} needs groups: set algorithm.group_size >= 2"
+            )
+        return self
+
+    def hash(self) -> str:
+        """sha256 (16 hex) of what decides the training trajectory: everything except
+        ``train.max_steps``/``num_threads``, checkpointing, logging, eval, engine options and
+        rollout concurrency (those may change on resume)."""
+        data = self.model_dump(mode="json")
+        for section in ("checkpoint", "logging", "eval", "engine"):
+            data.pop(section)
+        data["train"].pop("max_steps")
+        data["train"].pop("num_threads")
+        data["rollout"].pop("concurrency")
+        blob = json.dumps(data, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def parse_overrides(sets: list[str]) -> list[tuple[list[str], Any]]:
+    """``["a.b=1", ...]`` → ``[(["a", "b"], 1), ...]``; values are YAML scalars/flow."""
+    import yaml
+
+    out = []
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+            raise ConfigError(f"--set expects dotted.key=value, got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip().split("."), value))
+    return out
+
+
+def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``--set`` applied (creating intermediate mappings)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for path, value in parse_overrides(sets):
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(path[: i + 1])
+                raise ConfigError(f"--set {'.'.join(path)}: {where} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML (or JSON) file into a mapping; errors name the file."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"no such config file: {file}")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: cannot parse: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a mapping at the top level")
+    return data
+
+
+def load_train_config(
+    path: str | Path | None = None, sets: list[str] | None = None, **shortcuts: Any
+) -> TrainConfig:
+    """Read ``path`` (or start from the defaults), apply ``--set`` overrides and the CLI
+    shortcuts (``model``, ``max_steps``), validate. Errors name the field and value."""
+    data = read_config_file(path) if path is not None else {}
+    data = apply_overrides(data, list(sets or []))
+    if shortcuts.get("model") is not None:
+        data["model"] = shortcuts["model"]
+    if shortcuts.get("max_steps") is not None:
+        data.setdefault("train", {})
+        if not isinstance(data["train"], dict):
+            raise ConfigError("train: expected a mapping")
+        data["train"]["max_steps"] = shortcuts["max_steps"]
+    return validate_config(TrainConfig, data)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    """The resolved configuration as YAML (re-loadable with ``--config``)."""
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,125 @@
+"""``agentrl eval`` and ``agentrl export``: a checkpoint's policy on the held-out split, and a
+checkpoint as an HF safetensors folder. Neither starts DeepSpeed: the weights are consolidated
+from the ZeRO checkpoint files (``consolidated_state_dict``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agentrl._errors import ConfigError
+from agentrl._rollout import RolloutContext, derive_seed
+from agentrl._runner import run_groups
+from agentrl._types import TrajectoryWriter
+from agentrl.trainer import (
+    consolidated_state_dict,
+    export_checkpoint,
+    latest_checkpoint,
+    read_state,
+    step_dir,
+)
+
+from ._config import TrainConfig
+from ._train import checkpoint_root, eval_metrics
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path | None:
+    """A checkpoint folder from a checkpoint folder, a checkpoints root or a run folder
+    (its newest); None when ``path`` holds none."""
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    return None
+
+
+async def aevaluate(
+    cfg: TrainConfig, checkpoint: str, *, out: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (or, when ``checkpoint`` is not one, a model name or HF folder)
+    on ``eval.num_tasks`` tasks of ``eval.split``; returns the metrics (also written to
+    ``out/eval_summary.json`` with the trajectories)."""
+    from transformers import AutoTokenizer
+
+    from agentrl._models import resolve_model, tokenizer_fingerprint
+    from agentrl._registry import spec as env_spec
+    from agentrl.engine import EngineOptions, open_embedded_engine
+    from agentrl.formats import get_format
+
+    found = find_checkpoint(checkpoint)
+    version, weights = 0, None
+    if found is not None:
+        state = read_state(found)
+        model_path, version = state.model_path, state.policy_version
+        weights = await anyio.to_thread.run_sync(consolidated_state_dict, found)
+    else:
+        model_path = str(resolve_model(checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    spec = env_spec(cfg.env)
+    env = spec.make(**cfg.rollout.env_kwargs)
+    tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+    rollout = cfg.rollout.model_copy(
+        update={
+            "group_size": 1,
+            "temperature": cfg.eval.temperature,
+            "seed": derive_seed(cfg.rollout.seed, "eval"),
+        }
+    )
+    out_dir = Path(out) if out is not None else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        options = EngineOptions(**cfg.engine)
+    except TypeError as exc:
+        raise ConfigError(f"engine: {exc}") from None
+    async with open_embedded_engine(model_path, options) as engine:
+        if weights is not None:
+            await engine.update_weights(version, weights)
+        ctx = RolloutContext(
+            spec=spec,
+            engine=engine,
+            fmt=get_format("chatml-hermes", tokenizer),
+            config=rollout,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            model_name=cfg.model,
+        )
+        writer = None
+        if out_dir is not None:
+            writer = TrajectoryWriter(str(out_dir / "eval_trajectories.jsonl"))
+        started = time.perf_counter()
+        try:
+            trajs = await run_groups(ctx, tasks, on_trajectory=writer.write if writer else None)
+        finally:
+            if writer is not None:
+                writer.close()
+    metrics = eval_metrics(trajs, cfg.train.pass_threshold, time.perf_counter() - started)
+    metrics.update(
+        checkpoint=str(found or checkpoint), policy_version=version, num_tasks=len(tasks)
+    )
+    if out_dir is not None:
+        (out_dir / "eval_summary.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]):
+    """``agentrl export RUN --step N --out DIR``: the checkpoint of step N (default: newest)
+    of a run as an HF folder."""
+    run = Path(run_dir)
+    root = run / "checkpoints"
+    config_file = run / "config.yaml"
+    if config_file.is_file():
+        from ._config import load_train_config
+
+        root = checkpoint_root(load_train_config(config_file), run)
+    path = step_dir(root, step) if step is not None else latest_checkpoint(root)
+    if path is None or not (path / "state.json").is_file():
+        raise ConfigError(f"no complete checkpoint for step {step} under {root}")
+    return export_checkpoint(path, out)

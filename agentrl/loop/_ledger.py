@@ -1,0 +1,178 @@
+"""The run's ledger: ``OUT/ledger.jsonl`` (one JSON object per step, flushed and fsynced),
+TensorBoard scalars and histograms, and the terminal progress (rich, with ETA).
+
+Per step, at least: ``step, policy_version, reward_mean, kl, version_lag, gen_tokens_per_s,
+learner_tokens, publish_s``; then reward std and pass rate, entropy, clip fractions, ratio
+statistics, the rollout↔trainer logprob mismatch (``mismatch_abs_mean``, ``mismatch_kl``),
+response length, tool calls and tool errors per trajectory, termination reasons, and the step
+time broken into ``rollout_s / reference_s / logprob_s / update_s / publish_s``
+(``checkpoint_s`` is the previous step's checkpoint write). ``eval_*`` fields appear on steps
+with an evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agentrl._types import Trajectory
+
+# TensorBoard tag prefix per ledger field (fields not listed go under "train/")
+_GROUPS = {
+    "reward_mean": "reward/mean",
+    "reward_std": "reward/std",
+    "pass_rate": "reward/pass_rate",
+    "eval_reward_mean": "eval/reward_mean",
+    "eval_pass_rate": "eval/pass_rate",
+    "gen_tokens_per_s": "throughput/gen_tokens_per_s",
+    "learner_tokens": "throughput/learner_tokens",
+    "learner_tokens_per_s": "throughput/learner_tokens_per_s",
+    "version_lag": "policy/version_lag",
+    "version_lag_max": "policy/version_lag_max",
+    "kl": "policy/kl_to_reference",
+    "entropy": "policy/entropy",
+    "mismatch_abs_mean": "mismatch/logprob_abs_mean",
+    "mismatch_abs_max": "mismatch/logprob_abs_max",
+    "mismatch_kl": "mismatch/kl",
+    "response_tokens_mean": "rollout/response_tokens_mean",
+    "turns_mean": "rollout/turns_mean",
+    "tool_calls_per_trajectory": "rollout/tool_calls_per_trajectory",
+    "tool_errors_per_trajectory": "rollout/tool_errors_per_trajectory",
+}
+_TIME_FIELDS = ("rollout_s", "reference_s", "logprob_s", "update_s", "publish_s", "step_s")
+
+
+def rollout_metrics(
+    trajectories: Sequence[Trajectory], *, pass_threshold: float, elapsed_s: float
+) -> dict[str, Any]:
+    """Reward, pass rate, lengths, tools and termination reasons of one step's trajectories."""
+    rewards = [float(t.reward) for t in trajectories if t.reward is not None]
+    n = max(1, len(trajectories))
+    sampled = [sum(t.loss_mask) for t in trajectories]
+    tool_calls = sum(len(t.tool_calls) for t in trajectories)
+    tool_errors = sum(1 for t in trajectories for c in t.tool_calls if not c.ok)
+    return {
+        "trajectories": len(trajectories),
+        "errors": sum(1 for t in trajectories if t.status == "error"),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "pass_rate": sum(r >= pass_threshold for r in rewards) / n,
+        "gen_tokens": sum(sampled),
+        "gen_tokens_per_s": sum(sampled) / elapsed_s if elapsed_s > 0 else None,
+        "response_tokens_mean": sum(sampled) / n,
+        "turns_mean": sum(t.num_turns for t in trajectories) / n,
+        "tool_calls_per_trajectory": tool_calls / n,
+        "tool_errors_per_trajectory": tool_errors / n,
+        "termination": dict(Counter(t.termination_reason for t in trajectories)),
+    }
+
+
+class Ledger:
+    """Appends one object per step to ``ledger.jsonl`` and mirrors numbers to TensorBoard."""
+
+    def __init__(self, out: str | os.PathLike[str], *, tensorboard: bool = True) -> None:
+        self.path = Path(out) / "ledger.jsonl"
+        self._fh = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+
+    def write(self, record: dict[str, Any], *, rewards: Sequence[float] = ()) -> None:
+        self._fh.write(json.dumps(record, sort_keys=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        if self._tb is None:
+            return
+        step = int(record["step"])
+        for key, value in record.items():
+            if key == "termination" and isinstance(value, dict):
+                for reason, count in value.items():
+                    self._tb.add_scalar(f"termination/{reason}", count, step)
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                if math.isfinite(value):
+                    tag = _GROUPS.get(key) or (f"time/{key}" if key in _TIME_FIELDS else None)
+                    self._tb.add_scalar(tag or f"train/{key}", value, step)
+        if rewards:
+            import numpy as np
+
+            self._tb.add_histogram("reward/histogram", np.asarray(rewards), step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class StepProgress:
+    """A rich progress bar (steps, elapsed, ETA, last reward) on a terminal, and one line per
+    step either way."""
+
+    def __init__(self, total: int, start: int, *, enabled: bool = True) -> None:
+        from rich.console import Console
+
+        self.console = Console(highlight=False, stderr=False)
+        self.enabled = enabled
+        self._progress = None
+        if enabled and self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, info="")
+            self._progress.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        reward = record.get("reward_mean")
+        info = f"reward {reward:.3f}" if reward is not None else ""
+        if record.get("eval_reward_mean") is not None:
+            info += f" eval {record['eval_reward_mean']:.3f}"
+        line = (
+            f"step {record['step']} v{record['policy_version']} {info} "
+            f"loss {record.get('loss', 0.0):.4f} kl {_fmt(record.get('kl'))} "
+            f"gen {_fmt(record.get('gen_tokens_per_s'), '.0f')} tok/s "
+            f"step {record.get('step_s', 0.0):.1f}s (rollout {record.get('rollout_s', 0):.1f} "
+            f"update {record.get('update_s', 0):.1f} publish {record.get('publish_s', 0):.2f})"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, info=info)
+            self._progress.console.print(line)
+        else:
+            self.console.print(line)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)

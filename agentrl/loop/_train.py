@@ -1,0 +1,346 @@
+"""The synchronous on-policy loop: rollout → rewards → advantages → update → publish → checkpoint.
+
+One process holds everything (colocated): the embedded engine's worker thread samples, the
+learner (DeepSpeed ZeRO-3) trains in the calling thread, and ``EngineWeightSink`` hands the
+gathered weights to the engine in-process under the next policy version. Step ``s`` samples
+with version ``s - 1`` (every trajectory records it), trains, and publishes version ``s``; the
+version lag is therefore 0. The event loop is blocked while the learner computes: nothing else
+runs between rollouts in this mode (the asynchronous mode will move the learner to a thread).
+
+Resume (``resume=True``): the newest complete checkpoint under ``checkpoint.dir`` restores the
+learner (weights, optimizer, LR schedule), RNG states, the data cursor and the policy version;
+the run files are cut back to their length at that checkpoint (the in-flight rule), and the
+engine is given the checkpoint's weights before sampling. Steps then continue with the same
+tasks and the same per-step seeds as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from agentrl._errors import ConfigError
+from agentrl._rollout import RolloutContext, derive_seed
+from agentrl._runner import run_groups
+from agentrl._types import Trajectory, TrajectoryWriter
+from agentrl.trainer import (
+    Learner,
+    LearnerSettings,
+    LoopState,
+    init_distributed,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+    verify_state,
+)
+
+from ._config import TrainConfig, dump_config
+from ._ledger import Ledger, StepProgress, rollout_metrics
+
+RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl")
+
+
+class EngineWeightSink:
+    """Publishes to an ``Engine`` (the colocated embedded engine, or an SGLang client): the
+    state dict in-process, or (``snapshot_dir``) a safetensors folder the engine loads from
+    disk (``/update_weights_from_disk`` for servers)."""
+
+    def __init__(self, engine: Any, *, snapshot_dir: str | None = None, model_path: str = ""):
+        self.engine = engine
+        self.snapshot_dir = snapshot_dir
+        self.model_path = model_path
+
+    async def publish(self, version: int, weights: dict[str, torch.Tensor] | str) -> None:
+        if self.snapshot_dir is not None and isinstance(weights, dict):
+            weights = await anyio.to_thread.run_sync(self._write_snapshot, version, weights)
+        await self.engine.update_weights(version, weights)
+
+    def _write_snapshot(self, version: int, weights: dict[str, torch.Tensor]) -> str:
+        import shutil
+
+        from safetensors.torch import save_file
+
+        folder = Path(self.snapshot_dir or ".") / f"v{version:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        unique: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in weights.items():  # a tied head shares the embedding's storage
+            if tensor.untyped_storage().data_ptr() not in seen:
+                seen.add(tensor.untyped_storage().data_ptr())
+                unique[name] = tensor.contiguous()
+        save_file(unique, str(folder / "model.safetensors"))
+        shutil.copy2(Path(self.model_path) / "config.json", folder / "config.json")
+        return str(folder)
+
+
+class TaskStream:
+    """The training tasks as an endless stream: epoch ``e`` is the task list shuffled with
+    ``(seed, e)``; ``cursor`` counts tasks consumed, so a resumed run continues exactly."""
+
+    def __init__(self, tasks: list[Any], seed: int) -> None:
+        if not tasks:
+            raise ConfigError("the environment has no training tasks")
+        self.tasks, self.seed = tasks, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.tasks)))
+            random.Random(f"agentrl-tasks/{self.seed}/{epoch}").shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def take(self, cursor: int, n: int) -> list[Any]:
+        size = len(self.tasks)
+        return [self.tasks[self._order(i // size)[i % size]] for i in range(cursor, cursor + n)]
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    policy_version: int
+    last_record: dict[str, Any]
+
+
+def _file_lengths(out: Path) -> dict[str, int]:
+    return {name: (out / name).stat().st_size for name in RUN_FILES if (out / name).exists()}
+
+
+def _truncate(out: Path, lengths: dict[str, int]) -> None:
+    """The in-flight rule: drop what was written after the checkpoint."""
+    for name in RUN_FILES:
+        path = out / name
+        if path.exists():
+            os.truncate(path, lengths.get(name, 0))
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, resume: bool) -> None:
+    if not resume and (out / "ledger.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run; resume it with --resume {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
+    info["rollout"] = cfg.rollout.model_dump(mode="json")
+    (out / "config.json").write_text(json.dumps(info, indent=2))
+
+
+def _check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
+    """The checkpoint to resume from, refused early (before any model is built) when it
+    belongs to another tokenizer or configuration; None when the run never reached one (it
+    then starts over: its files are emptied)."""
+    if not (out / "config.yaml").is_file():
+        raise ConfigError(f"--resume: {out} is not a training run (no config.yaml)")
+    path = latest_checkpoint(checkpoint_root(cfg, out))
+    if path is None:
+        return None
+    verify_state(read_state(path), path, tokenizer_fingerprint=fingerprint, config_hash=cfg.hash())
+    return path
+
+
+def checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+
+
+async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool = False):
+    """Run (or resume) training into ``out``; returns a ``TrainResult``."""
+    from transformers import AutoTokenizer
+
+    from agentrl._models import resolve_model, tokenizer_fingerprint
+    from agentrl._registry import spec as env_spec
+    from agentrl.engine import EngineOptions, open_embedded_engine
+    from agentrl.formats import get_format
+
+    out = Path(out)
+    spec = env_spec(cfg.env)
+    model_path = str(resolve_model(cfg.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    resume_from = _check_resume(cfg, out, fingerprint) if resume else None
+    _prepare_out(cfg, out, model_path, resume=resume)
+    try:
+        options = EngineOptions(**cfg.engine)
+    except TypeError as exc:
+        raise ConfigError(f"engine: {exc}") from None
+    init_distributed(num_threads=cfg.train.num_threads)
+    max_turns = cfg.rollout.max_turns or spec.max_turns
+    max_new = cfg.rollout.max_new_tokens or spec.max_new_tokens
+    learner = Learner(
+        LearnerSettings(
+            model_path=model_path,
+            algorithm=cfg.algorithm,
+            optimizer=cfg.optimizer,
+            total_steps=cfg.train.max_steps,
+            temperature=cfg.rollout.temperature,
+            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+            packing=cfg.train.packing,
+            varlen_attention=cfg.train.attention == "varlen",
+            share_prefix=cfg.train.share_prefix,
+            gradient_checkpointing=cfg.train.gradient_checkpointing,
+            chunk_size=cfg.train.logprob_chunk_size,
+            norm_length=float(max_turns * max_new),
+            deepspeed=cfg.deepspeed,
+        )
+    )
+    ckpt_root = checkpoint_root(cfg, out)
+    step, cursor = 0, 0
+    if resume_from is not None:
+        state = load_checkpoint(
+            resume_from, learner, tokenizer_fingerprint=fingerprint, config_hash=cfg.hash()
+        )
+        _truncate(out, state.file_lengths)
+        step, cursor = state.step, state.data_cursor
+    elif resume:
+        _truncate(out, {})  # killed before its first checkpoint: start over
+    env = spec.make(**cfg.rollout.env_kwargs)
+    stream = TaskStream(list(env.tasks("train", seed=cfg.train.seed)), cfg.train.seed)
+    eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+    fmt = get_format("chatml-hermes", tokenizer)
+    last: dict[str, Any] = {}
+    async with AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(open_embedded_engine(model_path, options))
+        sink = EngineWeightSink(engine)
+        if learner.version:  # resumed: the engine starts from the checkpoint's weights
+            await sink.publish(learner.version, learner.state_dict())
+        base = RolloutContext(
+            spec=spec,
+            engine=engine,
+            fmt=fmt,
+            config=cfg.rollout,
+            tokenizer_fingerprint=fingerprint,
+            model_name=cfg.model,
+        )
+        writer = TrajectoryWriter(str(out / "trajectories.jsonl"))
+        eval_writer = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
+        ledger = Ledger(out, tensorboard=cfg.logging.tensorboard)
+        progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
+        stack.callback(writer.close)
+        stack.callback(eval_writer.close)
+        stack.callback(ledger.close)
+        stack.callback(progress.close)
+        evaluate = _Evaluator(cfg, base, eval_tasks, eval_writer)
+        if step == 0 and cfg.eval.at_start:
+            ledger.write({"step": 0, "policy_version": 0, **await evaluate(0)})
+        checkpoint_s = 0.0
+        while step < cfg.train.max_steps:
+            step += 1
+            started = time.perf_counter()
+            tasks = stream.take(cursor, cfg.train.tasks_per_step)
+            ctx = dataclasses.replace(
+                base,
+                config=cfg.rollout.model_copy(
+                    update={"seed": derive_seed(cfg.rollout.seed, "train-step", step)}
+                ),
+            )
+            sampled_with = learner.version
+            on_traj = writer.write if cfg.logging.trajectories else None
+            trajs = await run_groups(ctx, tasks, on_trajectory=on_traj)
+            rollout_s = time.perf_counter() - started
+            stats = learner.train_step(trajs)
+            t0 = time.perf_counter()
+            weights = learner.state_dict()
+            gather_s = time.perf_counter() - t0
+            await sink.publish(learner.version, weights)
+            publish_s = time.perf_counter() - t0
+            del weights
+            cursor += len(tasks)
+            record = _record(
+                step, learner.version, sampled_with, cursor, tasks, trajs, stats, cfg, rollout_s
+            )
+            record.update(publish_s=publish_s, gather_s=gather_s, checkpoint_s=checkpoint_s)
+            checkpoint_s = 0.0  # reported once, on the step after the write
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+                record.update(await evaluate(step))
+            record["step_s"] = time.perf_counter() - started
+            rewards = [float(t.reward) for t in trajs if t.reward is not None]
+            ledger.write(record, rewards=rewards)
+            progress.update(record)
+            last = record
+            every = cfg.checkpoint.every_steps
+            final = cfg.checkpoint.at_end and step == cfg.train.max_steps
+            if (every and step % every == 0) or final:
+                t0 = time.perf_counter()
+                state = LoopState(
+                    step=step,
+                    policy_version=learner.version,
+                    data_cursor=cursor,
+                    tokenizer_fingerprint=fingerprint,
+                    config_hash=cfg.hash(),
+                    model_path=model_path,
+                    file_lengths=_file_lengths(out),
+                )
+                save_checkpoint(ckpt_root, learner, state, keep=cfg.checkpoint.keep)
+                checkpoint_s = time.perf_counter() - t0
+    return TrainResult(out, step, learner.version, last)
+
+
+def _record(step, version, sampled_with, cursor, tasks, trajs, stats, cfg, rollout_s):
+    lags = [sampled_with - t.policy_version for t in trajs] or [0]
+    record: dict[str, Any] = {
+        "step": step,
+        "policy_version": version,
+        "rollout_version": sampled_with,
+        "data_cursor": cursor,
+        "task_ids": [t.id for t in tasks],
+        "version_lag": sum(lags) / len(lags),
+        "version_lag_max": max(lags),
+        "rollout_s": rollout_s,
+    }
+    record.update(
+        rollout_metrics(trajs, pass_threshold=cfg.train.pass_threshold, elapsed_s=rollout_s)
+    )
+    learner = stats.as_dict()
+    record.update(learner)
+    busy = stats.update_s + stats.reference_s + stats.logprob_s
+    record["learner_tokens_per_s"] = stats.learner_tokens / busy if busy > 0 else None
+    return record
+
+
+class _Evaluator:
+    """Held-out evaluation: the first ``eval.num_tasks`` tasks of the eval split, one sample
+    each, a fixed seed (so curves compare policies, not samples)."""
+
+    def __init__(self, cfg: TrainConfig, base: RolloutContext, tasks: list[Any], writer) -> None:
+        self.cfg, self.tasks, self.writer = cfg, tasks, writer
+        rollout = cfg.rollout.model_copy(
+            update={
+                "group_size": 1,
+                "temperature": cfg.eval.temperature,
+                "seed": derive_seed(cfg.rollout.seed, "eval"),
+            }
+        )
+        self.ctx = dataclasses.replace(base, config=rollout)
+
+    async def __call__(self, step: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        trajs = await run_groups(self.ctx, self.tasks, on_trajectory=self.writer.write)
+        return eval_metrics(trajs, self.cfg.train.pass_threshold, time.perf_counter() - started)
+
+
+def eval_metrics(trajs: list[Trajectory], threshold: float, elapsed: float) -> dict[str, Any]:
+    m = rollout_metrics(trajs, pass_threshold=threshold, elapsed_s=elapsed)
+    return {
+        "eval_reward_mean": m["reward_mean"],
+        "eval_pass_rate": m["pass_rate"],
+        "eval_tool_calls_per_trajectory": m["tool_calls_per_trajectory"],
+        "eval_s": elapsed,
+    }
+
+
+def train(
+    cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool = False, backend: str = "trio"
+) -> TrainResult:
+    """Synchronous ``atrain`` on its own event loop."""
+    return anyio.run(lambda: atrain(cfg, out, resume=resume), backend=backend)

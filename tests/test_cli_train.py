@@ -1,0 +1,153 @@
+"""``agentrl train / eval / export`` as a user runs them (subprocesses), and exact resume:
+N steps straight == k steps, SIGKILL, ``--resume``, N − k steps (same tasks in the same order,
+same policy versions, the same sampled tokens, losses equal within fp32 tolerance)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl import read_trajectories
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, KILL_AFTER = 4, 2
+CONFIG = {
+    "model": "tiny-random",
+    "env": "vowels_env:vowels-v0",
+    "rollout": {"max_new_tokens": 8, "concurrency": 8},
+    "algorithm": {"name": "grpo", "group_size": 4, "kl_coef": 0.05},
+    "optimizer": {"lr": 1e-3},
+    "train": {"max_steps": STEPS, "tasks_per_step": 2, "micro_batch_tokens": 256},
+    "checkpoint": {"every_steps": 1, "keep": 5},
+    "eval": {"every_steps": 2, "num_tasks": 2},
+    "logging": {"tensorboard": False},
+}
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT / "tests" / "trainer"), os.environ.get("PYTHONPATH", "")])
+    # a learner started in this pytest process exported its process group's address: a child
+    # must make its own
+    dist = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in dist}, "PYTHONPATH": path}
+
+
+def _agentrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _ledger(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run A straight; run B killed (SIGKILL) once checkpoint KILL_AFTER exists, resumed."""
+    tmp = tmp_path_factory.mktemp("cli-train")
+    config = tmp / "config.yaml"
+    config.write_text(json.dumps(CONFIG))
+    straight, killed = tmp / "A", tmp / "B"
+    _agentrl("train", "--config", str(config), "--out", str(straight))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out",
+         str(killed)],
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    marker = killed / "checkpoints" / f"step-{KILL_AFTER:08d}" / "state.json"
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    lines_at_kill = len(_ledger(killed))
+    resumed = _agentrl("train", "--resume", str(killed))
+    return config, straight, killed, lines_at_kill, resumed
+
+
+def test_resume_after_sigkill_equals_the_straight_run(runs):
+    _, straight, killed, lines_at_kill, _ = runs
+    assert lines_at_kill >= KILL_AFTER, "killed before the checkpoint's step was logged"
+    a, b = _ledger(straight), _ledger(killed)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1)), "steps lost or repeated"
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["task_ids"] == rb["task_ids"], f"data order differs at step {ra['step']}"
+        assert ra["data_cursor"] == rb["data_cursor"]
+        assert (ra["policy_version"], ra["rollout_version"]) == (
+            rb["policy_version"],
+            rb["rollout_version"],
+        )
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-6, rel=1e-3), ra["step"]
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3), ra["step"]
+    # per-trajectory seeds: the post-resume samples are the uninterrupted run's
+    ta = read_trajectories(str(straight / "trajectories.jsonl"))
+    tb = read_trajectories(str(killed / "trajectories.jsonl"))
+    assert len(ta) == len(tb) == STEPS * 2 * 4, "in-flight trajectories were not discarded"
+    key = lambda t: (t.policy_version, t.task_id, t.sample_index)  # noqa: E731
+    for x, y in zip(sorted(ta, key=key), sorted(tb, key=key), strict=True):
+        assert key(x) == key(y)
+        assert x.token_ids == y.token_ids, f"samples differ for {key(x)}"
+        assert x.reward == y.reward
+    eval_a = sorted(read_trajectories(str(straight / "eval_trajectories.jsonl")), key=key)
+    eval_b = sorted(read_trajectories(str(killed / "eval_trajectories.jsonl")), key=key)
+    assert [t.token_ids for t in eval_a] == [t.token_ids for t in eval_b]
+
+
+def test_resume_with_another_tokenizer_is_refused(runs, tmp_path, tiny_model_path):
+    _, _, killed, _, _ = runs
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_model_path, other)
+    tok_config = json.loads((other / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = "{{ messages[0]['content'] }}"
+    (other / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (other / "chat_template.jinja").unlink(missing_ok=True)
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    proc = _agentrl("train", "--resume", str(copy), "--model", str(other), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "tokenizer fingerprint mismatch" in proc.stderr
+    assert _ledger(copy) == _ledger(killed)  # nothing was touched
+
+
+def test_export_and_eval_commands(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config, _, killed, _, _ = runs
+    out = tmp_path / "hf"
+    _agentrl("export", str(killed), "--step", "2", "--out", str(out))
+    AutoModelForCausalLM.from_pretrained(str(out))
+    proc = _agentrl("eval", "--config", str(config), "--checkpoint", str(killed))
+    metrics = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert metrics["policy_version"] == STEPS and metrics["num_tasks"] == 2
+    bad = _agentrl("train", "--config", str(config), "--set", "train.max_step=3", check=False)
+    assert bad.returncode == 2 and "train.max_step" in bad.stderr
+
+
+def test_the_example_config_runs(tmp_path):
+    """examples/train_calc_grpo.yaml as-is, shrunk to one step of tiny-random."""
+    _agentrl(
+        "train", "--config", str(ROOT / "examples" / "train_calc_grpo.yaml"),
+        "--model", "tiny-random", "--max-steps", "1", "--out", str(tmp_path / "run"),
+        "--set", "train.tasks_per_step=1", "--set", "algorithm.group_size=2",
+        "--set", "eval.num_tasks=1", "--set", "rollout.max_new_tokens=8",
+    )  # fmt: skip
+    assert [r["step"] for r in _ledger(tmp_path / "run")] == [0, 1]  # eval.at_start: step 0

@@ -1,0 +1,202 @@
+"""Loop checkpoints: a resumed learner equals the checkpoint exactly (weights, ZeRO-3 fp32
+partitions, Adam moments, LR schedule, RNG states); a foreign tokenizer or configuration is
+refused; a crash (SIGKILL) mid-write leaves the previous checkpoint usable; ``keep`` prunes;
+export writes a loadable HF folder."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.trainer import (
+    CheckpointError,
+    LoopState,
+    export_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
+)
+
+FINGERPRINT, CONFIG_HASH = "tok-aaaa", "cfg-bbbb"
+
+
+def _state(step: int, model_path: str = "", version: int | None = None) -> LoopState:
+    return LoopState(
+        step=step,
+        policy_version=step if version is None else version,
+        data_cursor=10 * step,
+        tokenizer_fingerprint=FINGERPRINT,
+        config_hash=CONFIG_HASH,
+        model_path=model_path,
+        file_lengths={"ledger.jsonl": 123 * step},
+    )
+
+
+def _optimizer_snapshot(learner) -> dict[str, object]:
+    zero = learner.policy.engine.optimizer
+    out: dict[str, object] = {
+        f"fp32/{i}": t.detach().clone() for i, t in enumerate(zero.fp32_partitioned_groups_flat)
+    }
+    for i, state in enumerate(zero.optimizer.state.values()):
+        out.update({f"adam/{i}/{k}": v.clone() for k, v in state.items()})
+    out["schedule"] = learner.policy.engine.lr_scheduler.state_dict()
+    return out
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_resume_restores_everything_exactly(make_learner, make_groups, tmp_path, rng):
+    seed = rng.randrange(2**31)
+    learner = make_learner()
+    for step in range(2):
+        learner.train_step(make_groups(seed + step, version=step))
+    root = tmp_path / "ckpt"
+    path = save_checkpoint(root, learner, _state(2, learner.settings.model_path), keep=2)
+    weights, optim = learner.state_dict(), _optimizer_snapshot(learner)
+    draws = _draws()  # what the RNGs give right after the checkpoint
+
+    fresh = make_learner()
+    fresh.train_step(make_groups(seed + 7))  # a different history, then resume over it
+    state = load_checkpoint(path, fresh, tokenizer_fingerprint=FINGERPRINT, config_hash=CONFIG_HASH)
+    assert state.step == 2 and state.data_cursor == 20 and fresh.version == 2
+    assert _same(fresh.state_dict(), weights), f"weights differ; seed={seed}"
+    assert _same(_optimizer_snapshot(fresh), optim), f"optimizer state differs; seed={seed}"
+    assert _same(_draws(), draws), "RNG states were not restored"
+    # and training continues identically from there
+    a, b = learner.train_step(make_groups(seed + 2)), fresh.train_step(make_groups(seed + 2))
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm, f"seed={seed}"
+    assert _same(fresh.state_dict(), learner.state_dict()), f"seed={seed}"
+
+
+class _FakeLearner:
+    """Writes one file per save; ``fail`` simulates a crash after writing part of it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.loaded: tuple[str, int] | None = None
+
+    def save(self, directory: str) -> None:
+        with open(os.path.join(directory, "weights.bin"), "wb") as fh:
+            fh.write(b"x" * 1000)
+            if self.fail:
+                raise OSError("disk full (simulated)")
+
+    def load(self, directory: str, version: int) -> None:
+        assert os.path.getsize(os.path.join(directory, "weights.bin")) == 1000
+        self.loaded = (directory, version)
+
+
+def test_foreign_tokenizer_or_config_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, _FakeLearner(), _state(1), keep=2)
+    learner = _FakeLearner()
+    with pytest.raises(CheckpointError, match="tokenizer fingerprint mismatch") as info:
+        load_checkpoint(path, learner, tokenizer_fingerprint="tok-other", config_hash=CONFIG_HASH)
+    assert FINGERPRINT in str(info.value) and "tok-other" in str(info.value)
+    with pytest.raises(CheckpointError, match="configuration mismatch"):
+        load_checkpoint(path, learner, tokenizer_fingerprint=FINGERPRINT, config_hash="cfg-x")
+    assert learner.loaded is None  # nothing was restored
+    load_checkpoint(path, learner, tokenizer_fingerprint=FINGERPRINT, config_hash=CONFIG_HASH)
+    assert learner.loaded == (str(path), 1)
+
+
+def test_failed_write_leaves_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, _FakeLearner(), _state(1), keep=2)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(tmp_path, _FakeLearner(fail=True), _state(2), keep=2)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
+    assert not (tmp_path / "step-00000002").exists()
+    assert read_state(latest_checkpoint(tmp_path)).step == 1
+    save_checkpoint(tmp_path, _FakeLearner(), _state(2), keep=2)  # and the next save cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_sigkill_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """A real crash: the writing process is killed with SIGKILL while step 2 is half written."""
+    ready = tmp_path / "half-written"
+    script = textwrap.dedent(
+        f"""
+        import os, time
+        from agentrl.trainer import LoopState, save_checkpoint
+
+        class Slow:
+            def __init__(self, stall):
+                self.stall = stall
+            def save(self, directory):
+                with open(os.path.join(directory, "weights.bin"), "wb") as fh:
+                    fh.write(b"x" * 1000)
+                if self.stall:
+                    open({str(ready)!r}, "w").close()
+                    time.sleep(60)
+
+        for step in (1, 2):
+            state = LoopState(step, step, step, "tok", "cfg", "")
+            save_checkpoint({str(tmp_path / "ckpt")!r}, Slow(step == 2), state, keep=5)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, "the writer exited early"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    root = tmp_path / "ckpt"
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000001"]
+    assert (root / ".tmp-step-00000002").is_dir()  # the torn write, ignored
+    learner = _FakeLearner()
+    load_checkpoint(
+        latest_checkpoint(root), learner, tokenizer_fingerprint="tok", config_hash="cfg"
+    )
+    assert learner.loaded is not None
+
+
+def test_keep_prunes_the_oldest(tmp_path):
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, _FakeLearner(), _state(step), keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+
+
+def test_export_writes_a_loadable_hf_folder(make_learner, make_groups, tmp_path, rng):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    learner = make_learner()
+    learner.train_step(make_groups(rng.randrange(2**31)))
+    path = save_checkpoint(
+        tmp_path / "ckpt", learner, _state(1, learner.settings.model_path), keep=1
+    )
+    out = export_checkpoint(path, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    weights = learner.state_dict()
+    got = dict(model.named_parameters())
+    assert weights.keys() == got.keys()
+    assert all(torch.equal(weights[k], got[k].detach()) for k in weights)
+    AutoTokenizer.from_pretrained(str(out))
+    assert not (out / "agentrl_model.json").exists()  # the cache manifest's checksums are stale

@@ -1,0 +1,155 @@
+"""The DeepSpeed ZeRO-3 learner on CPU (gloo, one process, tiny-random): log-probs equal the
+plain HF model's, one ZeRO-3 step over several packed micro-batches equals a plain torch AdamW
+step on the full batch, the reference is frozen and in no optimizer, PPO trains its critic."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentrl.trainer import (
+    OptimizerConfig,
+    causal_lm_token_logprobs,
+    deepspeed_config,
+    group_index,
+    grpo_advantages,
+    lr_multiplier,
+    pack_trajectories,
+    policy_loss,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
+)
+
+
+def _plain(tiny_model_path, weights=None):
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_zero3_step_equals_plain_adamw_on_the_full_batch(make_learner, make_groups, rng):
+    """Several micro-batches, caller-owned accumulation, the LM head gathered as an external
+    parameter: the log-probs, the pre-clip gradient norm and the updated weights all equal a
+    plain HF model trained with torch AdamW on the same loss."""
+    seed = rng.randrange(2**31)
+    # eps 1e-5: Adam's first step is ~lr·sign(g); with eps 1e-8 a gradient of ~1e-9 (rare
+    # vocabulary rows) would turn fp32 summation-order noise into a visible update
+    learner = make_learner(micro_batch_tokens=40, eps=1e-5)  # grpo, no reference
+    trajs = make_groups(seed)
+    plain = _plain(learner.settings.model_path)
+    batches = pack_trajectories(trajs, 40, pad_id=2)
+    assert len(batches) >= 3, f"the test needs gradient accumulation; seed={seed}"
+    # the engine's log-probs (ZeRO-3, gathered head) == the plain model's
+    with torch.no_grad():
+        for b in batches:
+            ours = learner.policy.score(b).logprobs
+            want = causal_lm_token_logprobs(plain, b).logprobs
+            assert torch.equal(ours, want) or (ours - want).abs().max() < 1e-5, f"seed={seed}"
+
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    adv = grpo_advantages(rewards, group_index([t.group_id for t in trajs])).tolist()
+    opt = torch.optim.AdamW(
+        plain.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-5, weight_decay=0.0
+    )
+    for b in pack_trajectories(trajs, 40, pad_id=2, advantages=adv):
+        out = causal_lm_token_logprobs(plain, b)
+        loss = policy_loss(
+            out.logprobs, b.rollout_logprobs, b.advantages, b.loss_mask,
+            algo="grpo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean",
+            sequence_index=b.sequence_index, denominator=b.step_sequences,
+            entropy=out.entropy, entropy_coef=0.0,
+        ).loss  # fmt: skip
+        loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item()
+    opt.step()
+
+    stats = learner.train_step(trajs)
+    assert stats.micro_batches == len(batches) and stats.updates == 1
+    assert stats.grad_norm == pytest.approx(norm, rel=1e-4), f"seed={seed}"
+    want = {k: v.detach() for k, v in plain.named_parameters()}
+    assert _max_diff(learner.state_dict(), want) < 1e-6, f"seed={seed}"
+    assert learner.version == 1
+
+
+def test_reference_is_frozen_and_in_no_optimizer(make_learner, make_groups, rng):
+    seed = rng.randrange(2**31)
+    learner = make_learner(kl_coef=0.1)
+    assert learner.reference is not None
+    ref_params = learner.reference.parameters()
+    assert ref_params and not any(p.requires_grad for p in ref_params)
+    in_optimizers = {id(p) for p in learner.optimizer_parameters()}
+    assert len(in_optimizers) == len(learner.policy.parameters())
+    assert not in_optimizers & {id(p) for p in ref_params}
+    assert learner.reference.optimizer_parameters() == []
+    ref_before, policy_before = learner.reference.state_dict(), learner.state_dict()
+
+    for step in range(2):
+        stats = learner.train_step(make_groups(seed + step, version=step))
+    assert learner.version == 2
+    assert _max_diff(learner.reference.state_dict(), ref_before) == 0.0, f"seed={seed}"
+    assert _max_diff(learner.state_dict(), policy_before) > 1e-5, "the policy did not move"
+    record = stats.as_dict()
+    assert record["kl"] is not None and record["kl"] > 0, f"seed={seed}"
+
+
+def test_ppo_trains_the_critic(make_learner, make_groups, rng):
+    seed = rng.randrange(2**31)
+    learner = make_learner(name="ppo", kl_coef=0.05, kl_mode="reward", kl_estimator="k1")
+    assert learner.critic is not None
+    critic_ids = {id(p) for p in learner.critic.parameters()}
+    assert critic_ids <= {id(p) for p in learner.optimizer_parameters()}
+    head = learner.critic.scorer.value_head
+    before = head.weight.ds_tensor.clone()  # this rank's ZeRO-3 partition
+    stats = learner.train_step(make_groups(seed, groups=2, size=2))
+    assert stats.value_loss > 0 and stats.updates == 1, f"seed={seed}"
+    assert not torch.equal(head.weight.ds_tensor, before), "the critic did not move"
+
+
+def test_dapo_drops_groups_with_equal_rewards(make_learner, make_groups, rng):
+    seed = rng.randrange(2**31)
+    learner = make_learner(name="dapo")
+    trajs = make_groups(seed, groups=3, size=3)
+    trajs[:3] = [msgspec.structs.replace(t, reward=1.0) for t in trajs[:3]]  # group g0: all equal
+    stats = learner.train_step(trajs)
+    assert stats.groups_filtered == 1 and stats.trajectories_used == 6, f"seed={seed}"
+    assert stats.loss_tokens == sum(sum(t.loss_mask) for t in trajs[3:])
+
+
+def test_lr_schedule():
+    warm = OptimizerConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    f = lr_multiplier(warm, total_updates=14)
+    assert [f(u) for u in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(9) == pytest.approx(0.55) and f(14) == 0.1
+    assert f(100) == pytest.approx(0.1)
+    linear = lr_multiplier(OptimizerConfig(schedule="linear"), total_updates=10)
+    assert [round(linear(u), 6) for u in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert lr_multiplier(OptimizerConfig(), 10)(7) == 1.0
+
+
+def test_deepspeed_config_uses_torch_adamw_and_merges_overrides():
+    opt = OptimizerConfig(lr=3e-4, weight_decay=0.1, grad_clip=0.5)
+    cfg = deepspeed_config(
+        optimizer=opt,
+        bf16=False,
+        overrides={"zero_optimization": {"overlap_comm": False}, "gradient_clipping": 2.0},
+    )
+    assert cfg["zero_optimization"] == {
+        "stage": 3,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "overlap_comm": False,
+    }
+    assert cfg["optimizer"]["params"]["torch_adam"] is True  # no JIT-built CPU Adam
+    assert cfg["optimizer"]["params"]["lr"] == 3e-4 and cfg["gradient_clipping"] == 2.0
+    assert cfg["managed_gradient_accumulation"] is False
+    assert "optimizer" not in deepspeed_config(optimizer=None, bf16=False)

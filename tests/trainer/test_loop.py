@@ -1,0 +1,204 @@
+"""The training loop in-process: config validation and overrides, the task stream's cursor, a
+short real run (tiny-random on ``vowels-v0``) with its ledger, trajectories, versions,
+evaluation, checkpoints, resume and export, and the weight sink's disk mode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from agentrl import ConfigError
+from agentrl.loop import (
+    EngineWeightSink,
+    TaskStream,
+    aevaluate,
+    apply_overrides,
+    dump_config,
+    export_run,
+    load_train_config,
+    read_ledger,
+    train,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
+)
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+LEDGER_FIELDS = {
+    "step", "policy_version", "reward_mean", "kl", "version_lag", "gen_tokens_per_s",
+    "learner_tokens", "publish_s", "reward_std", "pass_rate", "entropy", "clip_fraction",
+    "ratio_mean", "ratio_min", "ratio_max", "mismatch_abs_mean", "mismatch_kl",
+    "response_tokens_mean", "tool_calls_per_trajectory", "tool_errors_per_trajectory",
+    "termination", "rollout_s", "reference_s", "logprob_s", "update_s", "step_s",
+}  # fmt: skip
+
+
+def tiny_config(tmp_path: Path, **sections) -> Path:
+    data = {
+        "model": "tiny-random",
+        "env": "vowels_env:vowels-v0",
+        "rollout": {"max_new_tokens": 8, "concurrency": 8},
+        "algorithm": {"name": "grpo", "group_size": 4, "kl_coef": 0.05},
+        "optimizer": {"lr": 1e-3},
+        "train": {"max_steps": 2, "tasks_per_step": 2, "micro_batch_tokens": 256},
+        "checkpoint": {"every_steps": 1, "keep": 3},
+        "eval": {"every_steps": 2, "num_tasks": 2},
+        "logging": {"progress": False},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(data))  # JSON is YAML
+    return path
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sets", "names"),
+    [
+        (["algorithm.clip_low=-1"], "algorithm.clip_low"),
+        (["train.max_step=3"], "train.max_step"),
+        (["algorithm.name=reinforce"], "algorithm.name"),
+        (["rollout.temperature=0"], "rollout.temperature"),
+        (["algorithm.group_size=1"], "group_size"),
+        (["algorithm.group_size=4", "rollout.group_size=8"], "rollout.group_size=8"),
+        (["env_kwargs.levels=[0]", "rollout.env_kwargs.levels=[1]"], "levels"),
+        (["algorithm.tis_cap=2"], "old_logprobs: recompute"),
+        (["optimizer=3"], "optimizer"),
+    ],
+)
+def test_config_errors_name_the_field(sets, names):
+    with pytest.raises(ConfigError, match="invalid config") as info:
+        load_train_config(None, ["algorithm.group_size=4", *sets])
+    assert names in str(info.value)
+
+
+def test_overrides_parse_yaml_values_and_name_bad_keys():
+    data = apply_overrides({"a": {"x": 1}}, ["a.b=2", "a.c=[0, 1]", "d=true", "e=hi", "f.g.h=0.5"])
+    assert data == {
+        "a": {"x": 1, "b": 2, "c": [0, 1]},
+        "d": True,
+        "e": "hi",
+        "f": {"g": {"h": 0.5}},
+    }
+    with pytest.raises(ConfigError, match="a.x is not a mapping"):
+        apply_overrides(data, ["a.x.y=1"])
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        apply_overrides({}, ["novalue"])
+
+
+def test_resolved_config_round_trips_and_hash_ignores_what_may_change(tmp_path):
+    cfg = load_train_config(tiny_config(tmp_path), ["env_kwargs.num_tasks=16"])
+    assert cfg.rollout.group_size == 4 and cfg.rollout.env_kwargs == {"num_tasks": 16}
+    assert cfg.rollout.max_context_tokens == 256  # a trajectory must fit a micro-batch
+    again_file = tmp_path / "again.yaml"
+    again_file.write_text(dump_config(cfg))
+    again = load_train_config(again_file)
+    assert again == cfg and again.hash() == cfg.hash()
+    same = ["train.max_steps=99", "eval.num_tasks=5", "logging.tensorboard=false", "engine.x=1"]
+    assert load_train_config(again_file, same).hash() == cfg.hash()
+    assert load_train_config(again_file, ["optimizer.lr=0.5"]).hash() != cfg.hash()
+
+
+def test_example_config_is_valid():
+    cfg = load_train_config(ROOT / "examples" / "train_calc_grpo.yaml")
+    assert cfg.model == "smollm2-135m" and cfg.env == "calc-v0"
+    assert cfg.algorithm.name == "grpo" and cfg.rollout.group_size >= 2
+
+
+def test_task_stream_continues_without_skipping_or_repeating():
+    stream = TaskStream(list(range(10)), seed=3)
+    chunks = [stream.take(c, 3) for c in range(0, 30, 3)]
+    flat = [t for chunk in chunks for t in chunk]
+    assert flat == stream.take(0, 30)
+    for epoch in range(3):
+        assert sorted(flat[10 * epoch : 10 * epoch + 10]) == list(range(10))
+    assert flat[:10] != flat[10:20]  # each epoch has its own order
+    assert TaskStream(list(range(10)), seed=3).take(7, 5) == flat[7:12]
+
+
+# -- a real run ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Two steps of GRPO on tiny-random, then a resume to step 3."""
+    import sys
+
+    sys.path.insert(0, str(HERE))  # vowels_env
+    tmp = tmp_path_factory.mktemp("loop")
+    cfg = load_train_config(tiny_config(tmp))
+    out = tmp / "run"
+    first = train(cfg, out)
+    resumed = train(load_train_config(out / "config.yaml", ["train.max_steps=3"]), out, resume=True)
+    return cfg, out, first, resumed
+
+
+def test_run_writes_ledger_trajectories_and_versions(run):
+    from agentrl import read_trajectories
+
+    cfg, out, first, resumed = run
+    assert first.steps == 2 and resumed.steps == 3 and resumed.policy_version == 3
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == [1, 2, 3]
+    for record in ledger:
+        assert LEDGER_FIELDS <= record.keys(), LEDGER_FIELDS - record.keys()
+        assert record["policy_version"] == record["step"]
+        assert record["rollout_version"] == record["step"] - 1 and record["version_lag"] == 0
+        assert record["learner_tokens"] > 0 and record["kl"] is not None
+        assert record["mismatch_abs_mean"] < 1e-3  # engine and trainer score the same ids
+    assert "eval_reward_mean" in ledger[1] and "eval_reward_mean" not in ledger[0]
+    trajs = read_trajectories(str(out / "trajectories.jsonl"))
+    assert len(trajs) == 3 * 2 * 4
+    by_step = [trajs[8 * k : 8 * k + 8] for k in range(3)]
+    for k, step_trajs in enumerate(by_step):
+        assert {t.policy_version for t in step_trajs} == {k}
+        assert {t.task_id for t in step_trajs} == set(ledger[k]["task_ids"])
+    stream = TaskStream(list(range(64)), seed=cfg.train.seed)  # vowels-v0 has 64 tasks
+    want = [f"train-0-{i}" for i in stream.take(0, 6)]
+    assert [t for r in ledger for t in r["task_ids"]] == want
+    assert any((out / "tensorboard").iterdir())
+    assert len(read_trajectories(str(out / "eval_trajectories.jsonl"))) == 2 * 1
+
+
+def test_checkpoints_evaluate_and_export(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer import consolidated_state_dict, list_checkpoints
+
+    cfg, out, _, _ = run
+    ckpts = list_checkpoints(out / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-00000001", "step-00000002", "step-00000003"]
+    metrics = anyio.run(lambda: aevaluate(cfg, str(out), out=tmp_path / "eval"))
+    assert metrics["policy_version"] == 3 and metrics["num_tasks"] == 2
+    assert (tmp_path / "eval" / "eval_summary.json").is_file()
+    folder = export_run(out, 2, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    weights = consolidated_state_dict(ckpts[1])
+    assert all(torch.equal(weights[k], p.detach()) for k, p in model.named_parameters())
+
+
+def test_weight_sink_disk_mode_updates_the_engine(tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.engine import open_embedded_engine
+
+    weights = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).state_dict()
+
+    async def main() -> int:
+        async with open_embedded_engine(tiny_model_path, num_threads=1) as engine:
+            sink = EngineWeightSink(
+                engine, snapshot_dir=str(tmp_path), model_path=str(tiny_model_path)
+            )
+            await sink.publish(5, weights)
+            return engine.weight_version
+
+    assert anyio.run(main) == 5
+    assert (tmp_path / "v00000005" / "model.safetensors").is_file()

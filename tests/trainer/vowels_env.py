@@ -1,0 +1,33 @@
+"""``vowels-v0``: a test environment whose reward varies even for a random tiny model (the
+share of vowels in the answer), so GRPO groups have nonzero advantages and every step moves
+the weights. Importable as ``vowels_env:vowels-v0`` with ``tests/trainer`` on the path."""
+
+from __future__ import annotations
+
+import agentrl
+from agentrl import Episode, Message, Task
+
+
+@agentrl.env("vowels-v0", max_turns=1, max_new_tokens=8, tags=("test",))
+class VowelsEnv:
+    """Answer anything; reward = share of vowels among the answer's characters."""
+
+    def __init__(self, num_tasks: int = 64) -> None:
+        self.num_tasks = num_tasks
+
+    def tasks(self, split: str = "train", *, seed: int = 0) -> list[Task]:
+        offset = 0 if split == "train" else 10**6
+        return [
+            Task(id=f"{split}-{seed}-{offset + i}", prompt=f"Say a word ({seed}/{offset + i}).")
+            for i in range(self.num_tasks)
+        ]
+
+    async def reset(self, task: Task) -> list[Message]:
+        return [Message("system", "Be brief."), Message("user", task.prompt)]
+
+    async def reward(self, episode: Episode) -> float:
+        text = episode.final_text
+        return sum(c in "aeiouAEIOU" for c in text) / len(text) if text else 0.0
+
+    async def close(self) -> None:
+        return None

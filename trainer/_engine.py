@@ -1,0 +1,391 @@
+"""DeepSpeed ZeRO-3 engines: the policy (trained), the frozen reference (ZeRO-3 inference, never
+in an optimizer) and the optional PPO critic.
+
+Every model is wrapped in a small module whose ``forward`` runs the decoder and scores the
+targets with the chunked log-prob (``_logprob``): under ZeRO-3 the LM head's weight is
+partitioned outside its own module's forward, so the wrapper registers it as an *external
+parameter* (``deepspeed.zero.register_external_parameter``) and DeepSpeed gathers it for the
+wrapper's forward and backward. Tied embeddings (SmolLM2) are the same parameter; nothing changes.
+
+Process set-up (``init_distributed``): a plain ``python`` process becomes rank 0 of 1 over gloo
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` are set when
+absent; without them DeepSpeed looks for MPI); torchrun and the DeepSpeed launcher set them. The
+first ``init_distributed`` on a CPU host JIT-builds DeepSpeed's shm op (about 1-2 minutes);
+``TORCH_EXTENSIONS_DIR`` defaults to ``~/.cache/agentrl/torch_extensions`` so that happens once.
+The optimizer is torch's AdamW through DeepSpeed (``"torch_adam": true``): no JIT build.
+Precision: fp32 on CPU (this AVX2 host has no fast bf16), bf16 with fp32 master weights on GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._attention import use_varlen_attention, varlen_kwargs
+from ._batch import PackedBatch, model_inputs
+from ._config import OptimizerConfig
+from ._logprob import TokenLogprobs, token_logprobs_and_entropy
+from ._schedule import LRSchedule, lr_multiplier
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _quiet_torch_distributed() -> None:
+    # DeepSpeed 0.19 calls the old collective names on every gather; the warning says nothing
+    # about our code and would print at every step.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`",
+        category=FutureWarning,
+    )
+
+
+def init_distributed(*, num_threads: int | None = None) -> DistInfo:
+    """Join (or create) the process group; idempotent. Sets torch's CPU threads to
+    ``num_threads`` or ``cpu_count // local world size`` (torchrun's ``OMP_NUM_THREADS=1`` is
+    respected when set)."""
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/agentrl/torch_extensions")
+    )
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    _quiet_torch_distributed()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        if torch.cuda.get_device_capability(local_rank)[0] == 9:  # DeepSpeed's op builder
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # fails on Hopper's "9.0a"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, verbose=False
+        )
+    world = torch.distributed.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if num_threads is None:
+        num_threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(
+            1, (os.cpu_count() or 1) // max(1, local_world)
+        )
+    torch.set_num_threads(num_threads)
+    device = torch.device(get_accelerator().device_name(local_rank) if cuda else "cpu")
+    return DistInfo(torch.distributed.get_rank(), local_rank, world, device)
+
+
+class TokenScorer(torch.nn.Module):
+    """``forward(input_ids, position_ids, attention_mask, targets, loss_mask)`` →
+    ``(logprobs, entropy)``, both ``[B, T]`` float32, 0 off ``loss_mask``: the decoder of an
+    HF causal LM and the chunked log-prob of ``targets`` at ``temperature``. With
+    ``value_head`` (the PPO critic) it returns ``(values [B, T], zeros)`` instead. With
+    ``varlen`` (default) attention is ``agentrl_varlen`` (``_attention``): ``segments``
+    (boundaries) and ``parents`` (shared prefixes) describe a packed row and no mask is built;
+    otherwise the dense 4D block-causal mask."""
+
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        value_head: bool = False,
+        varlen: bool = True,
+    ) -> None:
+        super().__init__()
+        self.varlen = varlen
+        if varlen:
+            use_varlen_attention(lm)
+        # the critic keeps only the decoder (an untied LM head would be dead weight)
+        self.lm = lm.get_decoder() if value_head else lm  # type: ignore[operator]
+        self.temperature = float(temperature)
+        self.chunk_size = int(chunk_size)
+        hidden = lm.config.hidden_size  # type: ignore[union-attr]
+        self.value_head = torch.nn.Linear(hidden, 1) if value_head else None
+        if self.value_head is not None:
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        else:
+            import deepspeed
+
+            head = lm.get_output_embeddings()  # type: ignore[operator]
+            deepspeed.zero.register_external_parameter(self, head.weight)
+
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        targets,
+        loss_mask,
+        segments=None,
+        parents=None,
+    ):
+        decoder = self.lm if self.value_head is not None else self.lm.get_decoder()
+        extra = varlen_kwargs(segments, parents) if segments is not None else {}
+        hidden = decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            **extra,
+        ).last_hidden_state
+        b, t, h = hidden.shape
+        if self.value_head is not None:
+            values = self.value_head(hidden).squeeze(-1).float()
+            return values * loss_mask, torch.zeros_like(values)
+        head = self.lm.get_output_embeddings()  # type: ignore[operator]
+        out = token_logprobs_and_entropy(
+            hidden.reshape(b * t, h),
+            head.weight,
+            targets.reshape(-1),
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            mask=loss_mask.reshape(-1),
+        )
+        return out.logprobs.view(b, t).float(), out.entropy.view(b, t).float()
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config(
+    *,
+    optimizer: OptimizerConfig | None,
+    lr: float | None = None,
+    bf16: bool,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config: ZeRO-3, one micro-batch per ``backward`` with caller-owned
+    accumulation (``managed_gradient_accumulation: false``: each ``step()`` is an optimizer
+    update over everything accumulated since the last one, so a step may have any number of
+    packed micro-batches), torch AdamW, clipping; ``overrides`` (the config's ``deepspeed``
+    section) are merged on top, key by key."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    if optimizer is not None:
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": lr if lr is not None else optimizer.lr,
+                "betas": list(optimizer.betas),
+                "eps": optimizer.eps,
+                "weight_decay": optimizer.weight_decay,
+                "torch_adam": True,
+            },
+        }
+        # always explicit: DeepSpeed's ZeRO-3 otherwise clips at 1.0
+        cfg["gradient_clipping"] = optimizer.grad_clip or 0.0
+    return _merge(cfg, overrides or {})
+
+
+class ModelEngine:
+    """One DeepSpeed engine around a ``TokenScorer``: ``score`` a micro-batch, ``backward``,
+    ``step``; ``state_dict`` gathers the full HF-named weights on every rank."""
+
+    def __init__(self, engine: Any, scorer: TokenScorer, *, trainable: bool) -> None:
+        self.engine = engine
+        self.scorer = scorer
+        self.trainable = trainable
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def score(self, batch: PackedBatch) -> TokenLogprobs:
+        """Per-token logprobs and entropies ``[B, T]`` of ``batch.targets`` (0 off the mask)."""
+        batch = batch.to(self.device)
+        segments = parents = mask = None
+        if self.scorer.varlen:  # no mask: segment boundaries (packed) or causal rows (padded)
+            if batch.packed:
+                segments, parents = batch.attention_segments
+        elif batch.segment_bounds is not None:
+            raise ValueError("the shared-prefix layout needs varlen attention")
+        else:
+            dtype = next(self.scorer.parameters()).dtype
+            mask = model_inputs(batch, dtype=dtype)["attention_mask"]
+        logprobs, entropy = self.engine(
+            batch.input_ids, batch.position_ids, mask, batch.targets, batch.loss_mask,
+            segments, parents,
+        )  # fmt: skip
+        return TokenLogprobs(logprobs, entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """One optimizer update over the accumulated gradients; returns the pre-clip norm."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32/bf16 weights under HF names (``lm.`` stripped; tied heads once), gathered
+        layer by layer on every rank, as CPU tensors."""
+        import deepspeed
+
+        lm = self.scorer.lm
+        out: dict[str, torch.Tensor] = {}
+        for prefix, module in lm.named_modules():
+            params = list(module.named_parameters(recurse=False))
+            if not params:
+                continue
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                for name, param in params:
+                    full = f"{prefix}.{name}" if prefix else name
+                    out[full] = param.detach().to("cpu", copy=True)
+        # named_modules visits a shared (tied) parameter under each owner; keep the first name
+        seen: dict[int, str] = {}
+        for name, param in lm.named_parameters():
+            seen.setdefault(id(param), name)
+        keep = set(seen.values())
+        return {k: v for k, v in out.items() if k in keep}
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.scorer.parameters())
+
+    def optimizer_parameters(self) -> list[torch.nn.Parameter]:
+        """The model parameters this engine's optimizer updates (empty when frozen)."""
+        opt = getattr(self.engine, "optimizer", None)
+        groups = getattr(opt, "fp16_groups", None) if opt is not None else None
+        if not groups:
+            return []
+        return [p for group in groups for p in group]
+
+
+def _load_lm(model_path: str, *, gradient_checkpointing: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    lm.config.use_cache = False
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return lm
+
+
+def open_policy(
+    model_path: str,
+    *,
+    optimizer: OptimizerConfig,
+    total_updates: int,
+    temperature: float,
+    chunk_size: int = 1024,
+    gradient_checkpointing: bool = False,
+    varlen: bool = True,
+    overrides: dict[str, Any] | None = None,
+) -> ModelEngine:
+    """The trained policy: HF weights from ``model_path``, AdamW, the LR schedule
+    (``lr_multiplier`` through ``LRSchedule``, checkpointed with the engine)."""
+    import deepspeed
+
+    bf16 = torch.cuda.is_available()
+    scorer = TokenScorer(
+        _load_lm(model_path, gradient_checkpointing=gradient_checkpointing),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        varlen=varlen,
+    )
+    scorer.train()
+    config = deepspeed_config(optimizer=optimizer, bf16=bf16, overrides=overrides)
+    multiplier = lr_multiplier(optimizer, total_updates)
+    engine, *_ = deepspeed.initialize(
+        model=scorer,
+        model_parameters=[p for p in scorer.parameters() if p.requires_grad],
+        config=config,
+        lr_scheduler=lambda opt: LRSchedule(opt, multiplier),
+    )
+    return ModelEngine(engine, scorer, trainable=True)
+
+
+def open_reference(
+    model_path: str,
+    *,
+    temperature: float,
+    chunk_size: int = 1024,
+    varlen: bool = True,
+    overrides: dict[str, Any] | None = None,
+) -> ModelEngine:
+    """The frozen reference: every parameter ``requires_grad=False``, no optimizer section in
+    its DeepSpeed config (ZeRO-3 inference), eval mode, scored under ``torch.no_grad``."""
+    import deepspeed
+
+    lm = _load_lm(model_path, gradient_checkpointing=False)
+    lm.requires_grad_(False)
+    scorer = TokenScorer(lm, temperature=temperature, chunk_size=chunk_size, varlen=varlen)
+    scorer.eval()
+    overrides = {k: v for k, v in (overrides or {}).items() if k not in ("optimizer", "scheduler")}
+    config = deepspeed_config(optimizer=None, bf16=torch.cuda.is_available(), overrides=overrides)
+    engine, *_ = deepspeed.initialize(model=scorer, config=config)
+    engine.eval()
+    return ModelEngine(engine, scorer, trainable=False)
+
+
+def open_critic(
+    model_path: str,
+    *,
+    optimizer: OptimizerConfig,
+    lr: float,
+    total_updates: int,
+    gradient_checkpointing: bool = False,
+    varlen: bool = True,
+    overrides: dict[str, Any] | None = None,
+) -> ModelEngine:
+    """The PPO critic: the policy's decoder (initialized from ``model_path``) with a zero-init
+    scalar head; its own AdamW at ``lr``."""
+    import deepspeed
+
+    scorer = TokenScorer(
+        _load_lm(model_path, gradient_checkpointing=gradient_checkpointing),
+        value_head=True,
+        varlen=varlen,
+    )
+    scorer.train()
+    config = deepspeed_config(
+        optimizer=optimizer, lr=lr, bf16=torch.cuda.is_available(), overrides=overrides
+    )
+    multiplier = lr_multiplier(optimizer, total_updates)
+    engine, *_ = deepspeed.initialize(
+        model=scorer,
+        model_parameters=[p for p in scorer.parameters() if p.requires_grad],
+        config=config,
+        lr_scheduler=lambda opt: LRSchedule(opt, multiplier),
+    )
+    return ModelEngine(engine, scorer, trainable=True)
