@@ -242,7 +242,10 @@ class Run:
             raise Invalid("files: must map relative paths to text")
         self.timeout = float(req.get("timeout_s") or 10.0)
         cpu = req.get("cpu_time_s")
-        self.cpu_limit = float(cpu) if cpu else self.timeout
+        # Without an explicit CPU limit RLIMIT_CPU is only a backstop one second past the
+        # wall clock, so a busy single-threaded program is always ended by the wall timer
+        # (SIGKILL) rather than by whichever of the two limits the scheduler happens to hit first.
+        self.cpu_limit = float(cpu) if cpu else self.timeout + 1.0
         self.memory_mb = int(req.get("memory_mb") or 512)
         self.output_limit = int(req.get("output_limit_bytes") or MB)
         if (

@@ -44,7 +44,7 @@ class RunRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     timeout_s: float = 10.0
     """Wall-clock limit."""
     cpu_time_s: float | None = None
-    """CPU-time limit (default: ``timeout_s``)."""
+    """CPU-time limit (default: ``timeout_s`` + 1 s, a backstop behind the wall clock)."""
     memory_mb: int = 512
     output_limit_bytes: int = 1024 * 1024
     """Per stream (stdout and stderr each); the program is killed past it."""
