@@ -1,2 +1,40 @@
-"""Triton kernels and their torch references (issue E). No ``__version__`` here on purpose:
-transformers probes a top-level ``kernels`` package for one."""
+"""Triton kernels for the training and rollout hot paths, each with a plain torch reference
+(``agentrl.kernels.reference``) and a fallback where Triton cannot run. No ``__version__`` here
+on purpose: transformers probes a top-level ``kernels`` package for one.
+
+- ``fused_logprob_entropy``: per-token log-prob and entropy from hidden states and the LM head
+  without the full logits (Triton on CUDA, chunked torch elsewhere).
+- ``fused_policy_loss``: the clipped policy loss of the GRPO/PPO family with KL, entropy, TIS,
+  masking and aggregation, and its gradient, in one pass (Triton only; the torch path is
+  ``agentrl.trainer.policy_loss``).
+- ``paged_decode_attention``: one decode step of attention over the embedded engine's paged KV
+  cache, grouped-query heads in one program.
+"""
+
+from . import reference as reference
+from ._logprob import FusedLogprobEntropy as FusedLogprobEntropy
+from ._logprob import fused_logprob_entropy as fused_logprob_entropy
+from ._paged_attention import paged_decode_attention as paged_decode_attention
+from ._policy_loss import MAX_LOG_RATIO as MAX_LOG_RATIO
+from ._policy_loss import PolicyLossStats as PolicyLossStats
+from ._policy_loss import fused_policy_loss as fused_policy_loss
+from ._triton import BACKENDS as BACKENDS
+from ._triton import interpreting as interpreting
+from ._triton import triton_available as triton_available
+from ._triton import triton_installed as triton_installed
+from ._triton import use_triton as use_triton
+
+__all__ = [
+    "BACKENDS",
+    "FusedLogprobEntropy",
+    "MAX_LOG_RATIO",
+    "PolicyLossStats",
+    "fused_logprob_entropy",
+    "fused_policy_loss",
+    "interpreting",
+    "paged_decode_attention",
+    "reference",
+    "triton_available",
+    "triton_installed",
+    "use_triton",
+]

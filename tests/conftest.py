@@ -11,6 +11,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/fakes.py
 
+# Triton decides at decoration time whether a kernel is compiled or interpreted, so the switch
+# must be set before anything imports agentrl.kernels: without a GPU, kernels run in Triton's
+# interpreter (numpy on CPU) when a test asks for the Triton backend explicitly.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def _tiny_path():
     from agentrl._models import resolve_model

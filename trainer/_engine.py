@@ -112,9 +112,11 @@ class TokenScorer(torch.nn.Module):
         chunk_size: int = 1024,
         value_head: bool = False,
         varlen: bool = True,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         self.varlen = varlen
+        self.kernels = kernels
         if varlen:
             use_varlen_attention(lm)
         # the critic keeps only the decoder (an untied LM head would be dead weight)
@@ -163,6 +165,7 @@ class TokenScorer(torch.nn.Module):
             temperature=self.temperature,
             chunk_size=self.chunk_size,
             mask=loss_mask.reshape(-1),
+            kernels=self.kernels,
         )
         return out.logprobs.view(b, t).float(), out.entropy.view(b, t).float()
 
@@ -310,6 +313,7 @@ def open_policy(
     chunk_size: int = 1024,
     gradient_checkpointing: bool = False,
     varlen: bool = True,
+    kernels: str = "auto",
     overrides: dict[str, Any] | None = None,
 ) -> ModelEngine:
     """The trained policy: HF weights from ``model_path``, AdamW, the LR schedule
@@ -322,6 +326,7 @@ def open_policy(
         temperature=temperature,
         chunk_size=chunk_size,
         varlen=varlen,
+        kernels=kernels,
     )
     scorer.train()
     config = deepspeed_config(optimizer=optimizer, bf16=bf16, overrides=overrides)
@@ -341,6 +346,7 @@ def open_reference(
     temperature: float,
     chunk_size: int = 1024,
     varlen: bool = True,
+    kernels: str = "auto",
     overrides: dict[str, Any] | None = None,
 ) -> ModelEngine:
     """The frozen reference: every parameter ``requires_grad=False``, no optimizer section in
@@ -349,7 +355,9 @@ def open_reference(
 
     lm = _load_lm(model_path, gradient_checkpointing=False)
     lm.requires_grad_(False)
-    scorer = TokenScorer(lm, temperature=temperature, chunk_size=chunk_size, varlen=varlen)
+    scorer = TokenScorer(
+        lm, temperature=temperature, chunk_size=chunk_size, varlen=varlen, kernels=kernels
+    )
     scorer.eval()
     overrides = {k: v for k, v in (overrides or {}).items() if k not in ("optimizer", "scheduler")}
     config = deepspeed_config(optimizer=None, bf16=torch.cuda.is_available(), overrides=overrides)

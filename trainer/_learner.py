@@ -72,6 +72,8 @@ class LearnerSettings:
     """Store each group's common prompt once per micro-batch (``_prefix``; packed + varlen)."""
     gradient_checkpointing: bool = False
     chunk_size: int = 1024
+    kernels: str = "auto"
+    """Fused Triton kernels for log-probs and the policy loss: auto (on CUDA), triton, torch."""
     norm_length: float = 1024.0
     """Dr.GRPO's constant when ``algorithm.norm_length`` is unset (the generation budget)."""
     deepspeed: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -108,6 +110,7 @@ class Learner:
             chunk_size=settings.chunk_size,
             gradient_checkpointing=settings.gradient_checkpointing,
             varlen=settings.varlen_attention,
+            kernels=settings.kernels,
             overrides=settings.deepspeed,
         )
         self.reference: ModelEngine | None = None
@@ -117,6 +120,7 @@ class Learner:
                 temperature=settings.temperature,
                 chunk_size=settings.chunk_size,
                 varlen=settings.varlen_attention,
+                kernels=settings.kernels,
                 overrides=settings.deepspeed,
             )
         self.critic: ModelEngine | None = None
@@ -327,6 +331,7 @@ class Learner:
                 entropy_coef=alg.entropy_coef,
                 rollout_logprobs=b.rollout_logprobs,
                 tis_cap=alg.tis_cap,
+                kernels=self.settings.kernels,
             )
             self.policy.backward(loss.loss)
             stats.add_loss(loss, batch.loss_mask)

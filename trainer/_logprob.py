@@ -1,11 +1,10 @@
-"""Per-token log-probabilities and entropies from hidden states, chunked over tokens.
+"""Per-token log-probabilities and entropies from hidden states, never with the full logits.
 
 Full logits are ``N × V``: 8k tokens × 49k vocabulary is 1.6 GB in fp32 per copy, and autograd
-would keep several copies. Here at most ``chunk_size × V`` logits exist at a time, in the forward
-*and* the backward: a custom autograd function saves only its inputs and recomputes each chunk's
-logits in the backward. Issue E's fused Triton kernel (``agentrl.kernels``) has the same contract
-(``hidden [N, H], weight [V, H], targets [N], temperature, mask -> (logprob [N], entropy [N])``,
-masked positions 0 with no gradient) and replaces this path on GPU.
+would keep several copies. ``agentrl.kernels.fused_logprob_entropy`` computes them without: on a
+GPU the fused Triton kernel (logits only tile by tile in registers), elsewhere the chunked torch
+path (at most ``chunk_size × V`` logits at a time, forward and backward). ``kernels`` chooses:
+``auto`` (Triton on CUDA, torch on CPU), ``triton`` or ``torch``.
 
 Math, with ``z = h Wᵀ / τ`` and ``p = softmax(z)``::
 
@@ -22,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from agentrl.kernels import fused_logprob_entropy
+
 from ._batch import PackedBatch, model_inputs
 
 
@@ -35,70 +36,6 @@ class TokenLogprobs(NamedTuple):
     """Entropy of the temperature-τ next-token distribution, in nats."""
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    return (hidden.to(weight.dtype) @ weight.T) / temperature
-
-
-class _ChunkedLogprobEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # type: ignore[override]
-        dtype = _compute_dtype(hidden.dtype)
-        w = weight.to(dtype)
-        n = hidden.shape[0]
-        logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
-        entropy = torch.empty(n, dtype=dtype, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            logp = _chunk_logits(hidden[start:end], w, temperature)
-            logp -= torch.logsumexp(logp, dim=-1, keepdim=True)  # log p = z - lse, in place
-            logprobs[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
-            # -Σ p log p term by term (each ≥ 0): lse - Σ p z would cancel for large logits
-            entropy[start:end] = -(logp.exp() * logp).sum(-1)
-            del logp
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        # mathematically log p ≤ 0 and H ≥ 0; rounding can cross by an ulp when p ≈ 1
-        return logprobs.clamp_(max=0.0), entropy.clamp_(min=0.0)
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):  # type: ignore[override]
-        hidden, weight, targets = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dtype = _compute_dtype(hidden.dtype)
-        w = weight.to(dtype)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(w) if need_weight else None
-        n, tau = hidden.shape[0], ctx.temperature
-        for start in range(0, n, ctx.chunk_size):
-            end = min(start + ctx.chunk_size, n)
-            h = hidden[start:end].to(dtype)
-            logp = _chunk_logits(h, w, tau)
-            logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
-            p = logp.exp()
-            neg_ent = (p * logp).sum(-1, keepdim=True)  # -H
-            g_lp = grad_logprobs[start:end, None].to(dtype)
-            g_ent = grad_entropy[start:end, None].to(dtype)
-            # z - E_p[z] = log p + H: reuse logp's memory for g_ent (log p + H) + g_lp
-            logp.sub_(neg_ent).mul_(g_ent).add_(g_lp)
-            grad_z = p.mul_(logp).neg_()  # -p ⊙ (g_lp + g_ent (log p + H))
-            del logp
-            grad_z.scatter_add_(1, targets[start:end, None], g_lp)  # + g_lp · onehot(y)
-            grad_z.div_(tau)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_z.T, h)
-            del grad_z, p
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
-
-
 def token_logprobs_and_entropy(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -107,6 +44,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     mask: torch.Tensor | None = None,
+    kernels: str = "auto",
 ) -> TokenLogprobs:
     """Log-prob of ``targets`` and entropy at every position, never holding more than
     ``chunk_size × V`` logits (forward and backward).
@@ -115,29 +53,18 @@ def token_logprobs_and_entropy(
     ``targets [N]`` int64, ``mask [N]`` bool (optional): masked positions are not computed,
     return 0 and get no gradient. Differentiable in ``hidden`` and ``lm_head_weight``; the
     arithmetic runs in float32 (float64 for float64 inputs) whatever the working dtype.
+    ``kernels``: ``auto`` | ``triton`` | ``torch`` (see the module docs).
     """
-    if hidden.ndim != 2 or lm_head_weight.ndim != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(
-            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(lm_head_weight.shape)}, {tuple(targets.shape)}"
-        )
-    if temperature <= 0 or chunk_size <= 0:
-        raise ValueError(f"temperature and chunk_size must be > 0: {temperature}, {chunk_size}")
-    if mask is None:
-        lp, ent = _ChunkedLogprobEntropy.apply(
-            hidden, lm_head_weight, targets, float(temperature), int(chunk_size)
-        )
-        return TokenLogprobs(lp, ent)
-    rows = mask.nonzero().squeeze(1)
-    lp_sel, ent_sel = _ChunkedLogprobEntropy.apply(
-        hidden.index_select(0, rows),
+    lp, ent = fused_logprob_entropy(
+        hidden,
         lm_head_weight,
-        targets.index_select(0, rows),
-        float(temperature),
-        int(chunk_size),
+        targets,
+        temperature,
+        mask,
+        backend=kernels,
+        chunk_size=chunk_size,
     )
-    zeros = lp_sel.new_zeros(hidden.shape[0])
-    return TokenLogprobs(zeros.index_put((rows,), lp_sel), zeros.index_put((rows,), ent_sel))
+    return TokenLogprobs(lp, ent)
 
 
 def causal_lm_token_logprobs(
@@ -147,6 +74,7 @@ def causal_lm_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     only_loss_tokens: bool = True,
+    kernels: str = "auto",
 ) -> TokenLogprobs:
     """Run an HF causal LM's decoder on ``batch`` and score ``batch.targets`` chunked: results
     are ``[B, T]`` aligned with the batch (0 where not computed). With ``only_loss_tokens``
@@ -167,5 +95,6 @@ def causal_lm_token_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         mask=batch.loss_mask.reshape(-1) if only_loss_tokens else None,
+        kernels=kernels,
     )
     return TokenLogprobs(out.logprobs.view(b, t), out.entropy.view(b, t))

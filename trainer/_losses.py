@@ -26,6 +26,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from agentrl.kernels import MAX_LOG_RATIO as _KERNEL_MAX_LOG_RATIO
+from agentrl.kernels import fused_policy_loss, use_triton
+
 from ._kl import KLEstimator, kl_estimate
 
 PolicyAlgorithm = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]
@@ -33,7 +36,7 @@ Aggregation = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
 _CLIPPED_SURROGATE = ("ppo", "grpo", "dr_grpo", "dapo")
-MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = _KERNEL_MAX_LOG_RATIO
 """Log importance ratios are clamped to ±20 before ``exp`` (e^20 ≈ 5e8): an overflow would turn
 one bad token into an inf loss; inside the clamp nothing changes."""
 
@@ -158,6 +161,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    kernels: str = "auto",
 ) -> LossOutput:
     """The policy loss to *minimize* (the negated objective), per token then aggregated.
 
@@ -185,6 +189,10 @@ def policy_loss(
     ``β · k(π_θ, π_ref)`` per token (``kl_estimate``; GRPO uses k3, eq. 4). ``entropy`` +
     ``entropy_coef``: subtracts ``c · H`` per token (an entropy bonus). The terms are aggregated
     together with ``aggregate(agg, sequence_index, denominator, norm_length)``.
+
+    ``kernels``: ``auto`` runs ``agentrl.kernels.fused_policy_loss`` (one Triton pass, same
+    result and metrics within float tolerance) on CUDA and this torch code elsewhere; ``triton``
+    or ``torch`` force one.
     """
     if not logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape:
         raise ValueError(
@@ -193,6 +201,28 @@ def policy_loss(
         )
     if algo not in (*_CLIPPED_SURROGATE, "gspo", "cispo"):
         raise ValueError(f"unknown algorithm {algo!r}")
+    if use_triton(kernels, logprobs.device, "policy_loss"):
+        loss, stats = fused_policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            algo=algo,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            agg=agg,
+            sequence_index=sequence_index,
+            denominator=denominator,
+            norm_length=norm_length,
+            ref_logprobs=ref_logprobs,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            entropy=entropy,
+            entropy_coef=entropy_coef,
+            rollout_logprobs=rollout_logprobs,
+            tis_cap=tis_cap,
+        )
+        return LossOutput(loss, LossMetrics(*stats))
     high = clip_low if clip_high is None else clip_high
     keep = mask.bool()
     zero = torch.zeros_like(logprobs)

@@ -47,6 +47,9 @@ class TrainSection(_Section):
     """Recompute activations in the backward (less memory, ~30% more compute)."""
     logprob_chunk_size: int = pydantic.Field(1024, ge=1)
     """Tokens per chunk of the chunked log-prob (at most chunk × vocab logits at a time)."""
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Fused Triton kernels (agentrl.kernels) for the log-prob/entropy and the policy loss:
+    auto uses them on a CUDA GPU and the torch paths on CPU; triton or torch force one."""
     seed: int = 0
     """Seed of the task order (shuffled per epoch) and of the training task list."""
     pass_threshold: float = 1.0

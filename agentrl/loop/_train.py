@@ -190,6 +190,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             share_prefix=cfg.train.share_prefix,
             gradient_checkpointing=cfg.train.gradient_checkpointing,
             chunk_size=cfg.train.logprob_chunk_size,
+            kernels=cfg.train.kernels,
             norm_length=float(max_turns * max_new),
             deepspeed=cfg.deepspeed,
         )

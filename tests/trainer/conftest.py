@@ -94,7 +94,11 @@ def make_learner(tiny_model_path):
     init_distributed(num_threads=2)
 
     def make(
-        total_steps: int = 10, micro_batch_tokens: int = 64, eps: float = 1e-8, **algorithm
+        total_steps: int = 10,
+        micro_batch_tokens: int = 64,
+        eps: float = 1e-8,
+        kernels: str = "auto",
+        **algorithm,
     ) -> Learner:
         algorithm.setdefault("name", "grpo")
         return Learner(
@@ -106,6 +110,7 @@ def make_learner(tiny_model_path):
                 temperature=1.0,
                 pad_id=2,
                 micro_batch_tokens=micro_batch_tokens,
+                kernels=kernels,
             )
         )
 

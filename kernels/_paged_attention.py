@@ -1,0 +1,192 @@
+"""Paged decode attention in Triton: one query token per sequence over a block-table KV cache.
+
+Split-K "flash decoding" in two launches:
+
+1. ``_paged_decode_fwd_kernel``, grid ``(sequence, kv_head, split)``. A program owns one KV
+   head of one sequence and one contiguous slice of its keys; it loads the query rows of every
+   query head that reads this KV head (grouped-query attention: K/V are read once per group),
+   walks its slice ``TILE_N`` tokens at a time (a tile may span several KV blocks: each token's
+   block comes from the block table) and keeps an online softmax (running max ``m``, running
+   sum ``l``, fp32 accumulator; Milakov & Gimelshein 2018, Dao et al. 2022). With one split it
+   writes the normalized output; otherwise the slice's normalized partial output and its
+   log-sum-exp, in fp32.
+2. ``_paged_decode_reduce_kernel``, grid ``(sequence, head)``: merges the splits' partials,
+   weighting each by ``exp(lse_s - max lse)``.
+
+Both products are broadcast multiplies reduced with ``tl.sum`` in fp32, not ``tl.dot``: a GQA
+group has 1-8 query heads, fewer than the 16 rows ``tl.dot`` wants on GPU (padding would mostly
+multiply zeros), and Triton's interpreter multiplies bf16 ``tl.dot`` operands as raw integers,
+so the tests could not check that path. The launcher sizes ``TILE_N`` so that the
+``[group, TILE_N, head_dim]`` products stay within ``_TILE_ELEMENTS`` fp32 values.
+
+Scores are computed in base 2 (``scale * log2(e)`` folded into one multiply, ``exp2``). Shapes
+need not be powers of two: head_dim, the GQA group, the KV block size and the sequence lengths
+are padded up to power-of-two tiles and masked on every load and store.
+
+The kernels live in ``_paged_attention_triton``, imported on first use: this module imports
+without Triton, ``triton_available(device)`` says whether the kernel can run, and
+``paged_decode_attention`` raises ``RuntimeError`` when it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._triton import triton_available, triton_installed
+
+__all__ = ["paged_decode_attention", "triton_available"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must be [num_blocks, block_size, kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+        )
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q's head_dim {dim}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"q's heads ({heads}) must be a multiple of k_cache's kv_heads ({kv_heads})"
+        )
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must be [batch={batch}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    if block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables dtype must be int32 or int64, got {block_tables.dtype}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be [batch={batch}], got {tuple(seq_lens.shape)}")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens dtype must be int32 or int64, got {seq_lens.dtype}")
+    for name, tensor in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+    ):
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
+
+
+def _check_lengths(
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_blocks: int
+) -> int:
+    """Read ``seq_lens`` and the used part of ``block_tables`` back (one host sync) and check
+    them; returns the longest length."""
+    lens = seq_lens.to("cpu", torch.int64)
+    tables = block_tables.to("cpu", torch.int64)
+    capacity = tables.shape[1] * block_size
+    if int(lens.min()) < 1:
+        raise ValueError(f"seq_lens must be >= 1, got {lens.tolist()}")
+    longest = int(lens.max())
+    if longest > capacity:
+        row = int(lens.argmax())
+        raise ValueError(
+            f"seq_lens[{row}] = {longest} exceeds block_tables capacity "
+            f"({tables.shape[1]} blocks x {block_size} tokens = {capacity})"
+        )
+    used = torch.arange(tables.shape[1]) < -(-lens[:, None] // block_size)
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables[{row}, {col}] = {int(tables[row, col])} is not a block of the cache "
+            f"(0..{num_blocks - 1})"
+        )
+    return longest
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor | Sequence[int],
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One decode step of attention over a paged KV cache (Triton).
+
+    - ``q``: ``[B, H, D]``, each sequence's newest query (float32, float16 or bfloat16).
+    - ``k_cache``/``v_cache``: ``[num_blocks, block_size, KVH, D]``, ``q``'s dtype; query head
+      ``h`` reads KV head ``h // (H / KVH)``.
+    - ``block_tables``: ``[B, max_blocks]`` int32/int64; sequence ``b``'s token ``i`` is in block
+      ``block_tables[b, i // block_size]`` at offset ``i % block_size``.
+    - ``seq_lens``: ``[B]`` int32/int64, each sequence's number of keys (>= 1).
+    - ``max_seq_len``: the largest ``seq_lens`` when the caller knows it. Given, it is trusted
+      (longer sequences would be cut) and nothing is read back from the device; without it the
+      wrapper reads ``seq_lens`` and ``block_tables`` once and checks every length and used
+      table entry.
+    - ``num_splits``: how many slices each sequence's keys are split into (flash decoding);
+      default: enough to fill the GPU.
+
+    Returns ``softmax(scale · q Kᵀ) V`` as ``[B, H, D]`` in ``q``'s dtype (fp32 accumulation).
+    Raises ``ValueError`` on bad arguments, ``RuntimeError`` when Triton cannot run here.
+    """
+    if not torch.is_tensor(seq_lens):
+        seq_lens = torch.tensor(list(seq_lens), dtype=torch.int64, device=q.device)
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    _require_triton(q.device)
+    batch, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return torch.empty_like(q)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if max_seq_len is None:
+        max_seq_len = _check_lengths(seq_lens, block_tables, block_size, num_blocks)
+    elif not 1 <= max_seq_len <= block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_seq_len = {max_seq_len} must be in 1..{block_tables.shape[1] * block_size} "
+            "(the block_tables capacity)"
+        )
+    from ._paged_attention_triton import paged_decode_forward
+
+    return paged_decode_forward(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits
+    )
+
+
+def _require_triton(device: torch.device) -> None:
+    """``RuntimeError`` saying why, unless the kernel can run on ``device``."""
+    if not triton_available(device):
+        why = (
+            "triton is not installed (pip install 'agentrl[kernels]')"
+            if not triton_installed()
+            else f"tensors are on {device.type}, not CUDA, and TRITON_INTERPRET is not set"
+        )
+        raise RuntimeError(f"paged_decode_attention cannot run here: {why}")
+    if device.type != "cuda":
+        from ._paged_attention_triton import interpreted
+
+        if not interpreted():
+            raise RuntimeError(
+                "paged_decode_attention cannot run on CPU tensors: its kernels were compiled for "
+                "the GPU (TRITON_INTERPRET was set after they were first used)"
+            )

@@ -1,0 +1,164 @@
+"""fused_logprob_entropy: the Triton kernel and the chunked torch path against the float64
+full-logits reference, forward and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_devices import DEVICES, needs_triton
+
+from agentrl.kernels import FusedLogprobEntropy, fused_logprob_entropy, reference
+
+# (logprob/entropy abs tol, grad rel tol) per working dtype
+TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-5, 2e-2), torch.float16: (2e-5, 1e-2)}
+
+
+def _inputs(gen, t, h, v, dtype, device, *, scale=1.0):
+    hidden = (torch.randn(t, h, generator=gen) * scale).to(dtype).to(device)
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype).to(device)
+    targets = torch.randint(0, v, (t,), generator=gen).to(device)
+    return hidden.requires_grad_(), weight.requires_grad_(), targets
+
+
+def _run(fn, hidden, weight, targets, temperature, mask, g_lp, g_ent):
+    lp, ent = fn(hidden, weight, targets, temperature, mask)
+    (lp.double() * g_lp + ent.double() * g_ent).sum().backward()
+    grads = (hidden.grad.double().clone(), weight.grad.double().clone())
+    hidden.grad = weight.grad = None
+    return lp.detach().double(), ent.detach().double(), grads
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "h", "v", "temperature"),
+    [(37, 40, 203, 1.0), (1, 24, 70, 0.7), (65, 33, 129, 1.3)],  # none a multiple of a block
+)
+def test_three_way(gen, device, dtype, t, h, v, temperature):
+    if device == "cuda":
+        t, h, v = t * 40, h * 8, v * 100  # thousands of tokens and a real vocabulary size
+    hidden, weight, targets = _inputs(gen, t, h, v, dtype, device, scale=2.0)
+    mask = (torch.rand(t, generator=gen) > 0.25).to(device)
+    g_lp = torch.randn(t, generator=gen, dtype=torch.float64).to(device)
+    g_ent = torch.randn(t, generator=gen, dtype=torch.float64).to(device)
+
+    def kernel(*a):
+        return fused_logprob_entropy(*a, backend="triton")
+
+    def torch_path(*a):
+        return fused_logprob_entropy(*a, backend="torch", chunk_size=16)
+
+    args = (hidden, weight, targets, temperature, mask, g_lp, g_ent)
+    ref = _run(reference.logprob_entropy, *args)
+    got = {"kernel": _run(kernel, *args), "torch": _run(torch_path, *args)}
+    atol, grad_rtol = TOL[dtype]
+    for name, (lp, ent, (gh, gw)) in got.items():
+        assert (lp <= 0).all(), name
+        assert (ent >= 0).all(), name
+        assert (lp - ref[0]).abs().max() < atol * max(1.0, h / 16), name
+        assert (ent - ref[1]).abs().max() < atol * max(1.0, h / 16), name
+        assert _rel(gh, ref[2][0]) < grad_rtol, name
+        assert _rel(gw, ref[2][1]) < grad_rtol, name
+        off = ~mask
+        assert (lp[off] == 0).all() and (ent[off] == 0).all(), name
+        assert (gh[off] == 0).all(), f"{name}: masked rows got a gradient"
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_extreme_logits_stay_finite(gen, device):
+    """Logits of ±thousands: the online log-sum-exp must not overflow, logprob ≤ 0, entropy ≥ 0."""
+    hidden, weight, targets = _inputs(gen, 19, 32, 150, torch.float32, device, scale=400.0)
+    weight.data[7] *= 50  # one token dominates wherever it scores high
+    targets[:5] = 7
+    lp, ent = fused_logprob_entropy(hidden, weight, targets, 1.0, backend="triton")
+    ref_lp, ref_ent = reference.logprob_entropy(hidden, weight, targets)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    assert (lp <= 0).all() and (ent >= 0).all()
+    # fp32 logits of magnitude ~1e4 carry ~1e-3 absolute rounding: compare relative to them
+    assert ((lp.double() - ref_lp).abs() <= 1e-6 * ref_lp.abs() + 5e-3).all()
+    assert ((ent.double() - ref_ent).abs() < 5e-3).all()
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_fully_masked(gen, device):
+    hidden, weight, targets = _inputs(gen, 9, 16, 40, torch.float32, device)
+    none = torch.zeros(9, dtype=torch.bool, device=device)
+    lp, ent = fused_logprob_entropy(hidden, weight, targets, 1.0, none, backend="triton")
+    assert (lp == 0).all() and (ent == 0).all()
+    (lp.sum() + ent.sum()).backward()
+    assert (hidden.grad == 0).all() and (weight.grad == 0).all()
+    lp, ent = fused_logprob_entropy(hidden[:0], weight, targets[:0], backend="triton")
+    assert lp.shape == ent.shape == (0,)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_hidden_needs_grad(gen, device):
+    """A frozen head (reference-style) still gets the right hidden gradient."""
+    hidden, weight, targets = _inputs(gen, 21, 24, 90, torch.float32, device)
+    weight = weight.detach()
+    lp, ent = FusedLogprobEntropy.apply(hidden, weight, targets, 1.0)
+    lp.sum().backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    ref_lp, _ = reference.logprob_entropy(hidden, weight, targets)
+    ref_lp.sum().backward()
+    assert _rel(got.double(), hidden.grad.double()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"hidden": torch.zeros(3, 4, 5)}, "expected hidden"),
+        ({"weight": torch.zeros(10, 5)}, "hidden size 4"),
+        ({"targets": torch.zeros(3)}, "integer token ids"),
+        ({"targets": torch.tensor([0, 1, 10])}, "target id 10 is outside"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"mask": torch.ones(4, dtype=torch.bool)}, "mask"),
+        ({"backend": "cuda"}, "backend must be one of"),
+    ],
+)
+def test_bad_input_names_the_problem(kwargs, match):
+    args = {
+        "hidden": torch.zeros(3, 4),
+        "weight": torch.zeros(10, 4),
+        "targets": torch.tensor([0, 1, 2]),
+        "temperature": 1.0,
+        "mask": None,
+        "backend": "torch",
+    }
+    args.update(kwargs)
+    backend = args.pop("backend")
+    with pytest.raises(ValueError, match=match):
+        fused_logprob_entropy(**args, backend=backend)
+
+
+def test_auto_uses_torch_on_cpu(gen, monkeypatch):
+    """``auto`` never picks the interpreter: on CPU the torch path runs (and matches)."""
+    import agentrl.kernels._logprob as mod
+
+    def boom(*a, **k):
+        raise AssertionError("the Triton path ran on CPU under backend='auto'")
+
+    monkeypatch.setattr(mod.FusedLogprobEntropy, "apply", boom)
+    hidden, weight, targets = _inputs(gen, 11, 16, 30, torch.float32, "cpu")
+    lp, _ = fused_logprob_entropy(hidden, weight, targets)
+    ref, _ = reference.logprob_entropy(hidden, weight, targets)
+    assert (lp.double() - ref).abs().max() < 1e-5
+
+
+def test_triton_backend_refused_where_it_cannot_run(monkeypatch):
+    import agentrl.kernels._triton as tri
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run here"):
+        tri.use_triton("triton", torch.device("cpu"), "fused_logprob_entropy")
