@@ -54,6 +54,7 @@ from agentrl._errors import EngineError
 from agentrl._models import resolve_model
 from agentrl._types import GenerateResult, SamplingParams
 
+from ._decode import DecodeKernelChooser, check_decode_attention
 from ._kv import KVPool
 from ._model import CausalLM, ModelConfig, read_safetensors
 from ._options import EngineOptions, EngineStatistics
@@ -87,6 +88,8 @@ class EmbeddedEngine:
         if not isinstance(model, CausalLM):  # an HF model: take its config and weights
             config = ModelConfig.from_dict(model.config.to_dict())  # type: ignore[union-attr]
             model = CausalLM(config, model.state_dict(), _torch_dtype(opts.dtype))
+        # before any thread starts: an unusable decode kernel fails here, not mid-request
+        decode = DecodeKernelChooser(opts.decode_attention, model.embed.device, model.dtype)
         self.options = opts
         self.model_path = model_path
         config = model.config
@@ -128,6 +131,7 @@ class EmbeddedEngine:
             num_threads=opts.num_threads or os.cpu_count() or 1,
             in_flight=opts.in_flight,
             weight_version=weight_version,
+            decode=decode,
         )
         self._worker.thread.start()
         weakref.finalize(self, self._worker.close)  # a forgotten engine still stops its thread
@@ -143,6 +147,8 @@ class EmbeddedEngine:
         """
         folder = resolve_model(path)
         opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
+        # the weights load on CPU: refuse an unusable decode kernel before loading them
+        check_decode_attention(opts.decode_attention, torch.device("cpu"), _torch_dtype(opts.dtype))
         try:
             model = CausalLM.from_folder(folder, _torch_dtype(opts.dtype))
             tokenizer = AutoTokenizer.from_pretrained(folder)

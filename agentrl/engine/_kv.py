@@ -8,9 +8,10 @@ The pool is a fixed set of blocks of ``block_size`` tokens, per layer
 back through a free list; who owns a block (a request, a session, the radix tree) is tracked by
 the owners, the pool only checks that nothing is freed twice.
 
-``paged_attention`` is the single place that reads the cache. On CPU it gathers each sequence's
-blocks and calls torch SDPA; issue E may swap in a Triton paged-decode kernel on GPU behind the
-same signature.
+``paged_attention`` is the single place that reads the cache. Prefill rows gather their blocks
+and call torch SDPA; decode rows do the same by default (``decode_kernel="sdpa"``) or run the
+Triton paged-decode kernel (``decode_kernel="triton"``, ``agentrl.kernels``), which reads the
+blocks in place through the block table. ``_decode`` decides which, per engine.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl._errors import EngineError
+from agentrl.kernels import paged_decode_attention
 
 
 class KVPool:
@@ -171,6 +173,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    *,
+    decode_kernel: str = "sdpa",
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged KV.
 
@@ -178,13 +182,28 @@ def paged_attention(
     ``[num_blocks, block_size, kv_heads, head_dim]``, already holding this step's keys/values.
     Returns ``[T, heads, head_dim]`` (``q``'s dtype). Grouped-query attention folds the query
     heads sharing a KV head into the query-length axis, so KV is never repeated.
+    ``decode_kernel``: ``"sdpa"`` or ``"triton"``, what the decode rows run (prefill rows always
+    run SDPA).
     """
     tokens, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     nd = batch.num_decode
-    if nd == 1:
+    if decode_kernel not in ("sdpa", "triton"):
+        raise EngineError(f"decode_kernel must be 'sdpa' or 'triton', got {decode_kernel!r}")
+    if nd and decode_kernel == "triton":
+        lens = batch.seq_lens[:nd]
+        out[:nd] = paged_decode_attention(
+            q[:nd],
+            k_cache,
+            v_cache,
+            batch.block_tables[:nd].to(q.device),
+            torch.tensor(lens, dtype=torch.int32, device=q.device),
+            scale,
+            max_seq_len=max(lens),
+        )
+    elif nd == 1:
         k = _row_kv(k_cache, batch, 0, block_size).transpose(0, 1)  # [K, n, D]
         v = _row_kv(v_cache, batch, 0, block_size).transpose(0, 1)
         o = F.scaled_dot_product_attention(q[0].view(kv_heads, group, dim), k, v, scale=scale)

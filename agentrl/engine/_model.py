@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from agentrl._errors import EngineError
 
+from ._decode import DecodeKernelChooser
 from ._kv import AttentionBatch, KVPool, paged_attention
 
 _FAMILIES = ("llama", "qwen2", "mistral")
@@ -303,9 +304,12 @@ class CausalLM:
         return weight * (x * torch.rsqrt(variance + self.config.rms_norm_eps))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | None = None
+    ) -> torch.Tensor:
         """Run one step: write the step's K/V into ``kv`` and return float32 logits ``[R, vocab]``
-        for ``batch.logits_rows``."""
+        for ``batch.logits_rows``. ``decode`` picks the decode rows' attention kernel (default:
+        SDPA)."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         tokens = batch.input_ids.shape[0]
@@ -314,6 +318,7 @@ class CausalLM:
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         scale = 1.0 / math.sqrt(dim)
         split = [heads * dim, kv_heads * dim, kv_heads * dim]
+        attn = batch.attention
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             q, k, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
@@ -321,7 +326,8 @@ class CausalLM:
             k = _rotate(k.view(tokens, kv_heads, dim), cos, sin)
             kv.write(index, batch.slots, k, v.view(tokens, kv_heads, dim))
             k_cache, v_cache = kv.layer(index)
-            o = paged_attention(q, k_cache, v_cache, batch.attention, scale)  # [T, H, D]
+            kernel = "sdpa" if decode is None else decode.choose(q, k_cache, v_cache, attn, scale)
+            o = paged_attention(q, k_cache, v_cache, attn, scale, decode_kernel=kernel)  # [T, H, D]
             x = x + _project(o.reshape(tokens, heads * dim), layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)
             gate, up = _project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)

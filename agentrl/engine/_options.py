@@ -37,6 +37,14 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What a weight update does to started requests (see the module docs)."""
     num_threads: int | None = None
     dtype: str = "float32"
+    decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    """What runs the decode rows' attention over the paged KV cache. ``"sdpa"``: torch SDPA
+    over blocks gathered with ``index_select``. ``"triton"``: the Triton paged-decode kernel
+    (``agentrl.kernels``), reading blocks in place; needs a CUDA device, or Triton's CPU
+    interpreter (``TRITON_INTERPRET=1``, tests only), else the engine refuses to start.
+    ``"auto"``: SDPA on CPU; on a CUDA device, the first step of each shape bucket (decode rows
+    and longest context, each rounded up to a power of two) times both paths once with CUDA
+    events and the bucket keeps the faster."""
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from agentrl._errors import EngineError
 from agentrl._types import FinishReason, GenerateResult
 
+from ._decode import DecodeKernelChooser
 from ._model import CausalLM
 from ._sampling import sample_token
 from ._scheduler import Request, Scheduler, Step
@@ -102,8 +103,10 @@ class Worker:
         num_threads: int,
         in_flight: str = "finish",
         weight_version: int = 0,
+        decode: DecodeKernelChooser | None = None,
     ) -> None:
         self.model = model
+        self.decode = decode
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.num_threads = num_threads
@@ -239,7 +242,7 @@ class Worker:
             if not request.started:
                 request.weight_version = self.weight_version
         try:
-            logits = self.model.forward(step.batch, self.scheduler.kv.pool)
+            logits = self.model.forward(step.batch, self.scheduler.kv.pool, self.decode)
         except Exception as exc:
             for request, _ in step.rows:
                 self._fail(request, exc)

@@ -1,0 +1,185 @@
+"""The Triton decode kernel inside the engine: ``paged_attention(decode_kernel="triton")``,
+``EngineOptions.decode_attention`` and its checks. On CPU the kernel runs in Triton's
+interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1`` when there is no GPU)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from agentrl._errors import EngineError
+from agentrl._types import GenerateResult, SamplingParams
+from agentrl.engine import EmbeddedEngine, _decode, _kv, open_embedded_engine
+from agentrl.engine._decode import DecodeKernelChooser, check_decode_attention
+from agentrl.engine._kv import KVPool, make_attention_batch, paged_attention
+from agentrl.kernels._paged_attention import triton_available
+
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(
+    not triton_available("cpu"), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "trio"  # one backend is enough: nothing here is about the event loop
+
+
+MIXED = [(1, 1), (13, 1), (30, 1), (9, 5), (21, 21)]
+"""(seq_len, q_len) of a step's rows: 3 decode rows, then 2 prefill chunks."""
+
+
+def _step(gen: torch.Generator, rng: random.Random, rows: list[tuple[int, int]] = MIXED):
+    """A KV pool full of noise and one step of ``rows``, each row's blocks drawn at random.
+    Returns (q, pool, batch) with 6 query heads, 2 KV heads, head_dim 24, blocks of 4."""
+    heads, kv_heads, dim, block = 6, 2, 24, 4
+    pool = KVPool(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, num_blocks=64, block_size=4)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    free = list(range(64))
+    rng.shuffle(free)
+    tables = []
+    for n, _ in rows:
+        count = -(-n // block)
+        tables.append(free[:count])
+        free = free[count:]
+    batch = make_attention_batch(tables, [n for n, _ in rows], [q for _, q in rows], block)
+    q = torch.randn(sum(q for _, q in rows), heads, dim, generator=gen)
+    return q, pool, batch
+
+
+@needs_kernel
+def test_paged_attention_triton_decode_rows_match_sdpa(rng: random.Random) -> None:
+    gen = torch.Generator().manual_seed(rng.randrange(2**63))
+    q, pool, batch = _step(gen, rng)
+    sdpa = paged_attention(q, pool.k[0], pool.v[0], batch, 0.2)
+    triton = paged_attention(q, pool.k[0], pool.v[0], batch, 0.2, decode_kernel="triton")
+    torch.testing.assert_close(triton[:3], sdpa[:3], atol=1e-5, rtol=1e-5)  # decode rows
+    assert torch.equal(triton[3:], sdpa[3:])  # prefill rows: SDPA either way
+
+
+def test_paged_attention_rejects_unknown_kernel(rng: random.Random) -> None:
+    q, pool, batch = _step(torch.Generator().manual_seed(0), rng)
+    with pytest.raises(EngineError, match="decode_kernel must be 'sdpa' or 'triton'"):
+        paged_attention(q, pool.k[0], pool.v[0], batch, 0.2, decode_kernel="flash")
+
+
+# -- the option and its checks ---------------------------------------------------------------
+
+
+def test_auto_is_sdpa_on_cpu() -> None:
+    assert DecodeKernelChooser("auto", CPU, torch.float32).mode == "sdpa"
+    assert DecodeKernelChooser("sdpa", CPU, torch.bfloat16).mode == "sdpa"
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(EngineError, match="decode_attention must be one of"):
+        check_decode_attention("fast", CPU, torch.float32)
+
+
+@needs_kernel
+def test_unsupported_dtype_is_refused() -> None:
+    with pytest.raises(EngineError, match="supports float32, float16 and bfloat16"):
+        check_decode_attention("triton", CPU, torch.float64)
+
+
+def test_triton_without_gpu_or_interpreter_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(EngineError, match="decode_attention='triton' cannot run on cpu"):
+        check_decode_attention("triton", CPU, torch.float32)
+    check_decode_attention("auto", CPU, torch.float32)  # auto never refuses: SDPA on CPU
+    # the engine refuses at construction, before the weights load and before its thread starts
+    monkeypatch.setattr(
+        "agentrl.engine._embedded.CausalLM.from_folder",
+        lambda *a, **k: pytest.fail("loaded weights"),
+    )
+    with pytest.raises(EngineError, match="needs triton installed and a CUDA device"):
+        EmbeddedEngine.from_pretrained(tiny_dir, decode_attention="triton")
+
+
+def test_triton_not_installed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_decode, "triton_available", lambda device: False)
+    with pytest.raises(EngineError, match="cannot run on cpu"):
+        DecodeKernelChooser("triton", CPU, torch.float32)
+    assert DecodeKernelChooser("auto", CPU, torch.float32).mode == "sdpa"
+
+
+@needs_kernel
+def test_auto_measures_each_bucket_once(
+    monkeypatch: pytest.MonkeyPatch, rng: random.Random
+) -> None:
+    """The chooser's bookkeeping on CPU: timings are faked (CUDA events need a GPU), both
+    kernels still run on the real inputs."""
+    timings = iter([2.0, 1.0, 1.0, 3.0])  # sdpa, triton for bucket 1; then for bucket 2
+    measured = []
+
+    def fake_median_ms(fn):
+        measured.append(fn())
+        return next(timings)
+
+    monkeypatch.setattr(_decode, "_median_ms", fake_median_ms)
+    chooser = DecodeKernelChooser("auto", CPU, torch.float32)
+    chooser.mode = "auto"  # as on a CUDA device
+    q, pool, batch = _step(torch.Generator().manual_seed(1), rng)
+    args = (q, pool.k[0], pool.v[0], batch, 0.2)
+    assert chooser.choose(*args) == "triton"
+    assert chooser.choose(*args) == "triton" and len(measured) == 2  # cached
+    torch.testing.assert_close(measured[0], measured[1], atol=1e-5, rtol=1e-5)
+    assert measured[0].shape == (3, 6, 24)  # decode rows only
+    q, pool, batch = _step(torch.Generator().manual_seed(2), rng, [(1, 1), (13, 1)])
+    assert chooser.choose(q, pool.k[0], pool.v[0], batch, 0.2) == "sdpa"
+    assert chooser.choices == {(4, 32): "triton", (2, 16): "sdpa"}
+
+
+# -- the engine end to end -------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.anyio
+async def test_engine_triton_decode_matches_sdpa(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    kernel = _kv.paged_decode_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(_kv, "paged_decode_attention", counting)
+    rng = random.Random(5)
+    contexts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (4, 19, 37)]
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    results = {}
+    for mode in ("sdpa", "triton"):
+        async with open_embedded_engine(
+            tiny_dir, max_batch_size=4, num_threads=2, decode_attention=mode
+        ) as engine:
+            results[mode] = await _generate_all(engine, contexts, params)
+    assert calls and max(calls) > 1  # the kernel ran, on batched decode rows
+    for sdpa, triton in zip(results["sdpa"], results["triton"], strict=True):
+        assert triton.token_ids == sdpa.token_ids
+        torch.testing.assert_close(
+            torch.tensor(triton.logprobs), torch.tensor(sdpa.logprobs), atol=1e-4, rtol=0
+        )
+
+
+async def _generate_all(
+    engine: EmbeddedEngine, contexts: list[list[int]], params: SamplingParams
+) -> list[GenerateResult]:
+    """Run all requests concurrently (so decode rows share steps); results in input order."""
+    results: dict[int, GenerateResult] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await engine.generate(contexts[i], params)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(contexts)):
+            tg.start_soon(one, i)
+    return [results[i] for i in range(len(contexts))]
