@@ -75,20 +75,13 @@ def _fwd_bwd(fn, hidden, weight, targets, g_lp, g_ent):
     return lp.detach().float()
 
 
-def _hwm_kib() -> int:
+def _status_kib(field: str) -> int:
+    """``VmHWM`` (peak resident) or ``VmRSS`` of this process, KiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def measure(name: str, t: int, h: int, v: int, dtype: torch.dtype, device: str, repeats: int):
@@ -115,11 +108,11 @@ def measure(name: str, t: int, h: int, v: int, dtype: torch.dtype, device: str, 
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end) / 1000)
         else:
-            base = _rss_kib()
+            base = _status_kib("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             lp = _fwd_bwd(fn, *inputs)  # the first call measures memory and warms up
-            peak = (_hwm_kib() - base) * 1024
+            peak = (_status_kib("VmHWM") - base) * 1024
             times, cpu = [], []
             for _ in range(repeats if name != "triton" else 0):
                 t0, c0 = time.perf_counter(), time.process_time()

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._triton import triton_available, triton_installed
+from ._triton import require_triton, triton_available
 
 __all__ = ["paged_decode_attention", "triton_available"]
 
@@ -175,13 +175,7 @@ def paged_decode_attention(
 
 def _require_triton(device: torch.device) -> None:
     """``RuntimeError`` saying why, unless the kernel can run on ``device``."""
-    if not triton_available(device):
-        why = (
-            "triton is not installed (pip install 'agentrl[kernels]')"
-            if not triton_installed()
-            else f"tensors are on {device.type}, not CUDA, and TRITON_INTERPRET is not set"
-        )
-        raise RuntimeError(f"paged_decode_attention cannot run here: {why}")
+    require_triton(device, "paged_decode_attention")
     if device.type != "cuda":
         from ._paged_attention_triton import interpreted
 

@@ -42,11 +42,16 @@ def use_triton(backend: Backend, device: torch.device, what: str) -> bool:
         return False
     if backend == "auto":
         return device.type == "cuda" and triton_installed()
+    require_triton(device, f"{what}: backend='triton'")
+    return True
+
+
+def require_triton(device: torch.device, what: str) -> None:
+    """``RuntimeError`` saying why, unless Triton kernels can run on ``device``."""
     if not triton_available(device):
         why = (
             "Triton is not installed (pip install 'agentrl[kernels]')"
             if not triton_installed()
             else f"tensors are on {device.type}, not CUDA, and TRITON_INTERPRET is not set"
         )
-        raise RuntimeError(f"{what}: backend='triton' cannot run here: {why}")
-    return True
+        raise RuntimeError(f"{what} cannot run here: {why}")
