@@ -76,14 +76,23 @@ def rollout_metrics(
 class Ledger:
     """Appends one object per step to ``ledger.jsonl`` and mirrors numbers to TensorBoard."""
 
-    def __init__(self, out: str | os.PathLike[str], *, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        tensorboard: bool = True,
+        purge_step: int | None = None,
+    ) -> None:
+        """``purge_step`` (a resumed run: the first step it will write again): TensorBoard
+        discards the earlier run's events at steps >= it, so the steps redone after a resume
+        are not shown twice (``ledger.jsonl`` itself is truncated by the resume)."""
         self.path = Path(out) / "ledger.jsonl"
         self._fh = open(self.path, "a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+            self._tb = SummaryWriter(str(Path(out) / "tensorboard"), purge_step=purge_step)
 
     def write(self, record: dict[str, Any], *, rewards: Sequence[float] = ()) -> None:
         self._fh.write(json.dumps(record, sort_keys=False) + "\n")

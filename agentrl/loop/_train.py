@@ -197,12 +197,14 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     )
     ckpt_root = checkpoint_root(cfg, out)
     step, cursor = 0, 0
+    purge_step = 0 if resume else None  # TensorBoard: drop the earlier run's redone steps
     if resume_from is not None:
         state = load_checkpoint(
             resume_from, learner, tokenizer_fingerprint=fingerprint, config_hash=cfg.hash()
         )
         _truncate(out, state.file_lengths)
         step, cursor = state.step, state.data_cursor
+        purge_step = step + 1
     elif resume:
         _truncate(out, {})  # killed before its first checkpoint: start over
     env = spec.make(**cfg.rollout.env_kwargs)
@@ -225,7 +227,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
         )
         writer = TrajectoryWriter(str(out / "trajectories.jsonl"))
         eval_writer = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
-        ledger = Ledger(out, tensorboard=cfg.logging.tensorboard)
+        ledger = Ledger(out, tensorboard=cfg.logging.tensorboard, purge_step=purge_step)
         progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
         stack.callback(writer.close)
         stack.callback(eval_writer.close)

@@ -5,6 +5,7 @@ evaluation, checkpoints, resume and export, and the weight sink's disk mode."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import anyio
@@ -202,3 +203,29 @@ def test_weight_sink_disk_mode_updates_the_engine(tiny_model_path, tmp_path):
 
     assert anyio.run(main) == 5
     assert (tmp_path / "v00000005" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("purge", [True, False])
+def test_tensorboard_after_resume_has_each_step_once(tmp_path, purge):
+    """A resumed run redoes the steps after its checkpoint: with ``purge_step`` TensorBoard shows
+    each step once, with the resumed run's values (without it, the old values stay too)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from agentrl.loop import Ledger
+
+    first = Ledger(tmp_path)
+    for step in range(4):  # 0..3, then "killed" after the checkpoint of step 1
+        first.write({"step": step, "reward_mean": float(step)})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they were opened
+    resumed = Ledger(tmp_path, purge_step=2 if purge else None)
+    for step in (2, 3):
+        resumed.write({"step": step, "reward_mean": 10.0 + step})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    seen = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
+    if purge:
+        assert seen == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+    else:
+        assert sorted(s for s, _ in seen) == [0, 1, 2, 2, 3, 3]
