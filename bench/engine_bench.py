@@ -75,7 +75,7 @@ def with_engine(folder: Path, args: argparse.Namespace, options: dict, body) -> 
 
     async def main() -> Any:
         engine = EmbeddedEngine.from_pretrained(
-            folder, EngineOptions(num_threads=args.threads, **options)
+            folder, EngineOptions(num_threads=args.threads, dtype=args.dtype, **options)
         )
         try:
             value = await body(engine)
@@ -155,7 +155,7 @@ def hf_generate(
 ) -> tuple[list[list[int]], float, float]:
     """HF ``generate``, greedy, exactly ``args.new`` tokens per row (no padding: equal lengths)."""
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     ids = torch.tensor(prompts)
     model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=2)  # warm-up
     out, wall, cpu = timed(
@@ -330,6 +330,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype of both the engine and HF generate (bfloat16: AMX/AVX512-BF16 CPUs)",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
