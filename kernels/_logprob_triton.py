@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._triton import interpreting
 
-_NEG_BIG = -1.0e30  # a finite "-inf" for the running max: (m_old - m_new) * 0 stays 0
+_NEG_BIG = tl.constexpr(-1.0e30)  # a finite "-inf" for the running max: (m_old - m_new) * 0 stays 0
 
 
 @triton.jit

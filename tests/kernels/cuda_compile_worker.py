@@ -1,0 +1,121 @@
+"""Compile every Triton kernel of ``agentrl.kernels`` ahead of time for a CUDA target — TTIR,
+TTGIR, LLVM IR, PTX and a cubin through the ptxas that ships with Triton — without a GPU.
+
+The CPU interpreter accepts things the GPU compiler refuses (non-constexpr globals, ``tl.dot``
+shapes below 16, mixed dtypes in a ``tl.where``, ...), so this is what tells us, on a machine with
+no GPU, that the kernels will build on one. Run in a process *without* ``TRITON_INTERPRET`` (the
+kernels must be decorated as compiled functions)::
+
+    python tests/kernels/cuda_compile_worker.py [--arch 90]
+
+Prints one line per compiled variant and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: the kernels must be decorated for compilation")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from agentrl.kernels import _logprob_triton as lp  # noqa: E402
+from agentrl.kernels import _paged_attention_triton as pa  # noqa: E402
+from agentrl.kernels import _policy_loss_triton as pl  # noqa: E402
+
+
+def signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> dict[str, str]:
+    """Triton's signature for ``fn``: ``*dtype`` pointers, ``fp32`` floats, ``i32`` otherwise."""
+    out = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            out[name] = "constexpr"
+        elif name in pointers:
+            out[name] = "*" + pointers[name]
+        else:
+            out[name] = "fp32" if name in floats else "i32"
+    return out
+
+
+def variants():
+    """(label, kernel, pointer dtypes, float scalars, constexprs, options)."""
+    for dtype, dot_fp32 in (("bf16", False), ("fp16", False), ("fp32", True)):
+        ptrs = {"HIDDEN": dtype, "WEIGHT": dtype, "TARGETS": "i64"}
+        ptrs |= {k: "fp32" for k in ("LOGPROB", "ENTROPY", "LSE")}
+        blocks = {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "DOT_FP32": dot_fp32}
+        yield (
+            f"logprob fwd {dtype}",
+            lp._fused_logprob_fwd_kernel,
+            ptrs,
+            {"inv_temperature"},
+            blocks,
+            {},
+        )
+        ptrs = {"HIDDEN": dtype, "WEIGHT": dtype, "TARGETS": "i64"}
+        ptrs |= {k: "fp32" for k in ("LSE", "ENTROPY", "GRAD_LOGPROB", "GRAD_ENTROPY")}
+        ptrs |= {"GRAD_HIDDEN": "fp32", "GRAD_WEIGHT": "fp32"}
+        for need_h, need_w in ((True, True), (True, False), (False, True)):
+            const = blocks | {"NEED_HIDDEN": need_h, "NEED_WEIGHT": need_w}
+            label = f"logprob bwd {dtype} dh={need_h} dw={need_w}"
+            yield label, lp._fused_logprob_bwd_kernel, ptrs, {"inv_temperature"}, const, {}
+    floats = {"clip_low", "clip_high", "max_log_ratio", "kl_coef", "entropy_coef", "tis_cap"}
+    for dtype in ("fp32", "bf16"):
+        ptrs = {k: dtype for k in ("LOGPROB", "OLD_LOGPROB", "ADVANTAGE", "REF_LOGPROB")}
+        ptrs |= {k: dtype for k in ("ENTROPY", "ROLLOUT_LOGPROB")}
+        ptrs |= {"KEEP": "i8", "WEIGHT": "fp32", "SEQ_LOG_RATIO": "fp32", "PARTIALS": "fp32"}
+        ptrs |= {"GRAD_LOGPROB": "fp32", "GRAD_ENTROPY": "fp32"}
+        for algo in pl.ALGOS.values():
+            for kl in pl.KL_ESTIMATORS.values():
+                const = {"ALGO": algo, "KL_ESTIMATOR": kl, "HAS_ENTROPY": kl % 2 == 0}
+                const |= {"HAS_TIS": kl >= 2, "BLOCK": 1024, "STATS": pl.STATS_PAD}
+                label = f"policy loss {dtype} algo={algo} kl={kl}"
+                yield label, pl._fused_policy_loss_fwd_kernel, ptrs, floats, const, {}
+    # (query heads per KV head, head_dim): SmolLM2-135M, Qwen2-0.5B, MHA, Llama-3-8B-like
+    for group, dim in ((3, 64), (7, 64), (1, 96), (4, 128)):
+        for dtype in ("bf16", "fp32"):
+            block_group = triton.next_power_of_2(group)
+            block_d = triton.next_power_of_2(dim)
+            tile_n = max(16, min(64, pa._TILE_ELEMENTS // (block_group * block_d)))
+            ptrs = {"Q": dtype, "K_CACHE": dtype, "V_CACHE": dtype, "OUT": dtype}
+            ptrs |= {"BLOCK_TABLES": "i64", "SEQ_LENS": "i32"}
+            ptrs |= {"PARTIAL_OUT": "fp32", "PARTIAL_LSE": "fp32"}
+            const = {"GROUP": group, "BLOCK_GROUP": block_group, "HEAD_DIM": dim}
+            const |= {"BLOCK_D": block_d, "KV_BLOCK_SIZE": 16, "TILE_N": tile_n}
+            for splits in (1, 4):
+                label = f"paged decode {dtype} group={group} dim={dim} splits={splits}"
+                yield (label, pa._paged_decode_fwd_kernel, ptrs, {"qk_scale"},
+                       const | {"NUM_SPLITS": splits}, {"num_warps": 4})  # fmt: skip
+            ptrs = {"PARTIAL_OUT": "fp32", "PARTIAL_LSE": "fp32", "OUT": dtype}
+            const = {"HEAD_DIM": dim, "BLOCK_D": block_d, "NUM_SPLITS": 4, "BLOCK_SPLITS": 4}
+            label = f"paged decode merge {dtype} dim={dim}"
+            yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, {"num_warps": 4}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100)")
+    args = parser.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    count = 0
+    for label, fn, ptrs, floats, const, options in variants():
+        start = time.perf_counter()
+        src = ASTSource(fn=fn, signature=signature(fn, ptrs, floats, const), constexprs=const)
+        try:
+            compiled = triton.compile(src, target=target, options=options)
+        except Exception as exc:
+            print(f"FAILED {label}: {type(exc).__name__}: {exc}", flush=True)
+            raise SystemExit(1) from exc
+        assert compiled.asm.get("cubin"), f"{label}: no cubin"
+        count += 1
+        print(f"ok {label} ({time.perf_counter() - start:.2f} s, sm_{args.arch})", flush=True)
+    print(f"compiled {count} kernel variants for sm_{args.arch}")
+
+
+if __name__ == "__main__":
+    main()
