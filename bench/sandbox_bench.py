@@ -11,9 +11,10 @@ sandbox, not CPU contention on a small host) — ``n`` requests run at concurren
 Each row: latency p50 / p99 as the caller sees it (``pool.run`` round trip) and executions per
 second. Then ``docker run --rm IMAGE python3 -c 'print(1)'`` per request (runc, and runsc when
 registered) gives the cold baseline, and the ratios cold p50 / warm p50 are printed in the same
-run (goal: >= 10x); a bare SDK ``exec_run`` in one running container shows the floor a warm pool
-can reach on this host (no supervisor, limits or checks). The local backend's p50 for the
-trivial program is checked against 30 ms.
+run (goal: >= 10x); a bare SDK ``exec_run`` in one running container shows what one ``docker
+exec`` per request would cost at least on this host (no supervisor, limits or checks): the
+container backends avoid it by keeping one serving exec per container. The local backend's p50
+for the trivial program is checked against 30 ms.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def cold_docker(runtime: str | None, n: int, image: str) -> dict[str, Any] | str
 
 def raw_exec(runtime: str | None, n: int, image: str) -> dict[str, Any] | str:
     """p50/p99 of a bare SDK ``exec_run`` of ``python3 -c 'print(1)'`` in one running container:
-    the floor a warm docker pool can reach (no supervisor, no limits, no checks)."""
+    the least one exec per request would cost (no supervisor, no limits, no checks)."""
     try:
         import docker
     except ImportError:
@@ -241,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# bare exec_run ({name}): not measured ({result})")
         else:
             print(
-                f"# bare SDK exec_run in a running container ({name}, the floor of a warm "
-                f"pool): p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms"
+                f"# bare SDK exec_run in a running container ({name}, the least one exec per "
+                f"request costs): p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms"
             )
     local = [r for r in rows if r["backend"] == "local" and r["program"] == "trivial"]
     if local:

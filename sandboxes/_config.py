@@ -68,8 +68,8 @@ class _ContainerConfig(_Model):
     create_timeout_s: float = Field(60.0, gt=0)
     """A container that is not healthy by then is removed and the create fails."""
     exec_margin_s: float = Field(10.0, gt=0)
-    """Host-side deadline of one exec = request timeout + this margin; past it the exec is
-    abandoned and the container removed (killing everything in it)."""
+    """Host-side deadline of one request = its timeout + this margin; past it the request
+    gets ``sandbox_error`` and the container is removed (killing everything in it)."""
     labels: dict[str, str] = {}
     """Extra labels on every container (``agentrl.sandbox=1``, ``agentrl.pool`` are always set)."""
 
@@ -95,12 +95,12 @@ class GVisorConfig(_ContainerConfig):
     runtime: str = "runsc"
     """Name of the gVisor runtime in the daemon's config."""
     pids_limit: int | None = Field(1024, ge=256)
-    """Limit on the runsc sandbox's *host* tasks (sentry threads, ptrace stubs: about 40 idle,
-    +~1 per exec, so well below this until ``recycle_after``). Reaching it kills the container,
-    which is how a fork bomb ends here. ``None`` lets a bomb fill the memory cap instead, and
-    such a container can take minutes to remove."""
+    """Limit on the runsc sandbox's *host* tasks (sentry threads, ptrace stubs: about 70 with
+    its serve exec, levelling off near 95 however many requests it serves, measured here).
+    Reaching it kills the container, which is how a fork bomb ends here. ``None`` lets a bomb
+    fill the memory cap instead, and such a container can take minutes to remove."""
     exec_margin_s: float = Field(20.0, gt=0)
-    """Host-side margin over the request timeout (gVisor execs start slower)."""
+    """Host-side margin over the request timeout (gVisor forks and starts programs slower)."""
 
 
 class LocalConfig(_Model):

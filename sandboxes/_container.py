@@ -1,16 +1,27 @@
-"""One warm container (docker or gvisor backend): one ``docker exec`` per request.
+"""One warm container (docker or gvisor backend): one long-lived ``docker exec`` serving requests.
 
-The exec runs ``_exec_wrapper.py`` as root (with the few capabilities the container keeps), which
-runs the supervisor; the request goes in over the exec's stdin (a hijacked socket: files cannot be
-copied into a read-only rootfs) and the supervisor's single JSON line comes back on its stdout,
-followed by the wrapper's anomaly probe. Blocking socket work runs in a worker thread; the host
-keeps its own deadline (request timeout + margin) in case the supervisor cannot keep it.
+When the container is made, one exec starts ``_exec_wrapper.py`` as root (with the few
+capabilities the container keeps), which compiles the supervisor once and serves: the host keeps
+the exec's stdin and stdout open (a hijacked socket carrying docker's multiplexed stream) and
+sends one request line at a time; the answer is one line holding the request's ``seq``, the
+supervisor's result and the wrapper's anomaly probe. A request thus costs one line each way, not
+an exec plus a Python start.
+
+Nothing uncertain is ever reused: a broken stream (EOF, the serve process killed), no answer by
+the host's deadline (request timeout + margin), an answer that does not parse or does not carry
+the request's ``seq``, output past the limits, stray bytes between answers, anything on the
+serve process's stderr, a cancelled run — each marks the sandbox unclean, so the pool destroys the
+container (killing everything in it) and makes a new one; the request gets ``sandbox_error``
+(it is never re-sent: it may have run). Blocking socket work runs in a worker thread; one request
+at a time per sandbox (the pool leases a sandbox to one request; ``exec`` refuses a second).
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,12 +33,11 @@ import msgspec
 from ._types import RunRequest, RunResult
 
 _LOST_POLL_S = 1.0
-_result_decoder = msgspec.json.Decoder(RunResult)
+_STDERR_TAIL = 4000
 _encoder = msgspec.json.Encoder()
 
 
 class _Probe(msgspec.Struct):
-    supervisor_exit: int
     processes: list[str]
     n_processes: int
     files: list[str]
@@ -35,27 +45,18 @@ class _Probe(msgspec.Struct):
     ipc: int
 
 
-class _ProbeLine(msgspec.Struct):
-    agentrl_probe: _Probe
+class _Answer(msgspec.Struct):
+    seq: int | None
+    result: RunResult
+    probe: _Probe
 
 
-_probe_decoder = msgspec.json.Decoder(_ProbeLine)
-
-
-@dataclass
-class ExecOutput:
-    """What came back from one exec (raw, before parsing)."""
-
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
-    overflow: bool = False
-    error: str | None = None
+_answer_decoder = msgspec.json.Decoder(_Answer)
 
 
 @dataclass
 class ExecSpec:
-    """Everything ``exec_blocking`` needs (built by the backend, shared by its sandboxes)."""
+    """How to start the serve exec (built by the backend, shared by its sandboxes)."""
 
     api: Any  # docker.APIClient
     cmd: list[str]
@@ -63,107 +64,183 @@ class ExecSpec:
     scratch_root: str
 
 
-def _read_frames(
-    sock: socket.socket,
-    deadline: float,
-    limit: int,
-    out: ExecOutput,
-    overdue: float,
-    container_lost: Callable[[], bool],
-) -> None:
-    """Read docker's multiplexed stream (8-byte headers: stream, size) until EOF or deadline.
+@dataclass
+class Exchange:
+    """What one request got back from the stream (raw, before parsing)."""
 
-    Past ``overdue`` (the request's own timeout: the supervisor should have answered) the
-    container is checked every second: an exec into a container that died (e.g. gVisor killed
-    by its pids limit) may never see EOF."""
-    buf = bytearray()
-    streams = {1: bytearray(), 2: bytearray()}
-    while True:
-        now = time.monotonic()
-        remaining = deadline - now
-        if remaining <= 0:
-            out.timed_out = True
-            break
-        sock.settimeout(
-            min(remaining, _LOST_POLL_S) if now >= overdue else min(remaining, overdue - now + 0.01)
-        )
+    answer: bytes | None = None
+    timed_out: bool = False
+    error: str | None = None
+    stray: bool = False
+    """Bytes on the stream that answer nothing (before the request, or after the answer)."""
+
+
+class ServeStream:
+    """The attached stdin/stdout of one serve exec. Blocking; used from worker threads, one
+    exchange at a time. ``close`` may come from another thread: the socket is shut down at
+    once, and closed by whoever uses it last (an fd number is never reused under a reader)."""
+
+    def __init__(self, spec: ExecSpec, container_id: str) -> None:
+        self.spec = spec
+        self.container_id = container_id
+        self.exec_id: str | None = None
+        self._sock: Any = None  # what the SDK returned (keeps the HTTP response alive)
+        self._raw: socket.socket | None = None
+        self._frames = bytearray()  # docker's multiplexed stream, not yet split into frames
+        self._stdout = bytearray()
+        self.stderr = bytearray()  # the serve process's stderr (its tail)
+        self.stderr_seen = False
+        self._lock = threading.Lock()
+        self._active = False
+        self._closed = False
+
+    def open(self) -> None:
+        api = self.spec.api
+        self.exec_id = api.exec_create(
+            self.container_id,
+            self.spec.cmd,
+            stdin=True,
+            stdout=True,
+            stderr=True,
+            tty=False,
+            user="0",
+            workdir="/",
+            environment=self.spec.environment,
+        )["Id"]
+        sock = api.exec_start(self.exec_id, socket=True)
+        with self._lock:
+            self._sock, self._raw = sock, getattr(sock, "_sock", sock)
+            if self._closed:  # closed while starting
+                self._release()
+
+    def close(self) -> None:
+        """Shut the stream down (the serve process sees EOF and exits); idempotent."""
+        with self._lock:
+            self._closed = True
+            if self._raw is not None:
+                try:
+                    self._raw.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            if not self._active:
+                self._release()
+
+    def _release(self) -> None:
+        sock, raw, self._sock, self._raw = self._sock, self._raw, None, None
+        for s in (sock, raw):
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def exit_code(self) -> int | None:
+        """The serve process's exit code once it ended (for error messages), else None."""
         try:
-            chunk = sock.recv(1 << 16)
+            return self.spec.api.exec_inspect(self.exec_id).get("ExitCode")
+        except Exception:
+            return None
+
+    def container_lost(self) -> bool:
+        try:
+            state = self.spec.api.inspect_container(self.container_id)["State"]
+        except Exception:
+            return True
+        return not state.get("Running") or bool(state.get("Paused"))
+
+    def exchange(self, line: bytes, timeout_s: float, overdue_s: float, limit: int) -> Exchange:
+        """Send one request line, read one answer line. ``timeout_s``: the host deadline;
+        ``overdue_s``: when to start checking that the container still runs (an exec into a
+        container that died, e.g. gVisor killed by its pids limit, may never see EOF)."""
+        with self._lock:
+            if self._closed or self._raw is None:
+                return Exchange(error="the serve stream is closed")
+            self._active = True
+            raw = self._raw
+        try:
+            return self._exchange(raw, line, timeout_s, overdue_s, limit)
+        except OSError as exc:
+            return Exchange(error=f"the serve stream failed: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._active = False
+                if self._closed:
+                    self._release()
+
+    def _exchange(
+        self, raw: socket.socket, line: bytes, timeout_s: float, overdue_s: float, limit: int
+    ) -> Exchange:
+        start = time.monotonic()
+        deadline, overdue = start + timeout_s, start + overdue_s
+        # Idle since the last answer: anything readable now (bytes or EOF) is an anomaly.
+        idle = select.poll()  # (not select.select: a busy service may hold fds past 1024)
+        idle.register(raw, select.POLLIN)
+        if idle.poll(0):
+            raw.settimeout(0.05)
+            try:
+                if not self._receive(raw):
+                    return Exchange(error=self._ended("while idle"))
+            except TimeoutError:
+                pass
+        if self._stdout or self._frames or self.stderr_seen:
+            tail = bytes(self._stdout[:200] or self.stderr[-200:])
+            return Exchange(stray=True, error=f"output on the serve stream while idle: {tail!r}")
+        raw.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            raw.sendall(line)
         except TimeoutError:
-            if time.monotonic() >= overdue and container_lost():
-                out.error = "the container stopped during the run (lost)"
-                break
-            continue
+            return Exchange(timed_out=True)
+        except OSError as exc:
+            return Exchange(error=self._ended(f"before reading the request ({exc})"))
+        scanned = 0  # the answer may be megabytes: look for its end in new bytes only
+        while True:
+            end = self._stdout.find(b"\n", scanned)
+            if end >= 0:
+                answer = bytes(self._stdout[:end])
+                del self._stdout[: end + 1]
+                return Exchange(answer=answer, stray=bool(self._stdout))
+            scanned = len(self._stdout)
+            if scanned > limit:
+                return Exchange(error="the sandbox answered more than the limits allow")
+            now = time.monotonic()
+            if now >= deadline:
+                return Exchange(timed_out=True)
+            wait = deadline - now
+            raw.settimeout(min(wait, _LOST_POLL_S) if now >= overdue else min(wait, overdue - now))
+            try:
+                if not self._receive(raw):
+                    return Exchange(error=self._ended("during the run"))
+            except TimeoutError:
+                if time.monotonic() >= overdue and self.container_lost():
+                    return Exchange(error="the container stopped during the run (lost)")
+
+    def _receive(self, raw: socket.socket) -> bool:
+        """One recv, split into frames (8-byte headers: stream, size); False at EOF."""
+        chunk = raw.recv(1 << 16)
         if not chunk:
-            break
+            return False
+        buf = self._frames
         buf += chunk
         while len(buf) >= 8:
             kind, size = struct.unpack(">BxxxL", bytes(buf[:8]))
             if len(buf) < 8 + size:
                 break
-            target = streams.get(kind)
-            if target is not None:
-                target += buf[8 : 8 + size]
+            if kind == 1:
+                self._stdout += buf[8 : 8 + size]
+            elif kind == 2:
+                self.stderr_seen = True
+                self.stderr += buf[8 : 8 + size]
+                del self.stderr[:-_STDERR_TAIL]
             del buf[: 8 + size]
-        if len(streams[1]) + len(streams[2]) > limit:
-            out.overflow = True
-            break
-    out.stdout, out.stderr = bytes(streams[1]), bytes(streams[2])
+        return True
 
-
-def exec_blocking(
-    spec: ExecSpec,
-    container_id: str,
-    payload: bytes,
-    timeout_s: float,
-    overdue_s: float,
-    limit: int,
-    on_socket: Callable[[socket.socket], None],
-) -> ExecOutput:
-    """Run one exec (worker thread): create, attach, send ``payload``, half-close, read.
-
-    ``timeout_s``: the host deadline; ``overdue_s``: when to start checking the container."""
-    out = ExecOutput()
-    start = time.monotonic()
-    deadline = start + timeout_s
-
-    def container_lost() -> bool:
-        try:
-            state = spec.api.inspect_container(container_id)["State"]
-        except Exception:
-            return True
-        return not state.get("Running") or bool(state.get("Paused"))
-
-    exec_id = spec.api.exec_create(
-        container_id,
-        spec.cmd,
-        stdin=True,
-        stdout=True,
-        stderr=True,
-        user="0",
-        workdir="/",
-        environment=spec.environment,
-    )["Id"]
-    sock = spec.api.exec_start(exec_id, socket=True)
-    raw: socket.socket = getattr(sock, "_sock", sock)
-    on_socket(raw)
-    try:
-        raw.settimeout(max(deadline - time.monotonic(), 0.001))
-        try:
-            raw.sendall(payload)
-            raw.shutdown(socket.SHUT_WR)
-        except TimeoutError:
-            out.timed_out = True
-            return out
-        except OSError as exc:  # the exec died before reading its stdin
-            out.error = f"writing the request failed: {exc}"
-        _read_frames(raw, deadline, limit, out, start + overdue_s, container_lost)
-    finally:
-        try:
-            sock.close()
-        finally:
-            raw.close()
-    return out
+    def _ended(self, when: str) -> str:
+        code = self.exit_code()
+        message = "the serve process ended " + when
+        if code is not None:
+            message += f" (exit code {code})"
+        tail = self.stderr.decode("utf-8", "replace").strip()
+        return message + (f"; stderr: {tail[-2000:]}" if tail else "")
 
 
 @dataclass
@@ -183,12 +260,32 @@ class ContainerSandbox:
     runs: int = 0
     clean: bool = True
     last_probe: Any = None
-    _socket: socket.socket | None = field(default=None, repr=False)
+    _stream: ServeStream | None = field(default=None, repr=False)
+    _seq: int = 0
+    _busy: bool = False
 
-    def _payload(self, request: RunRequest) -> bytes:
+    async def start(self) -> None:
+        """Start the serve exec (the caller health-checks it with a request)."""
+        self._stream = ServeStream(self.spec, self.container_id)
+        await self._blocking(self._stream.open)
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(
+            fn, *args, limiter=self.limiter, abandon_on_cancel=True
+        )
+
+    def close(self) -> None:
+        """Shut the serve stream down (non-blocking; the container is removed next)."""
+        self.clean = False
+        if self._stream is not None:
+            self._stream.close()
+
+    def _line(self, request: RunRequest) -> bytes:
         if request.memory_mb > self.memory_cap_mb:
             request = msgspec.structs.replace(request, memory_mb=self.memory_cap_mb)
+        self._seq += 1
         envelope = {
+            "seq": self._seq,
             "request": request,
             "scratch_root": self.spec.scratch_root,
             "uid": self.program_uid,
@@ -196,17 +293,6 @@ class ContainerSandbox:
             "cgroup": None,
         }
         return _encoder.encode(envelope) + b"\n"
-
-    def _remember_socket(self, sock: socket.socket) -> None:
-        self._socket = sock
-
-    def _abort(self) -> None:
-        sock, self._socket = self._socket, None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     async def exec(self, request: RunRequest) -> RunResult:
         """Run one (already validated) request. Never raises for what the program does."""
@@ -217,34 +303,30 @@ class ContainerSandbox:
                 backend=self.backend,
                 sandbox_id=self.id,
             )
+        start = time.monotonic()
+        if self._busy:  # the pool never does this: one lease, one request
+            self.clean = False
+            return self._error("the sandbox is already running a request", start)
+        if not self.clean or self._stream is None:
+            return self._error("the sandbox was already marked for recycling", start)
+        self._busy = True
         self.runs += 1
-        payload = self._payload(request)
+        line = self._line(request)
         # stdout+stderr each at most output_limit_bytes, JSON-escaped (≤ 6×), plus the probe
         limit = 12 * request.output_limit_bytes + (1 << 20)
         timeout = request.timeout_s + self.margin_s
-        start = time.monotonic()
         try:
-            out = await anyio.to_thread.run_sync(
-                exec_blocking,
-                self.spec,
-                self.container_id,
-                payload,
-                timeout,
-                request.timeout_s + 1.0,
-                limit,
-                self._remember_socket,
-                limiter=self.limiter,
-                abandon_on_cancel=True,
+            out = await self._blocking(
+                self._stream.exchange, line, timeout, request.timeout_s + 1.0, limit
             )
         except anyio.get_cancelled_exc_class():
-            self.clean = False
-            self._abort()
+            self.close()  # the thread's recv returns; the pool destroys the container
             raise
-        except Exception as exc:  # the daemon refused the exec: the container is gone or broken
-            self.clean = False
-            return self._error(f"exec failed: {type(exc).__name__}: {exc}", start)
+        except Exception as exc:
+            self.close()
+            return self._error(f"serve stream failed: {type(exc).__name__}: {exc}", start)
         finally:
-            self._socket = None
+            self._busy = False
         return self._parse(out, timeout, start)
 
     def _error(self, message: str, start: float) -> RunResult:
@@ -256,53 +338,28 @@ class ContainerSandbox:
             sandbox_id=self.id,
         )
 
-    def _parse(self, out: ExecOutput, timeout: float, start: float) -> RunResult:
-        result: RunResult | None = None
-        probe: _Probe | None = None
-        stray = 0
-        for line in out.stdout.splitlines():
-            if not line.strip():
-                continue
-            if line.startswith(b'{"agentrl_probe"'):
-                try:
-                    probe = _probe_decoder.decode(line).agentrl_probe
-                except msgspec.DecodeError:
-                    stray += 1
-                continue
-            if result is None:
-                try:
-                    result = _result_decoder.decode(line)
-                    continue
-                except msgspec.DecodeError:
-                    pass
-            stray += 1
-        self.last_probe = probe
-        if (
-            out.timed_out
-            or out.overflow
-            or out.error
-            or probe is None
-            or stray
-            or probe.n_processes
-            or probe.n_files
-            or probe.ipc
-        ):
-            self.clean = False
+    def _parse(self, out: Exchange, timeout: float, start: float) -> RunResult:
+        assert self._stream is not None
+        answer: _Answer | None = None
+        problem = out.error
         if out.timed_out:
-            return self._error(f"no answer from the sandbox within {timeout:.1f} s", start)
-        if out.error and result is None:
-            return self._error(out.error, start)
-        if out.overflow:
-            return self._error("the sandbox wrote more output than the limits allow", start)
-        if result is None:
-            detail = out.error or "the supervisor produced no result"
-            if probe is not None and probe.supervisor_exit != 0:
-                detail += f" (supervisor exit {probe.supervisor_exit})"
-            tail = out.stderr[-2000:].decode("utf-8", "replace").strip()
-            if tail:
-                detail += f"; stderr: {tail}"
-            return self._error(detail, start)
-        if result.status == "sandbox_error":
+            problem = f"no answer from the sandbox within {timeout:.1f} s"
+        elif out.answer is not None:
+            try:
+                answer = _answer_decoder.decode(out.answer)
+            except msgspec.DecodeError as exc:
+                problem = f"unreadable answer from the sandbox ({exc}): {out.answer[:200]!r}"
+            else:
+                if answer.seq != self._seq:
+                    problem = f"the sandbox answered request {answer.seq}, not {self._seq}"
+        if answer is None or problem or out.stray or self._stream.stderr_seen:
+            self.clean = False
+        if answer is None or problem:
+            self.close()
+            return self._error(problem or "no answer from the sandbox", start)
+        probe, result = answer.probe, answer.result
+        self.last_probe = probe
+        if probe.n_processes or probe.n_files or probe.ipc or result.status == "sandbox_error":
             self.clean = False
         result.backend = self.backend
         result.sandbox_id = self.id

@@ -7,8 +7,9 @@ needs to make the scratch dir, drop to the program's uid and clean up; ``no-new-
 
 Three identities per container: a reaping init (PID 1, ``python3`` waiting on orphans) starts as
 root and drops to ``init_uid`` at once (the container must start as root: Docker gives the execs
-of a non-root container no capabilities, even with ``user="0"``); each request's supervisor runs
-as root (a ``docker exec`` with ``user="0"``, bounded by the capabilities above); the program runs
+of a non-root container no capabilities, even with ``user="0"``); the supervisor runs as root, in
+one long-lived ``docker exec`` with ``user="0"`` serving every request of the container over its
+attached stdin/stdout (see ``_container``), bounded by the capabilities above; the program runs
 as a uid unique to the container, so it can signal neither init nor its supervisor, and
 RLIMIT_NPROC (counted per uid by the host kernel under runc) is not shared across containers.
 
@@ -244,11 +245,12 @@ class ContainerBackend:
         return kwargs
 
     async def create(self) -> ContainerSandbox:
-        """Start a container and health-check it with a trivial program."""
+        """Start a container and its serve exec; health-check it with a trivial program."""
         assert self._create_limiter is not None and self._spec is not None
         assert self._exec_limiter is not None
         uid = self.config.program_uid_base + next(self._uids) % _PROGRAM_UIDS
         container_id: str | None = None
+        sandbox: ContainerSandbox | None = None
         try:
             with anyio.fail_after(self.config.create_timeout_s):
                 async with self._create_limiter:
@@ -267,6 +269,7 @@ class ContainerBackend:
                     margin_s=self.config.exec_margin_s,
                     memory_cap_mb=max(self.config.memory_mb - _SUPERVISOR_MB, 16),
                 )
+                await sandbox.start()
                 result = await sandbox.exec(_HEALTH_REQUEST)
                 if result.status != "ok" or result.stdout != "ok\n" or not sandbox.clean:
                     raise SandboxError(
@@ -277,6 +280,8 @@ class ContainerBackend:
                 sandbox.runs = 0
                 return sandbox
         except BaseException:
+            if sandbox is not None:
+                sandbox.close()
             if container_id is not None:
                 with anyio.CancelScope(shield=True):
                     try:
@@ -286,7 +291,9 @@ class ContainerBackend:
             raise
 
     async def destroy(self, sandbox: ContainerSandbox) -> None:  # type: ignore[override]
-        """Remove the container (``force``: kills every process in it)."""
+        """Close its serve stream and remove the container (``force``: kills every process
+        in it)."""
+        sandbox.close()
         await self._remove(sandbox.container_id)
 
     def guarantees(self) -> list[Guarantee]:

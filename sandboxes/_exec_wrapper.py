@@ -1,12 +1,24 @@
-"""Runs inside a sandbox container, once per request: ``python3 -c <this file> <supervisor source>
-<probe dirs as JSON>``, as root with only the capabilities the supervisor needs.
+"""Runs inside a sandbox container for its whole life: ``python3 -I -S -c <this file>
+<supervisor source> <probe dirs as JSON>``, one long-lived ``docker exec`` as root with only the
+capabilities the supervisor needs. The host keeps the exec's stdin and stdout open (one attached
+socket) and sends one request at a time.
 
-Stdin carries the supervisor's request JSON; the supervisor runs in a forked child (exactly as
-``python3 -c <source>`` would: it is executed as ``__main__``) and prints its one result line.
-Then this wrapper checks for anomalies and prints one more line, ``{"agentrl_probe": {...}}``:
-processes still alive (anything but PID 1 and this wrapper), entries left in the writable dirs
-(tmpfs mounts: the supervisor removes its scratch dir, so they must be empty), System V IPC
-objects. Any finding makes the host recycle the container; the leftovers are SIGKILLed first.
+Protocol, one JSON line each way per request: in, the supervisor's envelope plus ``"seq": N``;
+out, ``{"seq": N, "result": <the supervisor's RunResult>, "probe": {...}}``. The host checks
+``seq`` (a line that does not answer the request it sent is garbage) and recycles the container
+on any anomaly the probe reports: processes still alive (anything but PID 1 and this process),
+entries left in the writable dirs (tmpfs mounts: the supervisor removes its scratch dir, so they
+must be empty), System V IPC objects. Leftover processes are SIGKILLed before answering.
+
+The supervisor's source is compiled once, into a namespace of its own (not ``__main__``: its
+``main`` does not run), and ``run_job`` is called for each request, exactly as its own
+``--serve`` loop does; every request still gets a fresh scratch dir, a forked child with its own
+pipes for stdin/stdout/stderr and no other fd, rlimits, the program's uid and the kill sweep.
+The serve stream itself lives on close-on-exec fds away from 0/1: fds 0 and 1 point to
+/dev/null, so nothing a child inherits or prints can reach it. This process is not dumpable, so
+its ``/proc/PID/fd`` cannot be opened without CAP_SYS_PTRACE, which the container lacks (gVisor
+lists the entries but refuses to open them to another uid). Stderr stays docker's stderr stream:
+tracebacks for the host's error messages; any output there recycles the container.
 
 Stdlib only: this file is source text for the container's Python, never imported by the package.
 """
@@ -16,38 +28,6 @@ import os
 import signal
 import sys
 import time
-
-
-def run_supervisor(source):
-    """Fork, run the supervisor source as ``__main__`` in the child; return its exit code."""
-    pid = os.fork()
-    if pid == 0:
-        # The supervisor's definitions land in this module's namespace (the child's only):
-        # keep what the child needs afterwards in locals.
-        exit_now, streams, code = os._exit, (sys.stdout, sys.stderr), 0
-        try:
-            sys.argv = ["-c"]
-            exec(compile(source, "<supervisor>", "exec"), sys.modules["__main__"].__dict__)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            code = 70
-        finally:
-            for stream in streams:
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-        exit_now(code)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-        except InterruptedError:
-            continue
-        return os.waitstatus_to_exitcode(status)
 
 
 def leftover_processes():
@@ -88,10 +68,9 @@ def ipc_objects():
     return count
 
 
-def main():
-    source = sys.argv[1]
-    dirs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
-    code = run_supervisor(source)
+def probe(dirs):
+    """Anomalies after a request; leftover processes are SIGKILLed (as root: everything but
+    init and this process)."""
     procs = leftover_processes()
     for _ in range(10):  # killed processes and zombies being reaped by init take a moment
         if not procs:
@@ -100,20 +79,49 @@ def main():
         procs = leftover_processes()
     if procs:
         try:
-            os.kill(-1, signal.SIGKILL)  # as root: everything but init and this process
+            os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
     files = leftover_files(dirs)
-    probe = {
-        "supervisor_exit": code,
+    return {
         "processes": procs[:20],
         "n_processes": len(procs),
         "files": files[:20],
         "n_files": len(files),
         "ipc": ipc_objects(),
     }
-    sys.stdout.write("\n" + json.dumps({"agentrl_probe": probe}) + "\n")
-    sys.stdout.flush()
+
+
+def serve_fds():
+    """Move the serve stream to close-on-exec fds; point 0 and 1 at /dev/null."""
+    serve_in, serve_out = os.dup(0), os.dup(1)  # os.dup: non-inheritable
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    return os.fdopen(serve_in, "rb"), os.fdopen(serve_out, "wb")
+
+
+def main():
+    supervisor = {"__name__": "agentrl_supervisor"}
+    exec(compile(sys.argv[1], "<supervisor>", "exec"), supervisor)
+    dirs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
+    reader, writer = serve_fds()
+    supervisor["_prctl"](4, 0)  # PR_SET_DUMPABLE 0: /proc/<this pid>/fd needs CAP_SYS_PTRACE
+    wake = supervisor["_install_wakeup"]()
+    for line in reader:
+        seq = None
+        try:
+            job = json.loads(line)
+            if not isinstance(job, dict):
+                raise ValueError("the input is not a JSON object")
+            seq = job.pop("seq", None)
+            result = supervisor["run_job"](job, wake)
+        except ValueError as exc:
+            result = supervisor["_error_result"]("sandbox_error", f"serve: bad input: {exc}")
+        answer = {"seq": seq, "result": result, "probe": probe(dirs)}
+        writer.write(json.dumps(answer, ensure_ascii=False).encode("utf-8", "replace") + b"\n")
+        writer.flush()
 
 
 main()

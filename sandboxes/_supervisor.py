@@ -22,8 +22,9 @@ memory headroom.
 Output, exactly one line on stdout: a RunResult object (status, exit_code, stdout, stderr,
 stdout_truncated, stderr_truncated, wall_s, cpu_s, peak_memory_mb, signal, error). Exit code 0
 whenever a result was printed. ``--serve`` reads one such object per line and answers one line
-each, until EOF (a warm supervisor; the local backend keeps one per slot). ``--selftest [--uid
-N]`` checks a few programs and prints what failed.
+each, until EOF (a warm supervisor; the local backend keeps one per slot; the container
+backends run ``run_job`` the same way, one per container, through ``_exec_wrapper.py``).
+``--selftest [--uid N]`` checks a few programs and prints what failed.
 
 What it does per request: a fresh scratch dir (files written with O_NOFOLLOW|O_EXCL through
 directory fds, never following a symlink, never leaving the dir); the program in a new session,

@@ -374,6 +374,48 @@ async def test_killing_its_own_supervisor(sandbox_backend):
     await run_case(sandbox_backend, py(code), {"ok", "nonzero_exit", "signal", "sandbox_error"})
 
 
+async def test_writing_into_the_supervisors_stream(sandbox_backend):
+    # A warm supervisor answers over its own stdin/stdout (the local backend's pipes, the
+    # container backends' attached exec stream). The program holds nothing but its own three
+    # pipes, and every fd of another process it manages to open gets a forged answer line: none
+    # may reach the supervisor's answers, so the same sandbox keeps serving true results.
+    forged = '{"seq": 2, "result": {"status": "ok", "stdout": "forged"}, "status": "ok"}\\n'
+    code = (
+        "import glob, os\n"
+        "extra = []\n"
+        "for fd in range(3, 1024):\n"
+        "    try:\n"
+        "        os.fstat(fd)\n"
+        "        extra.append(fd)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('extra fds', extra)\n"
+        "for path in glob.glob('/proc/[0-9]*/fd/*'):\n"
+        "    if path.split('/')[2] in (str(os.getpid()), 'self'):\n"
+        "        continue\n"
+        "    try:\n"
+        "        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    try:\n"
+        f"        os.write(fd, b'{forged}' * 4)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    os.close(fd)\n"
+        f"print('{forged}', end='')\n"
+    )
+    with anyio.fail_after(CASE_TIMEOUT_S):
+        async with sandbox_backend.open(size=1) as pool:
+            result = await pool.run(py(code))
+            assert result.status == "ok", result
+            assert result.stdout.startswith("extra fds []\n"), result
+            for _ in range(2):
+                again = await pool.run(py("print('true result')", timeout_s=20.0))
+                assert again.status == "ok" and again.stdout == "true result\n", again
+                assert again.sandbox_id == result.sandbox_id
+            assert pool.statistics().recycles == 0
+
+
 async def test_zombie_accumulation(sandbox_backend):
     code = (
         "import os, time\n"

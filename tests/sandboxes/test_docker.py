@@ -164,6 +164,153 @@ async def test_cancelled_run_recycles_the_container(anyio_backend):
         assert pool.statistics().recycles == 1
 
 
+# Run as root beside the serve exec (inside the container, or on the host for runc): wait until
+# the serve process has a child (a request is running), then kill it or write into its stream.
+_SERVE_TOOL = r"""
+import os, signal, sys, time
+
+def serve_pid():
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != os.getpid():
+            try:
+                if b"serve_fds" in open(f"/proc/{p}/cmdline", "rb").read():
+                    return int(p)
+            except OSError:
+                pass
+    sys.exit("no serve process")
+
+def running(pid):
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == pid:
+                return True
+        except OSError:
+            pass
+    return False
+
+pid = serve_pid() if sys.argv[1] == "find" else int(sys.argv[1])
+deadline = time.monotonic() + 30
+while not running(str(pid)):
+    assert time.monotonic() < deadline, "no request running"
+    time.sleep(0.01)
+if sys.argv[2] == "kill":
+    os.kill(pid, signal.SIGKILL)
+else:  # the serve stream's write end: writable, blocking, above stderr
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        info = open(f"/proc/{pid}/fdinfo/{fd}").read()
+        flags = int(info.split("flags:")[1].split()[0], 8)
+        if int(fd) > 2 and flags & 3 == os.O_WRONLY and not flags & os.O_NONBLOCK:
+            out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY)
+            os.write(out, sys.argv[3].encode())
+            break
+    else:
+        sys.exit("no serve stream found")
+print("done", sys.argv[2])
+"""
+
+
+async def _serve_tool(client, container_id: str, action: str, data: str = "") -> None:
+    """Run ``_SERVE_TOOL`` against the container's serve exec (there is exactly one)."""
+
+    def run() -> tuple[int, str]:
+        execs = client.api.inspect_container(container_id)["ExecIDs"]
+        assert len(execs) == 1, execs
+        runtime = client.api.inspect_container(container_id)["HostConfig"]["Runtime"]
+        if action == "write" and runtime != "runsc":
+            # runc: the serve process is a host process; it is not dumpable, so /proc/PID/fd
+            # needs CAP_SYS_PTRACE, which no exec gets under no-new-privileges
+            pid = client.api.exec_inspect(execs[0])["Pid"]
+            argv = [sys.executable, "-c", _SERVE_TOOL, str(pid), action, data]
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            return proc.returncode, proc.stdout + proc.stderr
+        code, output = client.containers.get(container_id).exec_run(
+            ["python3", "-c", _SERVE_TOOL, "find", action, data],
+            user="0",
+            privileged=action == "write",  # gVisor: CAP_SYS_PTRACE for /proc/PID/fd
+        )
+        return code, output.decode(errors="replace")
+
+    code, output = await anyio.to_thread.run_sync(run)
+    assert code == 0 and "done" in output, output
+
+
+async def test_each_container_serves_every_request_through_one_exec(container_backend, client):
+    async with container_backend.open(size=1) as pool:
+        results = [await pool.run(py(f"print({i})")) for i in range(5)]
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
+        assert len({r.sandbox_id for r in results}) == 1
+        execs = client.api.inspect_container(results[0].sandbox_id)["ExecIDs"]
+        assert len(execs) == 1, execs  # the health check and the five runs: one serve exec
+        assert client.api.exec_inspect(execs[0])["Running"]
+
+
+async def test_a_container_takes_one_request_at_a_time(container_backend):
+    # The pool leases a sandbox to one request; a second exec on a busy sandbox is refused
+    # (nothing sent) and the sandbox is recycled, the first request unharmed.
+    async with container_backend.open(size=1) as pool:
+        (sandbox,) = pool._live.values()
+        results = {}
+
+        async def run(name: str, request: RunRequest) -> None:
+            results[name] = await sandbox.exec(request)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "first", py("import time; time.sleep(1); print('first')"))
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(run, "second", py("print('second')"))
+        assert results["first"].status == "ok" and results["first"].stdout == "first\n"
+        assert results["second"].status == "sandbox_error", results["second"]
+        assert "already running" in results["second"].error
+        assert not await sandbox.is_clean()
+
+
+async def test_serve_process_killed_mid_request(container_backend, client):
+    async with container_backend.open(size=1) as pool:
+        first = await pool.run(py("print(1)"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve_tool, client, first.sandbox_id, "kill")
+            lost = await pool.run(py("import time; time.sleep(30); print('late')", timeout_s=40))
+        assert lost.status == "sandbox_error", lost
+        assert "serve process ended during the run" in lost.error, lost
+        assert lost.sandbox_id == first.sandbox_id and lost.wall_s < 30
+        with anyio.fail_after(60):
+            again = await pool.run(py("print(3)", timeout_s=20))
+        assert again.status == "ok" and again.stdout == "3\n", again
+        assert again.sandbox_id != first.sandbox_id
+        stats = pool.statistics()
+        assert stats.recycles == 1 and stats.failures == {"sandbox_error": 1}
+
+
+_PROBE = '{"processes": [], "n_processes": 0, "files": [], "n_files": 0, "ipc": 0}'
+
+
+@pytest.mark.parametrize(
+    "garbage, error",
+    [
+        ("not an answer\n", "unreadable answer"),
+        # a well-formed answer, but to the request before (the health check was seq 1)
+        (
+            '{"seq": 1, "result": {"status": "ok", "stdout": "forged"}, "probe": ' + _PROBE + "}\n",
+            "answered request 1, not 3",
+        ),
+    ],
+    ids=["garbage", "stale-seq"],
+)
+async def test_garbage_on_the_serve_stream_recycles(container_backend, client, garbage, error):
+    async with container_backend.open(size=1) as pool:
+        first = await pool.run(py("print(1)"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve_tool, client, first.sandbox_id, "write", garbage)
+            bad = await pool.run(py("import time; time.sleep(30); print('late')", timeout_s=40))
+        assert bad.status == "sandbox_error" and error in bad.error, bad
+        assert "forged" not in bad.stdout and bad.wall_s < 30
+        with anyio.fail_after(60):
+            again = await pool.run(py("print(3)", timeout_s=20))
+        assert again.status == "ok" and again.stdout == "3\n", again
+        assert again.sandbox_id != first.sandbox_id
+        assert pool.statistics().recycles == 1
+
+
 def _dead_owner() -> str:
     proc = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
