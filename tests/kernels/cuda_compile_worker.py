@@ -8,15 +8,21 @@ kernels must be decorated as compiled functions)::
 
     python tests/kernels/cuda_compile_worker.py [--arch 90]
 
-Prints one line per compiled variant and exits non-zero on the first failure.
+Prints one line per compiled variant and exits non-zero on the first failure. ``--report``
+also runs Triton's bundled ptxas with ``-v`` on each PTX and prints registers and spill bytes
+(how the GPU tiles of the log-prob kernel were chosen without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: the kernels must be decorated for compilation")
@@ -45,25 +51,21 @@ def signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) 
 
 def variants():
     """(label, kernel, pointer dtypes, float scalars, constexprs, options)."""
-    for dtype, dot_fp32 in (("bf16", False), ("fp16", False), ("fp32", True)):
+    for dtype, dot_fp32, width in (("bf16", False, 2), ("fp16", False, 2), ("fp32", True, 4)):
+        bt, bv, bh, warps = lp._CUDA_TILES[width]  # the tiles the GPU launches use
         ptrs = {"HIDDEN": dtype, "WEIGHT": dtype, "TARGETS": "i64"}
         ptrs |= {k: "fp32" for k in ("LOGPROB", "ENTROPY", "LSE")}
-        blocks = {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64, "DOT_FP32": dot_fp32}
-        yield (
-            f"logprob fwd {dtype}",
-            lp._fused_logprob_fwd_kernel,
-            ptrs,
-            {"inv_temperature"},
-            blocks,
-            {},
-        )
+        blocks = {"BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_H": bh, "DOT_FP32": dot_fp32}
+        options = {"num_warps": warps}
+        fwd = lp._fused_logprob_fwd_kernel
+        yield f"logprob fwd {dtype}", fwd, ptrs, {"inv_temperature"}, blocks, options
         ptrs = {"HIDDEN": dtype, "WEIGHT": dtype, "TARGETS": "i64"}
         ptrs |= {k: "fp32" for k in ("LSE", "ENTROPY", "GRAD_LOGPROB", "GRAD_ENTROPY")}
         ptrs |= {"GRAD_HIDDEN": "fp32", "GRAD_WEIGHT": "fp32"}
         for need_h, need_w in ((True, True), (True, False), (False, True)):
             const = blocks | {"NEED_HIDDEN": need_h, "NEED_WEIGHT": need_w}
             label = f"logprob bwd {dtype} dh={need_h} dw={need_w}"
-            yield label, lp._fused_logprob_bwd_kernel, ptrs, {"inv_temperature"}, const, {}
+            yield label, lp._fused_logprob_bwd_kernel, ptrs, {"inv_temperature"}, const, options
     floats = {"clip_low", "clip_high", "max_log_ratio", "kl_coef", "entropy_coef", "tis_cap"}
     for dtype in ("fp32", "bf16"):
         ptrs = {k: dtype for k in ("LOGPROB", "OLD_LOGPROB", "ADVANTAGE", "REF_LOGPROB")}
@@ -97,9 +99,29 @@ def variants():
             yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, {"num_warps": 4}
 
 
+def ptxas_report(ptx: str, arch: int) -> str:
+    """``registers=N spill=B`` from ``ptxas -v`` (Triton's bundled ptxas that accepts its PTX)."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for name in ("ptxas-blackwell", "ptxas"):
+            if not (bin_dir / name).exists():
+                continue
+            cmd = [str(bin_dir / name), f"-arch=sm_{arch}a", "-v", str(src), "-o", f"{tmp}/k.o"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                regs = re.search(r"Used (\d+) registers", proc.stderr)
+                spill = re.search(r"(\d+) bytes spill stores", proc.stderr)
+                regs_n = regs.group(1) if regs else "?"
+                return f"registers={regs_n} spill={spill.group(1) if spill else '?'}B"
+    return "ptxas report unavailable"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100)")
+    parser.add_argument("--report", action="store_true", help="registers and spills (ptxas -v)")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     count = 0
@@ -113,7 +135,10 @@ def main() -> None:
             raise SystemExit(1) from exc
         assert compiled.asm.get("cubin"), f"{label}: no cubin"
         count += 1
-        print(f"ok {label} ({time.perf_counter() - start:.2f} s, sm_{args.arch})", flush=True)
+        report = f" {ptxas_report(compiled.asm['ptx'], args.arch)}" if args.report else ""
+        print(
+            f"ok {label} ({time.perf_counter() - start:.2f} s, sm_{args.arch}){report}", flush=True
+        )
     print(f"compiled {count} kernel variants for sm_{args.arch}")
 
 
