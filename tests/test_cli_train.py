@@ -151,3 +151,43 @@ def test_the_example_config_runs(tmp_path):
         "--set", "eval.num_tasks=1", "--set", "rollout.max_new_tokens=8",
     )  # fmt: skip
     assert [r["step"] for r in _ledger(tmp_path / "run")] == [0, 1]  # eval.at_start: step 0
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``agentrl`` under torchrun with two CPU ranks (gloo)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "agentrl.cli", *args],
+        env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_two_ranks_train_and_resume_like_one_process(runs, tmp_path):
+    """``torchrun --nproc_per_node 2``: the ranks split each step's tasks, train data-parallel
+    and rank 0 writes the run; steps 1-2, then a resume (every rank restores its RNG states)
+    for steps 3-4, equal the one-process run: same tasks and samples, same gradient norms,
+    losses within fp32 tolerance."""
+    config, straight, _, _, _ = runs
+    two = tmp_path / "two-ranks"
+    first = _torchrun("train", "--config", str(config), "--out", str(two), "--max-steps", "2")
+    assert first.stdout.count("done: 2 steps") == 1, "only rank 0 reports"
+    _torchrun("train", "--resume", str(two), "--max-steps", str(STEPS))
+    a, b = _ledger(straight), _ledger(two)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["task_ids"] == rb["task_ids"] and ra["policy_version"] == rb["policy_version"]
+        assert rb["learner_tokens"] == ra["learner_tokens"], "a rank's tokens were lost"
+        assert rb["loss_tokens"] == ra["loss_tokens"]
+        assert rb["reward_mean"] == pytest.approx(ra["reward_mean"], abs=1e-12), ra["step"]
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4), ra["step"]
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-6, rel=1e-3), ra["step"]
+        assert rb["entropy"] == pytest.approx(ra["entropy"], rel=1e-5), ra["step"]
+    ta = read_trajectories(str(straight / "trajectories.jsonl"))
+    tb = read_trajectories(str(two / "trajectories.jsonl"))
+    key = lambda t: (t.policy_version, t.task_id, t.sample_index)  # noqa: E731
+    assert len(ta) == len(tb) == STEPS * 2 * 4
+    for x, y in zip(sorted(ta, key=key), sorted(tb, key=key), strict=True):
+        assert key(x) == key(y) and x.token_ids == y.token_ids, f"samples differ for {key(x)}"
+    assert len(read_trajectories(str(two / "eval_trajectories.jsonl"))) == 2 * 2  # steps 2, 4

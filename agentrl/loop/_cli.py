@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,15 +64,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_train_config(args.config, args.set, model=args.model, max_steps=args.max_steps)
         env = cfg.env.split(":")[-1]
+        if not args.out and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("under torchrun give --out: every rank must name the same run")
         out = Path(args.out or f"runs/train-{env}-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(
-        f"train {cfg.env} on {cfg.model}: {cfg.algorithm.name}, {cfg.train.max_steps} steps × "
-        f"{cfg.train.tasks_per_step} tasks × {cfg.rollout.group_size} samples → {out}",
-        flush=True,
-    )
+    lead = os.environ.get("RANK", "0") == "0"  # one rank speaks
+    if lead:
+        print(
+            f"train {cfg.env} on {cfg.model}: {cfg.algorithm.name}, {cfg.train.max_steps} steps "
+            f"× {cfg.train.tasks_per_step} tasks × {cfg.rollout.group_size} samples → {out}"
+            + (f" ({os.environ['WORLD_SIZE']} ranks)" if os.environ.get("WORLD_SIZE", "1") != "1"
+               else ""),
+            flush=True,
+        )  # fmt: skip
     result = train(cfg, out, resume=bool(args.resume), backend=args.backend)
-    print(f"done: {result.steps} steps, policy version {result.policy_version}; ledger: "
-          f"{out / 'ledger.jsonl'}", flush=True)  # fmt: skip
+    if lead:
+        print(f"done: {result.steps} steps, policy version {result.policy_version}; ledger: "
+              f"{out / 'ledger.jsonl'}", flush=True)  # fmt: skip
     return 0
 
 

@@ -7,6 +7,9 @@ with version ``s - 1`` (every trajectory records it), trains, and publishes vers
 version lag is therefore 0. The event loop is blocked while the learner computes: nothing else
 runs between rollouts in this mode (the asynchronous mode will move the learner to a thread).
 
+With several processes (``torchrun``) the ranks split each step's tasks and train data-parallel;
+rank 0 writes the run files (``_ranks``).
+
 Resume (``resume=True``): the newest complete checkpoint under ``checkpoint.dir`` restores the
 learner (weights, optimizer, LR schedule), RNG states, the data cursor and the policy version;
 the run files are cut back to their length at that checkpoint (the in-flight rule), and the
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from agentrl._errors import ConfigError
@@ -47,6 +51,7 @@ from agentrl.trainer import (
 
 from ._config import TrainConfig, dump_config
 from ._ledger import Ledger, StepProgress, rollout_metrics
+from ._ranks import barrier, gather, in_task_order, merge_stats, shard
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl")
 
@@ -126,9 +131,12 @@ def _truncate(out: Path, lengths: dict[str, int]) -> None:
             os.truncate(path, lengths.get(name, 0))
 
 
-def _prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, resume: bool) -> None:
+def _check_out(out: Path, *, resume: bool) -> None:
     if not resume and (out / "ledger.jsonl").exists():
         raise ConfigError(f"{out} already holds a run; resume it with --resume {out}")
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, model_path: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
@@ -168,12 +176,20 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = _check_resume(cfg, out, fingerprint) if resume else None
-    _prepare_out(cfg, out, model_path, resume=resume)
+    _check_out(out, resume=resume)
     try:
         options = EngineOptions(**cfg.engine)
     except TypeError as exc:
         raise ConfigError(f"engine: {exc}") from None
-    init_distributed(num_threads=cfg.train.num_threads)
+    dist = init_distributed(num_threads=cfg.train.num_threads)
+    lead = dist.rank == 0  # writes the run files
+    if lead:
+        _prepare_out(cfg, out, model_path)
+    if dist.world_size > 1 and options.num_threads is None:  # the ranks share the cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+        options = msgspec.structs.replace(
+            options, num_threads=max(1, (os.cpu_count() or 1) // local)
+        )
     max_turns = cfg.rollout.max_turns or spec.max_turns
     max_new = cfg.rollout.max_new_tokens or spec.max_new_tokens
     learner = Learner(
@@ -202,11 +218,13 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
         state = load_checkpoint(
             resume_from, learner, tokenizer_fingerprint=fingerprint, config_hash=cfg.hash()
         )
-        _truncate(out, state.file_lengths)
+        if lead:
+            _truncate(out, state.file_lengths)
         step, cursor = state.step, state.data_cursor
         purge_step = step + 1
-    elif resume:
+    elif resume and lead:
         _truncate(out, {})  # killed before its first checkpoint: start over
+    barrier()  # the run files are ready before anyone opens them
     env = spec.make(**cfg.rollout.env_kwargs)
     stream = TaskStream(list(env.tasks("train", seed=cfg.train.seed)), cfg.train.seed)
     eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
@@ -225,17 +243,14 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             tokenizer_fingerprint=fingerprint,
             model_name=cfg.model,
         )
-        writer = TrajectoryWriter(str(out / "trajectories.jsonl"))
-        eval_writer = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
-        ledger = Ledger(out, tensorboard=cfg.logging.tensorboard, purge_step=purge_step)
-        progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
-        stack.callback(writer.close)
-        stack.callback(eval_writer.close)
-        stack.callback(ledger.close)
-        stack.callback(progress.close)
-        evaluate = _Evaluator(cfg, base, eval_tasks, eval_writer)
+        files = _RunFiles(cfg, out, step, purge_step) if lead else None
+        if files is not None:
+            stack.callback(files.close)
+        evaluate = _Evaluator(cfg, base, eval_tasks, files)
         if step == 0 and cfg.eval.at_start:
-            ledger.write({"step": 0, "policy_version": 0, **await evaluate(0)})
+            record = {"step": 0, "policy_version": 0, **await evaluate(0)}
+            if files is not None:
+                files.ledger.write(record)
         checkpoint_s = 0.0
         while step < cfg.train.max_steps:
             step += 1
@@ -248,10 +263,15 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
                 ),
             )
             sampled_with = learner.version
-            on_traj = writer.write if cfg.logging.trajectories else None
-            trajs = await run_groups(ctx, tasks, on_trajectory=on_traj)
+            alone = dist.world_size == 1  # stream trajectories to the file as they finish
+            on_traj = files.trajectory if files is not None and alone else None
+            mine = await run_groups(ctx, shard(tasks), on_trajectory=on_traj)
             rollout_s = time.perf_counter() - started
-            stats = learner.train_step(trajs)
+            stats = learner.train_step(mine)
+            trajs = mine if alone else in_task_order(tasks, gather(mine))
+            if files is not None and not alone:
+                for traj in trajs:
+                    files.trajectory(traj)
             t0 = time.perf_counter()
             weights = learner.state_dict()
             gather_s = time.perf_counter() - t0
@@ -259,17 +279,20 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             publish_s = time.perf_counter() - t0
             del weights
             cursor += len(tasks)
+            learner_stats = merge_stats(gather(stats.as_dict()))
             record = _record(
-                step, learner.version, sampled_with, cursor, tasks, trajs, stats, cfg, rollout_s
-            )
+                step, learner.version, sampled_with, cursor, tasks, trajs, learner_stats, cfg,
+                rollout_s,
+            )  # fmt: skip
             record.update(publish_s=publish_s, gather_s=gather_s, checkpoint_s=checkpoint_s)
             checkpoint_s = 0.0  # reported once, on the step after the write
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
                 record.update(await evaluate(step))
             record["step_s"] = time.perf_counter() - started
             rewards = [float(t.reward) for t in trajs if t.reward is not None]
-            ledger.write(record, rewards=rewards)
-            progress.update(record)
+            if files is not None:
+                files.ledger.write(record, rewards=rewards)
+                files.progress.update(record)
             last = record
             every = cfg.checkpoint.every_steps
             final = cfg.checkpoint.at_end and step == cfg.train.max_steps
@@ -304,19 +327,42 @@ def _record(step, version, sampled_with, cursor, tasks, trajs, stats, cfg, rollo
     record.update(
         rollout_metrics(trajs, pass_threshold=cfg.train.pass_threshold, elapsed_s=rollout_s)
     )
-    learner = stats.as_dict()
-    record.update(learner)
-    busy = stats.update_s + stats.reference_s + stats.logprob_s
-    record["learner_tokens_per_s"] = stats.learner_tokens / busy if busy > 0 else None
+    record.update(stats)
+    busy = stats["update_s"] + stats["reference_s"] + stats["logprob_s"]
+    record["learner_tokens_per_s"] = stats["learner_tokens"] / busy if busy > 0 else None
     return record
+
+
+class _RunFiles:
+    """What rank 0 writes: trajectories, eval trajectories, the ledger (+ TensorBoard), progress."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, step: int, purge_step: int | None) -> None:
+        self.keep_trajectories = cfg.logging.trajectories
+        self.trajectories = TrajectoryWriter(str(out / "trajectories.jsonl"))
+        self.eval_trajectories = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
+        self.ledger = Ledger(out, tensorboard=cfg.logging.tensorboard, purge_step=purge_step)
+        self.progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
+
+    def trajectory(self, traj: Trajectory) -> None:
+        if self.keep_trajectories:
+            self.trajectories.write(traj)
+
+    def close(self) -> None:
+        self.trajectories.close()
+        self.eval_trajectories.close()
+        self.ledger.close()
+        self.progress.close()
 
 
 class _Evaluator:
     """Held-out evaluation: the first ``eval.num_tasks`` tasks of the eval split, one sample
-    each, a fixed seed (so curves compare policies, not samples)."""
+    each, a fixed seed (so curves compare policies, not samples); split over the ranks like
+    training tasks, metrics from all of them."""
 
-    def __init__(self, cfg: TrainConfig, base: RolloutContext, tasks: list[Any], writer) -> None:
-        self.cfg, self.tasks, self.writer = cfg, tasks, writer
+    def __init__(
+        self, cfg: TrainConfig, base: RolloutContext, tasks: list[Any], files: _RunFiles | None
+    ) -> None:
+        self.cfg, self.tasks, self.files = cfg, tasks, files
         rollout = cfg.rollout.model_copy(
             update={
                 "group_size": 1,
@@ -328,7 +374,10 @@ class _Evaluator:
 
     async def __call__(self, step: int) -> dict[str, Any]:
         started = time.perf_counter()
-        trajs = await run_groups(self.ctx, self.tasks, on_trajectory=self.writer.write)
+        trajs = in_task_order(self.tasks, gather(await run_groups(self.ctx, shard(self.tasks))))
+        if self.files is not None:
+            for traj in trajs:
+                self.files.eval_trajectories.write(traj)
         return eval_metrics(trajs, self.cfg.train.pass_threshold, time.perf_counter() - started)
 
 

@@ -1,0 +1,104 @@
+"""Data parallelism for the loop (``torchrun --nproc_per_node N -m agentrl.cli train ...``).
+
+Every rank holds a colocated embedded engine and a shard of the ZeRO-3 learner. A step's tasks
+are the same list on every rank (the task stream is deterministic); rank ``r`` samples tasks
+``r, r + N, ...`` (whole GRPO groups stay on one rank, so group advantages need nothing from
+other ranks), trains on them (the learner's loss denominators are global, so the ranks' gradients
+sum to the full-batch gradient), and every rank publishes the gathered weights to its own engine.
+Per-trajectory seeds depend on the task and the sample, not on the rank, so N ranks sample what
+one process would. Rank 0 alone writes the run files (trajectories gathered from every rank, the
+ledger with every rank's learner statistics merged, TensorBoard, progress); checkpoints are
+written by all ranks together (``save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rank_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if rank_world()[1] > 1:
+        torch.distributed.barrier()
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` alone."""
+    world = rank_world()[1]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def shard(items: list[Any]) -> list[Any]:
+    """This rank's share: items ``rank, rank + world, ...``."""
+    rank, world = rank_world()
+    return items[rank::world]
+
+
+def in_task_order(tasks: list[Any], parts: list[list[Any]]) -> list[Any]:
+    """Every rank's trajectories (``gather``ed), grouped by task in the step's task order."""
+    order = {}
+    for i, task in enumerate(tasks):
+        order.setdefault(task.id, i)
+    flat = [t for part in parts for t in part]
+    return sorted(flat, key=lambda t: order.get(t.task_id, len(order)))
+
+
+# How each learner statistic of the ranks combines into the step's. The loss terms: each rank's
+# loss uses the global denominator divided by the world size (DeepSpeed averages gradients over
+# ranks), so the step's loss is the ranks' mean. Counts add up; token statistics are means
+# weighted by each rank's loss tokens.
+_MEAN = {"loss", "policy_loss", "kl_loss", "value_loss"}
+_SUM = {
+    "learner_tokens",
+    "loss_tokens",
+    "micro_batches",
+    "groups_filtered",
+    "trajectories_in",
+    "trajectories_used",
+}
+_MAX = {"reference_s", "logprob_s", "update_s", "grad_norm", "lr", "updates", "ratio_max"}
+_MAX |= {"mismatch_abs_max"}
+_MIN = {"ratio_min"}
+
+
+def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's learner statistics from every rank's ``StepStats.as_dict()``."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    weights = [float(r.get("loss_tokens") or 0) for r in per_rank]
+    out: dict[str, Any] = {}
+    for key, first in per_rank[0].items():
+        values = [r.get(key) for r in per_rank]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        finite = [v for v in numbers if math.isfinite(v)]
+        if len(numbers) != len(values) or not finite:
+            out[key] = first  # not a number on every rank (e.g. None): rank 0's
+        elif key in _SUM:
+            out[key] = sum(numbers)
+        elif key in _MEAN:
+            out[key] = sum(numbers) / len(numbers)
+        elif key in _MAX:
+            out[key] = max(finite)
+        elif key in _MIN:
+            out[key] = min(finite)
+        else:
+            total = sum(w for w, v in zip(weights, values, strict=True) if math.isfinite(v))
+            out[key] = (
+                sum(w * v for w, v in zip(weights, values, strict=True) if math.isfinite(v)) / total
+                if total > 0
+                else sum(finite) / len(finite)
+            )
+    return out
