@@ -82,6 +82,21 @@ class LoggingSection(_Section):
     """Append every training trajectory to OUT/trajectories.jsonl."""
 
 
+class ServerSection(_Section):
+    """Rollouts on inference servers instead of the colocated embedded engine: SGLang 0.5.17
+    (or ``agentrl serve``) at ``urls``, weights published as safetensors snapshots loaded
+    through ``/update_weights_from_disk`` under each new policy version."""
+
+    urls: list[str] = pydantic.Field(default_factory=list)
+    """Server base URLs (``http://host:port``); empty: the embedded engine in this process."""
+    snapshot_dir: str | None = None
+    """Where snapshots are written; every server must read this path (default: OUT/weights)."""
+    keep_snapshots: int = pydantic.Field(2, ge=1)
+    """Newest snapshots kept (older ones are deleted after a publish)."""
+    request_timeout_s: float = pydantic.Field(600.0, gt=0)
+    """One generate request's limit."""
+
+
 class EvalSection(_Section):
     """Held-out evaluation on the env's eval split."""
 
@@ -118,6 +133,8 @@ class TrainConfig(_Section):
     """Merged key by key over the generated DeepSpeed config (ZeRO-3, AdamW, clipping)."""
     engine: dict[str, Any] = pydantic.Field(default_factory=dict)
     """Embedded-engine options (``EngineOptions`` fields, e.g. ``max_batch_size``)."""
+    server: ServerSection = pydantic.Field(default_factory=ServerSection)
+    """Inference servers for the rollouts (empty: the embedded engine)."""
     train: TrainSection = pydantic.Field(default_factory=TrainSection)
     """Steps, tasks per step, micro-batches, layout, seed."""
     checkpoint: CheckpointSection = pydantic.Field(default_factory=CheckpointSection)
@@ -160,10 +177,10 @@ class TrainConfig(_Section):
 
     def hash(self) -> str:
         """sha256 (16 hex) of what decides the training trajectory: everything except
-        ``train.max_steps``/``num_threads``, checkpointing, logging, eval, engine options and
-        rollout concurrency (those may change on resume)."""
+        ``train.max_steps``/``num_threads``, checkpointing, logging, eval, engine options, the
+        servers and rollout concurrency (those may change on resume)."""
         data = self.model_dump(mode="json")
-        for section in ("checkpoint", "logging", "eval", "engine"):
+        for section in ("checkpoint", "logging", "eval", "engine", "server"):
             data.pop(section)
         data["train"].pop("max_steps")
         data["train"].pop("num_threads")

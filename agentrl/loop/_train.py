@@ -61,15 +61,33 @@ class EngineWeightSink:
     state dict in-process, or (``snapshot_dir``) a safetensors folder the engine loads from
     disk (``/update_weights_from_disk`` for servers)."""
 
-    def __init__(self, engine: Any, *, snapshot_dir: str | None = None, model_path: str = ""):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        snapshot_dir: str | None = None,
+        model_path: str = "",
+        keep: int | None = None,
+    ):
         self.engine = engine
         self.snapshot_dir = snapshot_dir
         self.model_path = model_path
+        self.keep = keep
+        """Snapshots kept (newest first) once the engine has loaded a new one; None: all."""
 
     async def publish(self, version: int, weights: dict[str, torch.Tensor] | str) -> None:
         if self.snapshot_dir is not None and isinstance(weights, dict):
             weights = await anyio.to_thread.run_sync(self._write_snapshot, version, weights)
         await self.engine.update_weights(version, weights)
+        if self.snapshot_dir is not None and self.keep is not None:
+            self._prune()
+
+    def _prune(self) -> None:
+        import shutil
+
+        snapshots = sorted(Path(self.snapshot_dir or ".").glob("v[0-9]*"), reverse=True)
+        for old in snapshots[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _write_snapshot(self, version: int, weights: dict[str, torch.Tensor]) -> str:
         import shutil
@@ -167,7 +185,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
 
     from agentrl._models import resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
-    from agentrl.engine import EngineOptions, open_embedded_engine
+    from agentrl.engine import EngineOptions, SGLangEngine, open_embedded_engine
     from agentrl.formats import get_format
 
     out = Path(out)
@@ -182,6 +200,8 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     except TypeError as exc:
         raise ConfigError(f"engine: {exc}") from None
     dist = init_distributed(num_threads=cfg.train.num_threads)
+    if cfg.server.urls and dist.world_size > 1:
+        raise ConfigError("server.urls: rollouts on servers run from one process (no torchrun)")
     lead = dist.rank == 0  # writes the run files
     if lead:
         _prepare_out(cfg, out, model_path)
@@ -231,9 +251,26 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     fmt = get_format("chatml-hermes", tokenizer)
     last: dict[str, Any] = {}
     async with AsyncExitStack() as stack:
-        engine = await stack.enter_async_context(open_embedded_engine(model_path, options))
-        sink = EngineWeightSink(engine)
-        if learner.version:  # resumed: the engine starts from the checkpoint's weights
+        if cfg.server.urls:  # SGLang / agentrl serve: publish snapshots through the disk
+            engine = await stack.enter_async_context(
+                SGLangEngine(
+                    cfg.server.urls,
+                    max_context=cfg.rollout.max_context_tokens,
+                    request_timeout_s=cfg.server.request_timeout_s,
+                )
+            )
+            snapshots = cfg.server.snapshot_dir or str(out / "weights")
+            sink = EngineWeightSink(
+                engine,
+                snapshot_dir=snapshots,
+                model_path=model_path,
+                keep=cfg.server.keep_snapshots,
+            )
+        else:
+            engine = await stack.enter_async_context(open_embedded_engine(model_path, options))
+            sink = EngineWeightSink(engine)
+        # a server may hold another run's weights; the embedded engine starts from the base model
+        if learner.version or cfg.server.urls:
             await sink.publish(learner.version, learner.state_dict())
         base = RolloutContext(
             spec=spec,

@@ -10,13 +10,8 @@ update case (skipped without it).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +22,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from serve_helpers import free_port, start_serve, stop_serve
 from transformers import AutoTokenizer
 
 import agentrl
@@ -51,51 +47,6 @@ class Server:
     @property
     def ours(self) -> bool:
         return self.kind == "agentrl-serve"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve_command() -> list[str]:
-    """``agentrl serve`` once the CLI has it, else the module entry point."""
-    from agentrl import cli
-
-    for action in cli._parser()._actions:
-        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
-            return [sys.executable, "-m", "agentrl.cli", "serve"]
-    return [sys.executable, "-m", "agentrl.engine._server"]
-
-
-def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd = [*_serve_command(), "--model", str(model), "--port", str(port), "--num-threads", "1"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"agentrl serve exited with {proc.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop_serve(proc)
-    raise RuntimeError(f"agentrl serve did not become healthy: {log.read_text()}")
-
-
-def stop_serve(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +307,7 @@ async def test_metrics_parse(server: Server) -> None:
 async def test_http_failures_are_engine_errors(server: Server) -> None:
     if not server.ours:
         pytest.skip("checked against agentrl serve")
-    dead = SGLangEngine([f"http://127.0.0.1:{_free_port()}"], connect_retries=1, max_context=64)
+    dead = SGLangEngine([f"http://127.0.0.1:{free_port()}"], connect_retries=1, max_context=64)
     with pytest.raises(EngineError, match="cannot connect"):
         await dead.generate(PROMPT, GREEDY)
     assert dead.statistics().connect_retries == 1

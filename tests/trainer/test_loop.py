@@ -229,3 +229,38 @@ def test_tensorboard_after_resume_has_each_step_once(tmp_path, purge):
         assert seen == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
     else:
         assert sorted(s for s, _ in seen) == [0, 1, 2, 2, 3, 3]
+
+
+def test_training_against_a_server_publishes_snapshots(tmp_path, tiny_model_path):
+    """``server.urls``: rollouts on a real ``agentrl serve`` (the SGLang HTTP subset) over
+    HTTP, each new policy version written as a safetensors snapshot and loaded by the server
+    through ``/update_weights_from_disk``; the engine and the trainer still agree on every
+    sampled token's logprob, and old snapshots are pruned."""
+    import sys
+
+    import httpx
+    from serve_helpers import start_serve, stop_serve
+
+    from agentrl import read_trajectories
+
+    sys.path.insert(0, str(HERE))  # vowels_env
+    proc, url = start_serve(tiny_model_path, tmp_path / "serve.log")
+    try:
+        cfg = load_train_config(
+            tiny_config(
+                tmp_path, server={"urls": [url], "keep_snapshots": 1}, train={"max_steps": 2}
+            )
+        )
+        result = train(cfg, tmp_path / "run")
+        version = httpx.get(url + "/get_weight_version", timeout=10).json()
+    finally:
+        stop_serve(proc)
+    assert result.policy_version == 2
+    assert str(version.get("weight_version")) == "2", version
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    for record in ledger:
+        assert record["rollout_version"] == record["step"] - 1
+        assert record["mismatch_abs_mean"] < 1e-3  # the server scored the same ids we do
+    trajs = read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))
+    assert sorted({t.policy_version for t in trajs}) == [0, 1]
+    assert [p.name for p in (tmp_path / "run" / "weights").iterdir()] == ["v00000002"]

@@ -1,0 +1,57 @@
+"""Start and stop a real ``agentrl serve`` (the SGLang HTTP subset) on a free loopback port."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve_command() -> list[str]:
+    """``agentrl serve`` once the CLI has it, else the module entry point."""
+    from agentrl import cli
+
+    for action in cli._parser()._actions:
+        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
+            return [sys.executable, "-m", "agentrl.cli", "serve"]
+    return [sys.executable, "-m", "agentrl.engine._server"]
+
+
+def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [*_serve_command(), "--model", str(model), "--port", str(port), "--num-threads", "1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agentrl serve exited with {proc.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_serve(proc)
+    raise RuntimeError(f"agentrl serve did not become healthy: {log.read_text()}")
+
+
+def stop_serve(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
