@@ -283,9 +283,18 @@ class Learner:
                 )  # fmt: skip
                 filled.append((b, gae))
             out.append(filled)
-        selected = torch.cat([g.advantages[b.loss_mask] for mb in out for b, g in mb])
-        whiten = alg.whiten_advantages and selected.numel() > 1
-        mean, std = (selected.mean(), selected.std()) if whiten else (0.0, 1.0)
+        mean, std = 0.0, 1.0
+        if alg.whiten_advantages:  # over the whole step: every rank's tokens (one collective)
+            pieces = [g.advantages[b.loss_mask].double() for mb in out for b, g in mb]
+            selected = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64)
+            moments = torch.stack([torch.tensor(float(selected.numel()), dtype=torch.float64),
+                                   selected.sum(), selected.square().sum()])  # fmt: skip
+            if _world() > 1:
+                torch.distributed.all_reduce(moments)
+            n, total, squares = moments.tolist()
+            if n > 1:
+                mean = total / n
+                std = max((squares - total * mean) / (n - 1), 0.0) ** 0.5  # Bessel, like .std()
         return [
             [
                 (

@@ -1,6 +1,7 @@
 """Worker for ``test_multirank``: one learner step on this rank's share of a fixed set of GRPO
 groups (rank r takes groups r, r + W, ...; with W = 2 rank 0 gets more micro-batches than rank
-1), then rank 0 saves the weights. ``python multirank_worker.py OUT`` (under torchrun or alone).
+1), then rank 0 saves the weights. ``python multirank_worker.py OUT [ALGORITHM]`` (under torchrun or
+alone; default grpo).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def groups(seed: int = 0, count: int = 5, size: int = 3):
     return out
 
 
-def main(out: str) -> None:
+def main(out: str, algorithm: str = "grpo") -> None:
     from agentrl._models import resolve_model
     from agentrl.trainer import (
         AlgorithmConfig,
@@ -51,7 +52,7 @@ def main(out: str) -> None:
     learner = Learner(
         LearnerSettings(
             model_path=str(resolve_model("tiny-random")),
-            algorithm=AlgorithmConfig(name="grpo"),
+            algorithm=AlgorithmConfig(name=algorithm),
             optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, grad_clip=None),
             total_steps=1,
             temperature=1.0,
@@ -68,5 +69,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
     os._exit(0)  # skip interpreter teardown of the process group

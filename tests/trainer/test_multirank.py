@@ -22,11 +22,11 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _run(args: list[str], out: Path) -> dict:
+def _run(args: list[str], out: Path, algorithm: str) -> dict:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     proc = subprocess.run(
-        [sys.executable, *args, str(WORKER), str(out)],
+        [sys.executable, *args, str(WORKER), str(out), algorithm],
         env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -36,11 +36,12 @@ def _run(args: list[str], out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def test_two_ranks_equal_one_process(tmp_path):
-    alone = _run([], tmp_path / "one.pt")
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: advantages whitened over ranks
+def test_two_ranks_equal_one_process(tmp_path, algorithm):
+    alone = _run([], tmp_path / "one.pt", algorithm)
     torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
     torchrun += ["--master_addr", "127.0.0.1", "--master_port", _free_port()]
-    pair = _run(torchrun, tmp_path / "two.pt")
+    pair = _run(torchrun, tmp_path / "two.pt", algorithm)
     assert pair["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
     for name, value in alone["weights"].items():
         diff = float((pair["weights"][name] - value).abs().max())
