@@ -1,4 +1,6 @@
-"""Embedded engine benchmark (issue C), CPU parts, every ratio measured in the same run.
+"""Embedded engine benchmark (issue C), every ratio measured in the same run, on the CPU or
+(``--device cuda``) on a GPU: the engine with ``EngineOptions(device=...)`` and HF ``generate``
+with the model on the same device.
 
 Sections (``--sections``, default all):
 
@@ -18,9 +20,15 @@ configurations are compared id for id. Timing on a shared CPU is noisy: sections
 configurations for ``--rounds`` rounds and report the best round of each; per-round ratios (wall
 and process CPU time) are printed too. On a shared 2-core box, 2 OpenMP threads per process make
 HF ``generate`` collapse whenever another tenant takes a core (its many small ops each wait at a
-barrier for a descheduled thread): ``--threads 1`` gives the comparable numbers. Usage::
+barrier for a descheduled thread): ``--threads 1`` gives the comparable numbers.
+
+On CUDA every timing synchronizes the device before it starts and before it stops, and the
+throughput section first runs each side once untimed on the same inputs (CUDA context, cuBLAS
+handles, Triton compiles and the engine's ``decode_attention="auto"`` choices happen there).
+Usage::
 
     .venv/bin/python bench/engine_bench.py [--model smollm2-135m] [--threads 2] [--rounds 2]
+    .venv/bin/python bench/engine_bench.py --device cuda --dtype bfloat16 --batches 1 8 32
 """
 
 from __future__ import annotations
@@ -75,7 +83,10 @@ def with_engine(folder: Path, args: argparse.Namespace, options: dict, body) -> 
 
     async def main() -> Any:
         engine = EmbeddedEngine.from_pretrained(
-            folder, EngineOptions(num_threads=args.threads, dtype=args.dtype, **options)
+            folder,
+            EngineOptions(
+                num_threads=args.threads, dtype=args.dtype, device=args.device, **options
+            ),
         )
         try:
             value = await body(engine)
@@ -86,10 +97,19 @@ def with_engine(folder: Path, args: argparse.Namespace, options: dict, body) -> 
     return anyio.run(main)
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """(value, wall seconds, process CPU seconds)."""
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work (a no-op on the CPU), so a timer brackets all of it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, float, float]:
+    """(value, wall seconds, process CPU seconds); on CUDA the device is synchronized before
+    the clocks start and before they stop."""
+    synchronize(device)
     wall, cpu = time.perf_counter(), time.process_time()
     value = fn()
+    synchronize(device)
     return value, time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -124,7 +144,9 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
             )
             options = {**NO_REUSE, "max_batch_size": batch}
             (ids, wall, cpu), _ = in_thread(
-                lambda p=prompts, o=options: with_engine(folder, args, o, engine_run(p, args.new))
+                lambda p=prompts, o=options: with_engine(
+                    folder, args, o, engine_run(p, args.new, args.device)
+                )
             )
             same = sum(a == b for a, b in zip(ids, base_ids, strict=True))
             rows.append((base_wall, wall, base_cpu, cpu, same))
@@ -153,13 +175,15 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
 def hf_generate(
     folder: Path, args: argparse.Namespace, prompts: list[list[int]]
 ) -> tuple[list[list[int]], float, float]:
-    """HF ``generate``, greedy, exactly ``args.new`` tokens per row (no padding: equal lengths)."""
+    """HF ``generate``, greedy, exactly ``args.new`` tokens per row (no padding: equal lengths),
+    the model and inputs on ``args.device``."""
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
-    ids = torch.tensor(prompts)
-    model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=2)  # warm-up
-    out, wall, cpu = timed(
-        lambda: model.generate(
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
+    ids = torch.tensor(prompts, device=args.device)
+
+    def run() -> torch.Tensor:
+        return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=args.new,
@@ -167,17 +191,29 @@ def hf_generate(
             do_sample=False,
             pad_token_id=2,
         )
-    )
+
+    if torch.device(args.device).type == "cuda":
+        run()  # warm-up on the real shapes
+    else:
+        model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=2)  # warm-up
+    out, wall, cpu = timed(run, args.device)
     return out[:, len(prompts[0]) :].tolist(), wall, cpu
 
 
-def engine_run(prompts: list[list[int]], new: int):  # noqa: ANN201
+def engine_run(prompts: list[list[int]], new: int, device: str = "cpu"):  # noqa: ANN201
+    """The engine's side of ``throughput`` (radix cache off: the warm-up reuses nothing)."""
     params = SamplingParams(max_new_tokens=new, temperature=0)
 
     async def run(engine: EmbeddedEngine) -> tuple[list[list[int]], float, float]:
-        await engine.generate(prompts[0][:8], SamplingParams(max_new_tokens=2))  # warm-up
+        calls = [lambda p=p: engine.generate(p, params) for p in prompts]
+        if torch.device(device).type == "cuda":
+            await gather(engine, calls)  # warm-up on the real shapes
+        else:
+            await engine.generate(prompts[0][:8], SamplingParams(max_new_tokens=2))  # warm-up
+        synchronize(device)
         wall, cpu = time.perf_counter(), time.process_time()
-        results = await gather(engine, [lambda p=p: engine.generate(p, params) for p in prompts])
+        results = await gather(engine, calls)
+        synchronize(device)
         return [r.token_ids for r in results], time.perf_counter() - wall, time.process_time() - cpu
 
     return run
@@ -236,7 +272,7 @@ def reuse_section(
 
             ((results, ideal), stats), wall, _ = in_thread(
                 lambda options=options, body=body: timed(
-                    lambda: with_engine(folder, args, options, body)
+                    lambda: with_engine(folder, args, options, body), args.device
                 )
             )
             cached = sum(r.cached_tokens for r in results)
@@ -334,7 +370,13 @@ def main() -> None:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="model dtype of both the engine and HF generate (bfloat16: AMX/AVX512-BF16 CPUs)",
+        help="model dtype of both the engine and HF generate (bfloat16: GPUs, AMX/AVX512-BF16 "
+        "CPUs)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N: where the engine (EngineOptions.device) and HF generate run",
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=128)
@@ -344,12 +386,25 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
     folder = resolve_model(args.model)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: CUDA is not available here")
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = "cpu"
     print(
-        f"model {args.model}, {args.threads} threads, torch {torch.__version__}, "
-        f"load average {os.getloadavg()[0]:.1f}",
+        f"model {args.model} ({args.dtype}) on {args.device} ({device_name}), {args.threads} "
+        f"threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    report: dict[str, Any] = {"model": args.model, "threads": args.threads}
+    report: dict[str, Any] = {
+        "model": args.model,
+        "threads": args.threads,
+        "device": args.device,
+        "device_name": device_name,
+        "dtype": args.dtype,
+    }
     sections = {"throughput": throughput, "tools": tools, "group": group, "long": long_context}
     for name in args.sections:
         print(f"== {name}", flush=True)

@@ -7,8 +7,8 @@ head layout, batch size and context length, both paths timed in the same run:
   (``index_select`` of every row's blocks, then torch SDPA; a mask when lengths differ);
 - ``triton``: ``paged_decode_attention`` with ``max_seq_len`` given, as the engine calls it
   (no host sync), blocks read in place through the block table;
-- ``triton*``: the same through ``paged_attention(..., decode_kernel="triton")``, i.e. with the
-  engine's per-call metadata (a ``seq_lens`` tensor built from Python ints).
+- ``triton*``: the same through ``paged_attention(..., decode_kernel="triton")``, as the engine
+  runs it (the step's metadata, ``seq_lens`` tensor included, already on the device).
 
 Timing: CUDA events around single calls after ``--warmup`` calls, median of ``--repeats``.
 ``ratio`` is sdpa / triton (> 1: the kernel is faster). ``max|Δ|`` is against the float64
@@ -83,12 +83,7 @@ def make_step(
     k = torch.randn(shape, generator=gen).to(dtype).to(device)
     v = torch.randn(shape, generator=gen).to(dtype).to(device)
     q = torch.randn(batch, heads, dim, generator=gen).to(dtype).to(device)
-    step = make_attention_batch(tables, lens, [1] * batch, block_size)
-    mask = step.decode_mask
-    step = step._replace(
-        block_tables=step.block_tables.to(device),
-        decode_mask=None if mask is None else mask.to(device),
-    )
+    step = make_attention_batch(tables, lens, [1] * batch, block_size, device)
     return q, k, v, step, lens
 
 

@@ -1,7 +1,8 @@
 """Pack one scheduler step (decode rows and prefill chunks of many sequences) into a
 ``ForwardBatch``: every token of the step in one ``[T]`` vector, plus the per-sequence metadata
 ``paged_attention`` needs. Nothing is inferred from pad ids: positions, lengths and masks are
-explicit (SmolLM2's pad id is its EOS id)."""
+explicit (SmolLM2's pad id is its EOS id). The step is planned in Python and its tensors are
+made on the model's device here, once per step (a GPU forward never copies metadata per layer)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ class Row(NamedTuple):
     sample: bool
 
 
-def build_forward_batch(rows: Sequence[Row], block_size: int) -> ForwardBatch:
-    """Rows with ``count == 1`` must come first (they form the batched decode part)."""
+def build_forward_batch(
+    rows: Sequence[Row], block_size: int, device: torch.device | str | None = None
+) -> ForwardBatch:
+    """Rows with ``count == 1`` must come first (they form the batched decode part). The
+    batch's tensors are on ``device`` (default: torch's default device)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -39,8 +43,8 @@ def build_forward_batch(rows: Sequence[Row], block_size: int) -> ForwardBatch:
         if row.count == 1:
             slots.append(row.blocks[row.start // block_size] * block_size + row.start % block_size)
         else:
-            table = torch.tensor(row.blocks, dtype=torch.long)
-            pos = torch.arange(row.start, end)
+            table = torch.tensor(row.blocks, dtype=torch.long, device="cpu")
+            pos = torch.arange(row.start, end, device="cpu")
             slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if row.sample:
             logits_rows.append(len(ids) - 1)
@@ -49,11 +53,17 @@ def build_forward_batch(rows: Sequence[Row], block_size: int) -> ForwardBatch:
         [r.start + r.count for r in rows],
         [r.count for r in rows],
         block_size,
+        device,
+    )
+    # the four index vectors travel to the device in one copy
+    packed = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.long, device=device)
+    input_ids, positions_t, slots_t, logits_rows_t = packed.split(
+        [len(ids), len(positions), len(slots), len(logits_rows)]
     )
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        slots=torch.tensor(slots, dtype=torch.long),
+        input_ids=input_ids,
+        positions=positions_t,
+        slots=slots_t,
         attention=attention,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+        logits_rows=logits_rows_t,
     )

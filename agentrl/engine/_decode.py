@@ -82,7 +82,11 @@ class DecodeKernelChooser:
         key = (_bucket(nd), _bucket(max(batch.seq_lens[:nd])))
         choice = self.choices.get(key)
         if choice is None:
-            decode = batch._replace(seq_lens=batch.seq_lens[:nd], prefill_masks=[])
+            decode = batch._replace(
+                seq_lens=batch.seq_lens[:nd],
+                seq_lens_tensor=batch.seq_lens_tensor[:nd],
+                prefill_masks=[],
+            )
             times = {
                 kernel: _median_ms(
                     lambda kernel=kernel: paged_attention(

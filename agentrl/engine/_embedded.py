@@ -29,6 +29,14 @@ Numerics: fp32. A token's KV may come from a prefill chunk, a decode step or a c
 row may share a step with others; GEMMs of different shapes can differ in the last bits, so
 logprobs may differ by ~1e-6 between such runs (greedy ids are equal in our tests).
 
+Devices: ``EngineOptions.device`` puts the weights, the rope tables, the KV pool and every step's
+tensors on one CUDA device (``"cuda"``, ``"cuda:N"``; checked at construction, before weights
+load). Each step's logits rows come back to the CPU as float32 and sampling runs there with the
+same per-request generators, so sampling rules and seeds are the same on every device; only the
+logits differ, by the device's arithmetic (``tests/engine/test_device.py`` holds fp32 on CUDA to
+1e-3 logprob of the CPU engine, and ``dtype="bfloat16"``, the usual GPU choice, to 0.05 of an
+fp32 forward; bf16 on a CPU measures ~0.008).
+
 CPU threads: the worker calls ``torch.set_num_threads(num_threads or os.cpu_count())``. Every
 thread that runs torch ops owns an OpenMP team; on this 2-core box a second live team in the
 process slows the worker ~1.7x, so keep other torch work out of the engine's process.
@@ -57,7 +65,7 @@ from agentrl._types import GenerateResult, SamplingParams
 from ._decode import DecodeKernelChooser, check_decode_attention
 from ._kv import KVPool
 from ._model import CausalLM, ModelConfig, read_safetensors
-from ._options import EngineOptions, EngineStatistics
+from ._options import EngineOptions, EngineStatistics, resolve_device, resolve_dtype
 from ._radix import RadixCache
 from ._sampling import check_sampling
 from ._scheduler import Request, Scheduler
@@ -67,8 +75,11 @@ from ._worker import CloseSession, FlushCache, OpenSession, WeightUpdate, Worker
 
 
 class EmbeddedEngine:
-    """A Llama/Qwen2-family causal LM in fp32 on CPU with paged KV, a radix prefix cache,
-    sessions and continuous batching. See the module docs."""
+    """A Llama/Qwen2-family causal LM (fp32 on CPU by default, or on a CUDA device) with paged KV,
+    a radix prefix cache, sessions and continuous batching. See the module docs.
+
+    ``model``: a ``CausalLM`` already on ``options.device`` (its dtype is kept), or an HF model
+    (its config and weights are copied in ``options.dtype`` onto ``options.device``)."""
 
     def __init__(
         self,
@@ -85,11 +96,17 @@ class EmbeddedEngine:
             raise EngineError(f"invalid engine options: {opts}")
         if opts.in_flight not in ("finish", "abort"):
             raise EngineError(f"in_flight must be 'finish' or 'abort', got {opts.in_flight!r}")
+        device = resolve_device(opts.device)
         if not isinstance(model, CausalLM):  # an HF model: take its config and weights
             config = ModelConfig.from_dict(model.config.to_dict())  # type: ignore[union-attr]
-            model = CausalLM(config, model.state_dict(), _torch_dtype(opts.dtype))
+            model = CausalLM(config, model.state_dict(), resolve_dtype(opts.dtype), device)
+        elif model.device != device:
+            raise EngineError(
+                f"the model is on {model.device} but device={opts.device!r} ({device}): build "
+                f"the CausalLM with device={str(device)!r}"
+            )
         # before any thread starts: an unusable decode kernel fails here, not mid-request
-        decode = DecodeKernelChooser(opts.decode_attention, model.embed.device, model.dtype)
+        decode = DecodeKernelChooser(opts.decode_attention, device, model.dtype)
         self.options = opts
         self.model_path = model_path
         config = model.config
@@ -97,14 +114,21 @@ class EmbeddedEngine:
         tokens = opts.kv_cache_tokens or min(
             opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * config.max_context
         )
-        pool = KVPool(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            num_blocks=max(1, tokens // opts.block_size),
-            block_size=opts.block_size,
-            dtype=model.dtype,
-        )
+        try:
+            pool = KVPool(
+                num_layers=config.num_layers,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                num_blocks=max(1, tokens // opts.block_size),
+                block_size=opts.block_size,
+                dtype=model.dtype,
+                device=device,
+            )
+        except torch.OutOfMemoryError:
+            raise EngineError(
+                f"a KV pool of {tokens} tokens ({tokens * bytes_per_token} bytes) does not fit "
+                f"on {device}: lower kv_cache_bytes or kv_cache_tokens"
+            ) from None
         tree = (
             RadixCache(opts.block_size, pool.free, opts.radix_token_budget)
             if opts.radix_cache
@@ -116,6 +140,7 @@ class EmbeddedEngine:
             ttl_s=opts.session_ttl_s,
             release=kv.release,
         )
+        self._device = device
         self._bytes_per_token = bytes_per_token
         self._vocab_size = config.vocab_size
         self._max_context = min(config.max_context, pool.capacity_tokens)
@@ -147,14 +172,21 @@ class EmbeddedEngine:
         """
         folder = resolve_model(path)
         opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
-        # the weights load on CPU: refuse an unusable decode kernel before loading them
-        check_decode_attention(opts.decode_attention, torch.device("cpu"), _torch_dtype(opts.dtype))
+        # refuse an unusable device or decode kernel before loading the weights
+        device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
+        check_decode_attention(opts.decode_attention, device, dtype)
         try:
-            model = CausalLM.from_folder(folder, _torch_dtype(opts.dtype))
+            model = CausalLM.from_folder(folder, dtype, device)
             tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, torch.OutOfMemoryError) as exc:
             raise EngineError(f"cannot load a causal LM from {folder}: {exc}") from exc
         return cls(model, tokenizer, opts, model_path=str(folder))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and the KV pool live (``EngineOptions.device`` resolved: ``"cuda"``
+        becomes ``cuda:N``)."""
+        return self._device
 
     @property
     def weight_version(self) -> int:
@@ -334,13 +366,6 @@ class EmbeddedEngine:
             await self.aclose()
 
 
-def _torch_dtype(value: str | torch.dtype) -> torch.dtype:
-    dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value), None)
-    if not isinstance(dtype, torch.dtype):
-        raise EngineError(f"unknown dtype {value!r}")
-    return dtype
-
-
 def _read_weights(source: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     try:
         folder = resolve_model(source)
@@ -355,9 +380,13 @@ async def open_embedded_engine(
 ) -> AsyncIterator[EmbeddedEngine]:
     """Load the model in a thread, yield the engine, close it (aborting leftovers) on exit.
     ``overrides`` are ``EngineOptions`` fields (``max_batch_size=4``, ``num_threads=2``...)."""
+    opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
+    # "cuda" is the caller's current device (a torchrun rank's, after torch.cuda.set_device),
+    # not the loading thread's: resolve it here
+    opts = msgspec.structs.replace(opts, device=str(resolve_device(opts.device)))
 
     def load() -> EmbeddedEngine:
-        return EmbeddedEngine.from_pretrained(path, options, **overrides)
+        return EmbeddedEngine.from_pretrained(path, opts)
 
     engine = await anyio.to_thread.run_sync(load)
     async with engine:

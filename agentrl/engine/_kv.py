@@ -12,6 +12,9 @@ the owners, the pool only checks that nothing is freed twice.
 and call torch SDPA; decode rows do the same by default (``decode_kernel="sdpa"``) or run the
 Triton paged-decode kernel (``decode_kernel="triton"``, ``agentrl.kernels``), which reads the
 blocks in place through the block table. ``_decode`` decides which, per engine.
+
+Devices: the pool lives on one device (CPU or a CUDA GPU); ``make_attention_batch`` builds a
+step's metadata tensors on that device once, so no layer copies or builds any.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from agentrl.kernels import paged_decode_attention
 class KVPool:
     """``num_blocks`` blocks of ``block_size`` tokens for ``num_layers`` layers.
 
-    ``k``/``v``: ``[layers, num_blocks, block_size, kv_heads, head_dim]`` in ``dtype``.
+    ``k``/``v``: ``[layers, num_blocks, block_size, kv_heads, head_dim]`` in ``dtype``, on
+    ``device``.
     """
 
     def __init__(
@@ -40,12 +44,14 @@ class KVPool:
         num_blocks: int,
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise EngineError(f"KV pool needs blocks, got {num_blocks} x {block_size} tokens")
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = self.k.device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
@@ -101,10 +107,12 @@ class AttentionBatch(NamedTuple):
 
     Rows ``[0, num_decode)`` are decode rows (one query token each, listed first); the rest are
     prefill chunks. Row ``b``'s queries are tokens ``query_starts[b]:query_starts[b + 1]`` and sit
-    at the *end* of its ``seq_lens[b]`` keys (its KV, this step's tokens included).
+    at the *end* of its ``seq_lens[b]`` keys (its KV, this step's tokens included). The tensors
+    are on the KV pool's device (``make_attention_batch(..., device=)``).
 
     - ``block_tables``: ``[B, max_blocks]`` int64, padded with 0.
     - ``seq_lens``/``query_starts``: Python ints (``B`` and ``B + 1`` of them).
+    - ``seq_lens_tensor``: ``[B]`` int32, ``seq_lens`` as a tensor (the Triton kernel's input).
     - ``runs``: per row, the first block when its table is one ascending run of blocks (its KV is
       then a contiguous slice of the pool and is read without a copy), else ``None``.
     - ``decode_mask``: ``[num_decode, 1, 1, L]`` bool (``True`` = attend; ``L`` the longest decode
@@ -114,6 +122,7 @@ class AttentionBatch(NamedTuple):
 
     block_tables: torch.Tensor
     seq_lens: list[int]
+    seq_lens_tensor: torch.Tensor
     query_starts: list[int]
     runs: list[int | None]
     num_decode: int
@@ -122,15 +131,23 @@ class AttentionBatch(NamedTuple):
 
 
 def make_attention_batch(
-    tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int
+    tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device | str | None = None,
 ) -> AttentionBatch:
     """Build the metadata for rows whose decode rows (``query_lens == 1``) come first;
-    ``tables[b]`` lists exactly the blocks holding row ``b``'s ``seq_lens[b]`` keys."""
+    ``tables[b]`` lists exactly the blocks holding row ``b``'s ``seq_lens[b]`` keys. Tensors
+    are made on ``device`` (default: torch's default device; masks are computed there, tables
+    copied there once) and nothing is read back from it."""
     num_decode = 0
     while num_decode < len(query_lens) and query_lens[num_decode] == 1:
         num_decode += 1
     width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    block_tables = torch.tensor(rows, dtype=torch.long, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -138,15 +155,23 @@ def make_attention_batch(
     decode_mask = None
     if num_decode > 1:
         span = -(-max(seq_lens[:num_decode]) // block_size) * block_size
-        lens = torch.tensor(seq_lens[:num_decode], dtype=torch.long)
-        if bool((lens != span).any()):
-            decode_mask = (torch.arange(span) < lens[:, None]).view(num_decode, 1, 1, span)
+        if any(n != span for n in seq_lens[:num_decode]):
+            keys = torch.arange(span, device=device)
+            decode_mask = (keys < lens[:num_decode, None]).view(num_decode, 1, 1, span)
     prefill_masks = []
     for q, n in zip(query_lens[num_decode:], seq_lens[num_decode:], strict=True):
         # query i sits at position n - q + i and sees keys 0..n - q + i
-        prefill_masks.append(torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None])
+        keys, queries = torch.arange(n, device=device), torch.arange(n - q, n, device=device)
+        prefill_masks.append(keys[None, :] <= queries[:, None])
     return AttentionBatch(
-        block_tables, seq_lens, starts, runs, num_decode, decode_mask, prefill_masks
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        seq_lens_tensor=lens,
+        query_starts=starts,
+        runs=runs,
+        num_decode=num_decode,
+        decode_mask=decode_mask,
+        prefill_masks=prefill_masks,
     )
 
 
@@ -183,7 +208,7 @@ def paged_attention(
     Returns ``[T, heads, head_dim]`` (``q``'s dtype). Grouped-query attention folds the query
     heads sharing a KV head into the query-length axis, so KV is never repeated.
     ``decode_kernel``: ``"sdpa"`` or ``"triton"``, what the decode rows run (prefill rows always
-    run SDPA).
+    run SDPA). ``batch``'s tensors must be on the cache's device.
     """
     tokens, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -193,15 +218,14 @@ def paged_attention(
     if decode_kernel not in ("sdpa", "triton"):
         raise EngineError(f"decode_kernel must be 'sdpa' or 'triton', got {decode_kernel!r}")
     if nd and decode_kernel == "triton":
-        lens = batch.seq_lens[:nd]
         out[:nd] = paged_decode_attention(
             q[:nd],
             k_cache,
             v_cache,
-            batch.block_tables[:nd].to(q.device),
-            torch.tensor(lens, dtype=torch.int32, device=q.device),
+            batch.block_tables[:nd],
+            batch.seq_lens_tensor[:nd],
             scale,
-            max_seq_len=max(lens),
+            max_seq_len=max(batch.seq_lens[:nd]),
         )
     elif nd == 1:
         k = _row_kv(k_cache, batch, 0, block_size).transpose(0, 1)  # [K, n, D]

@@ -1,4 +1,5 @@
-"""Our own Llama / Qwen2-family forward pass over the paged KV pool (fp32 on CPU by default).
+"""Our own Llama / Qwen2-family forward pass over the paged KV pool (fp32 on CPU by default; any
+dtype on one CUDA device with ``device=``: weights and rope tables live there).
 
 Covers what these families share: token embeddings, pre-norm decoder layers with RMSNorm,
 rotary position embeddings (RoPE, ``rotate_half`` layout) with the scaling rules listed in
@@ -123,7 +124,7 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     (wavelength-dependent interpolation) and ``dynamic`` (NTK scaling: equal to ``default`` up to
     the original length, the only range served, see ``ModelConfig.max_context``)."""
     rope, dim = config.rope, config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     kind = rope["rope_type"]
     if kind in ("default", "dynamic"):
@@ -148,7 +149,8 @@ class ForwardBatch(NamedTuple):
 
     ``input_ids``/``positions``/``slots``: ``[T]`` int64; ``slots[t]`` is the flat KV slot
     (``block * block_size + offset``) token ``t`` writes. ``attention`` describes the sequences.
-    ``logits_rows``: ``[R]`` int64, the token rows whose next-token logits are wanted.
+    ``logits_rows``: ``[R]`` int64, the token rows whose next-token logits are wanted. Every
+    tensor is on the model's device.
     """
 
     input_ids: torch.Tensor
@@ -178,32 +180,42 @@ class _Layer:
 
 
 class CausalLM:
-    """Weights plus the packed forward pass. Not an ``nn.Module``: no autograd, no hooks."""
+    """Weights plus the packed forward pass. Not an ``nn.Module``: no autograd, no hooks.
+
+    Weights, rope tables and every tensor ``forward`` makes are on ``device`` (a state dict on
+    any device is copied there); the rope tables are computed on the CPU in float32 first, so
+    they are the same numbers on every device."""
 
     def __init__(
         self,
         config: ModelConfig,
         state: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
         self.layers: list[_Layer] = []
         self.load_state_dict(state)
         inv_freq, scale = rope_frequencies(config)
-        positions = torch.arange(config.max_context, dtype=torch.float32)
+        positions = torch.arange(config.max_context, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = (emb.cos() * scale).to(dtype)  # [max_context, head_dim]
-        self.sin = (emb.sin() * scale).to(dtype)
+        self.cos = (emb.cos() * scale).to(dtype).to(self.device)  # [max_context, head_dim]
+        self.sin = (emb.sin() * scale).to(dtype).to(self.device)
 
     @classmethod
     def from_folder(
-        cls, folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+        cls,
+        folder: str | os.PathLike[str],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> CausalLM:
-        """Load ``config.json`` and every ``*.safetensors`` of an HF folder."""
+        """Load ``config.json`` and every ``*.safetensors`` of an HF folder (read on the CPU,
+        then copied to ``device``)."""
         config = ModelConfig.from_folder(folder)
-        return cls(config, read_safetensors(folder), dtype)
+        return cls(config, read_safetensors(folder), dtype, device)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> shape, for every tensor a full state dict holds."""
@@ -261,17 +273,21 @@ class CausalLM:
             raise EngineError(f"weight update lacks tensors: {missing[:5]}")
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace every weight from an HF-named state dict (values are copied and cast).
+        """Replace every weight from an HF-named state dict (values are copied to the model's
+        device and cast; the source may be on any device).
 
-        Checks first (``check_state_dict``): on ``EngineError`` nothing has changed.
+        Checks first (``check_state_dict``): on ``EngineError`` nothing has changed. The new
+        weights are built before the old ones are dropped: the device briefly holds both.
         """
         self.check_state_dict(state)
+        device, dtype = self.device, self.dtype
 
         def get(name: str) -> torch.Tensor:
-            return state[name].detach().to(self.dtype).contiguous().clone()
+            return state[name].detach().to(device=device, dtype=dtype).contiguous().clone()
 
         def cat(*names: str) -> torch.Tensor:
-            return torch.cat([state[n].detach().to(self.dtype) for n in names]).contiguous()
+            parts = [state[n].detach().to(device=device, dtype=dtype) for n in names]
+            return torch.cat(parts).contiguous()
 
         c = self.config
         layers = []
@@ -308,8 +324,8 @@ class CausalLM:
         self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | None = None
     ) -> torch.Tensor:
         """Run one step: write the step's K/V into ``kv`` and return float32 logits ``[R, vocab]``
-        for ``batch.logits_rows``. ``decode`` picks the decode rows' attention kernel (default:
-        SDPA)."""
+        for ``batch.logits_rows`` (on the model's device; ``batch`` and ``kv`` must be there
+        too). ``decode`` picks the decode rows' attention kernel (default: SDPA)."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         tokens = batch.input_ids.shape[0]

@@ -1,10 +1,14 @@
-"""The embedded engine's knobs (``EngineOptions``) and counters (``EngineStatistics``)."""
+"""The embedded engine's knobs (``EngineOptions``), their checks against this machine
+(``resolve_device``, ``resolve_dtype``) and its counters (``EngineStatistics``)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import msgspec
+import torch
+
+from agentrl._errors import EngineError
 
 from ._radix import RadixStatistics
 
@@ -36,7 +40,18 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: Literal["finish", "abort"] = "finish"
     """What a weight update does to started requests (see the module docs)."""
     num_threads: int | None = None
+    """torch CPU threads of the worker (default: every core); on a GPU they only sample."""
+    device: str = "cpu"
+    """Where the weights, the rope tables, the KV pool and every step's tensors live:
+    ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``"cuda"`` is the current CUDA device of the thread
+    that opens the engine (under torchrun: the rank's, once ``torch.cuda.set_device`` ran).
+    Checked when the engine starts: ``EngineError`` naming this field when CUDA is unavailable
+    or the index does not exist. Sampling stays on the CPU either way: each step copies its
+    logits rows back (float32) and every request samples with its own CPU generator, so a seed
+    means the same on every device."""
     dtype: str = "float32"
+    """Model and KV dtype (a ``torch`` dtype name): ``"float32"``, or ``"bfloat16"``, the natural
+    choice on a GPU (logits are float32 either way)."""
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
     """What runs the decode rows' attention over the paged KV cache. ``"sdpa"``: torch SDPA
     over blocks gathered with ``index_select``. ``"triton"``: the Triton paged-decode kernel
@@ -45,6 +60,40 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``"auto"``: SDPA on CPU; on a CUDA device, the first step of each shape bucket (decode rows
     and longest context, each rounded up to a power of two) times both paths once with CUDA
     events and the bucket keeps the faster."""
+
+
+def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
+    """``EngineOptions.dtype`` as a ``torch.dtype`` (``EngineError`` for an unknown name)."""
+    dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value), None)
+    if not isinstance(dtype, torch.dtype):
+        raise EngineError(f"unknown dtype {value!r}")
+    return dtype
+
+
+def resolve_device(value: str | torch.device) -> torch.device:
+    """``EngineOptions.device`` checked against this machine: ``cpu``, or a CUDA device that
+    exists (``"cuda"`` resolves to the current one); ``EngineError`` naming the field else."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise EngineError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise EngineError(
+            f"device={value!r}: CUDA is not available here (torch {torch.__version__}, CUDA "
+            f"build: {torch.version.cuda or 'none'}); use device='cpu'"
+        )
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise EngineError(
+            f"device={value!r}: no such CUDA device, this machine has {count} "
+            f"(cuda:0 to cuda:{count - 1})"
+        )
+    return torch.device("cuda", index)
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

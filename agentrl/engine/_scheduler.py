@@ -172,7 +172,8 @@ class Scheduler:
             packed.append(Row(request.tokens, start, count, request.kv.blocks, sample))
             if sample:
                 sampled.append(request)
-        return Step(build_forward_batch(packed, self.block_size), rows, sampled)
+        batch = build_forward_batch(packed, self.block_size, self.kv.pool.device)
+        return Step(batch, rows, sampled)
 
     def advance(self, step: Step) -> None:
         """Record that ``step`` ran: its tokens now have KV; full prefill pages go to the tree."""

@@ -350,6 +350,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV block size in tokens (the embedded engine's block_size)",
     )
     parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size")
+    parser.add_argument(
+        "--device", default=None, help="cpu (default), cuda or cuda:N: where the model and KV live"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="model and KV dtype: float32 (default) or bfloat16"
+    )
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -363,7 +369,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except AgentRLError as exc:
         print(f"agentrl serve: {exc}", file=sys.stderr)
         return 2
-    names = ("max_batch_size", "num_threads", "block_size", "kv_cache_tokens")
+    names = ("max_batch_size", "num_threads", "block_size", "kv_cache_tokens", "device", "dtype")
     options = {k: getattr(args, k, None) for k in names}
     options = {k: v for k, v in options.items() if v is not None}
 

@@ -6,6 +6,11 @@ unpin sessions past their TTL; handle a pending weight update (see ``EmbeddedEng
 for the rows that completed their context, finish requests that stopped; hand results back to
 their event loops.
 
+Devices: the model and the KV pool may live on a CUDA device (``EngineOptions.device``). The
+thread makes that device current (Triton launches and CUDA events use the current device), and
+each step copies its logits rows to the CPU (float32) in one transfer, which also waits for the
+step to finish; sampling then runs there exactly as on a CPU-only engine.
+
 Failures: an exception while sampling for one request fails that request only (``EngineError``);
 an exception in the forward pass cannot be pinned on one row and fails every request of the
 step. An unexpected error in the loop itself fails everything and marks the engine broken.
@@ -157,6 +162,8 @@ class Worker:
     def _main(self) -> None:
         torch.set_num_threads(self.num_threads)
         try:
+            if self.model.device.type == "cuda":
+                torch.cuda.set_device(self.model.device)
             with torch.inference_mode():
                 while self._iterate():
                     pass
@@ -242,7 +249,7 @@ class Worker:
             if not request.started:
                 request.weight_version = self.weight_version
         try:
-            logits = self.model.forward(step.batch, self.scheduler.kv.pool, self.decode)
+            logits = self.model.forward(step.batch, self.scheduler.kv.pool, self.decode).cpu()
         except Exception as exc:
             for request, _ in step.rows:
                 self._fail(request, exc)

@@ -1,0 +1,381 @@
+"""``EngineOptions.device``: the embedded engine on the CPU (the default, unchanged) or on a CUDA
+device. Here: the option's checks, ``agentrl serve --device/--dtype``, and two guards that run on
+any CPU: the worker thread makes no tensor on torch's *default* device (one made there would sit
+on the CPU while the model is on a GPU), and a whole step runs with everything on ``meta``
+(no CPU tensor leaks into the forward). The ``gpu`` tests compare a CUDA engine with the CPU
+engine on tiny-random; they skip without CUDA."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, PreTrainedModel
+
+from agentrl._errors import EngineError
+from agentrl._types import GenerateResult, SamplingParams
+from agentrl.engine import EmbeddedEngine, _embedded, open_embedded_engine
+from agentrl.engine._batch import Row, build_forward_batch
+from agentrl.engine._decode import DecodeKernelChooser
+from agentrl.engine._kv import KVPool
+from agentrl.engine._model import CausalLM, read_safetensors
+from agentrl.engine._options import resolve_device
+from agentrl.engine._server import serve_main
+from agentrl.engine._worker import Worker
+from agentrl.kernels import triton_available
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_kernel = pytest.mark.skipif(
+    not triton_available("cpu"), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"
+)
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+Outcome = tuple[list[int], list[float], str, int]
+"""What a run is compared on: ids, logprobs, finish reason, cached tokens."""
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "trio"  # one backend is enough: nothing here is about the event loop
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_dir: Path) -> dict[str, torch.Tensor]:
+    """tiny-random's weights plus seeded noise (CPU tensors), for a weight update."""
+    generator = torch.Generator().manual_seed(11)
+    state = read_safetensors(tiny_dir)
+    return {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+
+
+async def generate_batch(
+    engine: EmbeddedEngine, calls: list[tuple[list[int], SamplingParams]]
+) -> list[GenerateResult]:
+    """Run ``calls`` concurrently, all queued in order before the worker plans a step, so the
+    steps (and their last-bit rounding) are the same in every run. The worker's lock is
+    reentrant: our tasks submit while we hold it, the worker waits for it."""
+    worker, results = engine._worker, {}
+
+    async def one(i: int) -> None:
+        results[i] = await engine.generate(*calls[i])
+
+    async with anyio.create_task_group() as tg:
+        with worker._cond, anyio.fail_after(30):
+            for i in range(len(calls)):
+                tg.start_soon(one, i)
+                while len(worker._inbox) <= i:  # queued: arrival order is call order
+                    await anyio.sleep(0)
+    return [results[i] for i in range(len(calls))]
+
+
+async def workload(engine: EmbeddedEngine, weights: dict[str, torch.Tensor]) -> list[Outcome]:
+    """Greedy and seeded sampled requests in one batch (chunked prefill, batched decode, a GRPO
+    group sharing a prompt's KV), a two-turn session, then a weight update and one request."""
+    rng = random.Random(7)
+    contexts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 75)]
+    calls = [(c, GREEDY) for c in contexts]
+    calls += [
+        (contexts[1], SamplingParams(max_new_tokens=8, top_p=0.9, seed=seed)) for seed in (1, 2)
+    ]
+    calls += [
+        (contexts[2], SamplingParams(max_new_tokens=6, top_k=20, seed=seed)) for seed in range(3)
+    ]
+    done = await generate_batch(engine, calls)
+    session = await engine.open_session()
+    context = contexts[3]
+    for _ in range(2):
+        done.append(await engine.generate(context, GREEDY, session=session))
+        context = context + done[-1].token_ids + [2, 198]
+    await engine.close_session(session)
+    await engine.update_weights(1, weights)
+    done.append(await engine.generate(contexts[0], GREEDY))
+    assert done[-1].weight_version == 1
+    return [(r.token_ids, r.logprobs, r.finish_reason, r.cached_tokens) for r in done]
+
+
+async def run(tiny_dir: Path, weights: dict[str, torch.Tensor], **options: Any) -> list[Outcome]:
+    options = {"max_batch_size": 4, "max_step_tokens": 32, "num_threads": 2, **options}
+    async with open_embedded_engine(tiny_dir, **options) as engine:
+        return await workload(engine, weights)
+
+
+# -- the CPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_explicit_cpu_is_the_default(tiny_dir: Path, perturbed: dict) -> None:
+    default = await run(tiny_dir, perturbed)
+    explicit = await run(tiny_dir, perturbed, device="cpu")
+    assert explicit == default  # ids, logprobs (bit for bit), finish reasons, cached tokens
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("decode", ["sdpa", pytest.param("triton", marks=needs_kernel)])
+async def test_worker_names_the_device_of_every_tensor(
+    tiny_dir: Path, perturbed: dict, monkeypatch: pytest.MonkeyPatch, decode: str
+) -> None:
+    """Inside the worker thread torch's default device is ``meta``: a tensor made there without
+    naming its device (the engine's, or the CPU on purpose) breaks the step or its numbers."""
+    plain = await run(tiny_dir, perturbed, decode_attention=decode)
+    main = Worker._main
+
+    def on_meta(self: Worker) -> None:
+        with torch.device("meta"):
+            main(self)
+
+    monkeypatch.setattr(Worker, "_main", on_meta)
+    assert await run(tiny_dir, perturbed, device="cpu", decode_attention=decode) == plain
+
+
+# -- the option's checks ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        "agentrl.engine._embedded.CausalLM.from_folder",
+        lambda *a, **k: pytest.fail("loaded weights"),
+    )
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with two CUDA devices, the current one 0 (only the device checks ask)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.usefixtures("no_weight_loading")
+@pytest.mark.parametrize("device", ["tpu", "meta", "cuda:x", "mps", ""])
+def test_unknown_device_is_refused_before_loading(tiny_dir: Path, device: str) -> None:
+    with pytest.raises(EngineError, match="device must be 'cpu', 'cuda' or 'cuda:N', got"):
+        EmbeddedEngine.from_pretrained(tiny_dir, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+@pytest.mark.usefixtures("no_weight_loading")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_without_cuda_is_refused_before_loading(tiny_dir: Path, device: str) -> None:
+    with pytest.raises(EngineError, match=f"device='{device}': CUDA is not available here"):
+        EmbeddedEngine.from_pretrained(tiny_dir, device=device)
+
+
+@pytest.mark.usefixtures("no_weight_loading", "fake_cuda")
+def test_missing_cuda_index_is_refused_before_loading(tiny_dir: Path) -> None:
+    with pytest.raises(EngineError, match=r"device='cuda:2': no such CUDA device.* has 2"):
+        EmbeddedEngine.from_pretrained(tiny_dir, device="cuda:2")
+
+
+@pytest.mark.usefixtures("fake_cuda")
+def test_cuda_means_the_current_device() -> None:
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("fake_cuda")
+async def test_cuda_is_the_opening_threads_device(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``open_embedded_engine`` loads in another thread; "cuda" still means the device current
+    where it was called (a torchrun rank's), not that thread's."""
+    opener = threading.get_ident()
+    monkeypatch.setattr(
+        torch.cuda, "current_device", lambda: 1 if threading.get_ident() == opener else 0
+    )
+    loaded_on = []
+
+    def from_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+        loaded_on.append(device)
+        raise EngineError("seen enough")
+
+    monkeypatch.setattr(CausalLM, "from_folder", from_folder)
+    with pytest.raises(EngineError, match="seen enough"):
+        async with open_embedded_engine(tiny_dir, device="cuda"):
+            pass
+    assert loaded_on == [torch.device("cuda", 1)]
+
+
+def test_constructor_checks_the_device(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model passed in is checked too, before the worker thread starts."""
+    model = CausalLM.from_folder(tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    monkeypatch.setattr(
+        "threading.Thread.start", lambda self: pytest.fail("started the worker thread")
+    )
+    with pytest.raises(EngineError, match="device must be"):
+        EmbeddedEngine(model, tokenizer, device="tpu")
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.cuda, "is_available", lambda: True)
+        patched.setattr(torch.cuda, "device_count", lambda: 1)
+        patched.setattr(torch.cuda, "current_device", lambda: 0)
+        with pytest.raises(EngineError, match="the model is on cpu but device='cuda'"):
+            EmbeddedEngine(model, tokenizer, device="cuda")
+
+
+# -- agentrl serve ---------------------------------------------------------------------------
+
+
+def test_serve_passes_device_and_dtype(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def opened(path: Path, options: Any = None, **overrides: Any) -> AsyncIterator[None]:
+        seen.update(overrides)
+        raise EngineError("seen enough")
+        yield
+
+    monkeypatch.setattr(_embedded, "open_embedded_engine", opened)
+    argv = ["--model", str(tiny_dir), "--port", "0", "--device", "cuda:1", "--dtype", "bfloat16"]
+    assert serve_main(argv) == 1
+    assert seen == {"device": "cuda:1", "dtype": "bfloat16"}
+
+
+def test_serve_refuses_a_bad_device(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_main(["--model", str(tiny_dir), "--port", "0", "--device", "tpu"]) == 1
+    assert "agentrl serve: device must be 'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+def assert_close_runs(got: list[Outcome], want: list[Outcome], atol: float) -> None:
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a[0] == b[0], f"request {index}: ids differ"
+        assert a[2:] == b[2:], f"request {index}: finish reason or cached tokens differ"
+        torch.testing.assert_close(
+            torch.tensor(a[1]), torch.tensor(b[1]), atol=atol, rtol=0, msg=f"request {index}"
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.anyio
+async def test_cuda_fp32_matches_the_cpu(tiny_dir: Path, perturbed: dict) -> None:
+    """Same ids (greedy and seeded sampling: the generators stay on the CPU), logprobs within
+    1e-3, same reuse, through batching, chunked prefill, a GRPO group, a session and a weight
+    update from CPU tensors."""
+    cpu = await run(tiny_dir, perturbed)
+    cuda = await run(tiny_dir, perturbed, device="cuda", decode_attention="sdpa")
+    assert_close_runs(cuda, cpu, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.anyio
+async def test_cuda_triton_decode_equals_sdpa(tiny_dir: Path, perturbed: dict) -> None:
+    """The Triton kernel and "auto" (which times both kernels with CUDA events in the worker
+    thread) give SDPA's results on the GPU."""
+    sdpa = await run(tiny_dir, perturbed, device="cuda", decode_attention="sdpa")
+    for mode in ("triton", "auto"):
+        assert_close_runs(
+            await run(tiny_dir, perturbed, device="cuda", decode_attention=mode), sdpa, atol=1e-4
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.anyio
+async def test_cuda_bf16_logprobs_are_close_to_fp32(
+    tiny_dir: Path, reference_model: PreTrainedModel
+) -> None:
+    """bf16 on the GPU: each greedy pick is (nearly) the fp32 argmax, and its logprob is within
+    0.05 of an fp32 CPU forward over the same tokens (~0.008 measured for bf16 on a CPU)."""
+    rng = random.Random(3)
+    contexts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 23, 40, 70)]
+    async with open_embedded_engine(
+        tiny_dir, device="cuda", dtype="bfloat16", max_batch_size=4
+    ) as engine:
+        results = await generate_batch(engine, [(c, GREEDY) for c in contexts])
+        model, pool = engine._worker.model, engine._worker.scheduler.kv.pool
+        assert model.embed.dtype == pool.k.dtype == torch.bfloat16
+        assert model.embed.device == pool.k.device == engine.device
+    for i, context in enumerate(contexts):
+        output = results[i].token_ids
+        assert len(output) == GREEDY.max_new_tokens
+        with torch.no_grad():  # fp32 on the CPU, over the same tokens
+            logits = reference_model(torch.tensor([context + output])).logits[0]
+        logprobs = logits[len(context) - 1 : -1].float().log_softmax(-1)
+        want = logprobs.gather(1, torch.tensor(output)[:, None])[:, 0]
+        got = torch.tensor(results[i].logprobs)
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0, msg=f"context {i}")
+        best = logprobs.max(-1).values
+        assert bool((want >= best - 0.05).all()), f"context {i}: a pick far below the argmax"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.anyio
+async def test_cuda_weights_and_kv_live_on_the_device(
+    tiny_dir: Path, perturbed: dict, tmp_path: Path
+) -> None:
+    """Loading and both kinds of weight update (CUDA tensors, as a trainer on the GPU sends;
+    a folder) put every weight on the engine's device; results match a fresh engine."""
+    folder = tmp_path / "perturbed"
+    shutil.copytree(tiny_dir, folder)
+    save_file(perturbed, folder / "model.safetensors", metadata={"format": "pt"})
+    context = [1, 9690, 198, 2683, 359, 253, 5356]
+
+    def on_device(engine: EmbeddedEngine) -> None:
+        model = engine._worker.model
+        tensors = [model.embed, model.lm_head, model.norm, model.cos, model.sin]
+        tensors += [t for layer in model.layers for t in vars(layer).values() if t is not None]
+        tensors += [engine._worker.scheduler.kv.pool.k, engine._worker.scheduler.kv.pool.v]
+        assert {t.device for t in tensors} == {engine.device}
+
+    async with open_embedded_engine(tiny_dir, device="cuda") as engine:
+        assert engine.device.type == "cuda" and engine.device.index is not None
+        on_device(engine)
+        await engine.update_weights(1, {k: v.to(engine.device) for k, v in perturbed.items()})
+        on_device(engine)
+        from_tensors = await engine.generate(context, GREEDY)
+        await engine.update_weights(2, str(folder))
+        on_device(engine)
+        from_folder = await engine.generate(context, GREEDY)
+    async with open_embedded_engine(folder, device="cuda") as engine:
+        fresh = await engine.generate(context, GREEDY)
+    for result in (from_tensors, from_folder):
+        assert result.token_ids == fresh.token_ids
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0
+        )
+
+
+def test_a_step_runs_on_a_device_other_than_the_cpu(tiny_dir: Path) -> None:
+    """The model, the pool and a step on ``meta`` (shapes only, no numbers): a CPU tensor
+    mixed into the forward (a mask, a table, a rope slice) raises, as it would on a GPU.
+    Decode rows of different lengths (the mask), prefill chunks in one run of blocks and not."""
+    model = CausalLM.from_folder(tiny_dir, device="meta")
+    c = model.config
+    pool = KVPool(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        num_blocks=64,
+        block_size=4,
+        device="meta",
+    )
+    rows = [
+        Row(list(range(10, 40)), 29, 1, [5, 6, 7, 8, 9, 10, 11, 12], True),
+        Row(list(range(10, 30)), 19, 1, [20, 22, 21, 23, 24], True),
+        Row(list(range(10, 50)), 10, 25, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39], True),
+        Row(list(range(10, 25)), 0, 15, [40, 45, 41, 42], False),
+    ]
+    batch = build_forward_batch(rows, 4, pool.device)
+    attention = batch.attention
+    tensors = [batch.input_ids, batch.positions, batch.slots, batch.logits_rows]
+    tensors += [attention.block_tables, attention.seq_lens_tensor, attention.decode_mask]
+    assert {t.device.type for t in [*tensors, *attention.prefill_masks]} == {"meta"}
+    decode = DecodeKernelChooser("auto", pool.device, model.dtype)
+    logits = model.forward(batch, pool, decode)
+    assert logits.shape == (3, c.vocab_size) and logits.device.type == "meta"
+    pool.copy_block(1, 2)
