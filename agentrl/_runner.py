@@ -85,6 +85,7 @@ async def arollout(
     config: RolloutConfig | None = None,
     out: str | Path | None = None,
     engine: Any = None,
+    engine_options: Any = None,
     tokenizer: Any = None,
     on_trajectory: Callable[[Trajectory], None] | None = None,
     env_resources: dict[str, Any] | None = None,
@@ -92,7 +93,8 @@ async def arollout(
     """Roll out ``n`` tasks × ``config.group_size`` samples of ``env`` on ``model``.
 
     ``model`` is a registered model name or a local HF folder; ``engine`` (any ``Engine``)
-    overrides the embedded engine. With ``out`` the run directory gets ``config.json`` and
+    overrides the embedded engine, otherwise opened with ``engine_options`` (``EngineOptions``:
+    device, dtype, batch size...). With ``out`` the run directory gets ``config.json`` and
     ``trajectories.jsonl`` (appended as each trajectory finishes)."""
     from ._models import resolve_model, tokenizer_fingerprint
     from .engine import open_embedded_engine
@@ -113,7 +115,9 @@ async def arollout(
     writer: TrajectoryWriter | None = None
     async with AsyncExitStack() as stack:
         if engine is None:
-            engine = await stack.enter_async_context(open_embedded_engine(model_path))
+            engine = await stack.enter_async_context(
+                open_embedded_engine(model_path, engine_options)
+            )
         if out is not None:
             out_dir = Path(out)
             out_dir.mkdir(parents=True, exist_ok=True)

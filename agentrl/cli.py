@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--split", default="train", choices=["train", "eval"])
     r.add_argument("--task-offset", type=int, default=0)
     r.add_argument("--env-kwargs", default=None, help="JSON object, e.g. '{\"levels\": [0]}'")
-    r.add_argument("--config", default=None, help="YAML/JSON file with a 'rollout' section")
+    r.add_argument(
+        "--config",
+        default=None,
+        help="YAML/JSON file with a 'rollout' (and optional 'engine') section",
+    )
     r.add_argument("--out", default=None, help="run directory (default runs/<env>-<time>)")
     r.add_argument("--dry-run", action="store_true", help="render masks, write report.html")
     r.add_argument("--check", action="store_true", help="boundary-check every trajectory")
@@ -115,8 +119,12 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     console = _console()
     data: dict[str, Any] = {}
+    engine_data: dict[str, Any] = {}
     if args.config:
-        data = dict(_load_config_file(args.config).get("rollout", {}))
+        loaded = _load_config_file(args.config)
+        data = dict(loaded.get("rollout", {}))
+        engine_data = dict(loaded.get("engine", {}))
+    args.engine_options = _engine_options(engine_data)
     overrides = {
         "group_size": args.group,
         "max_turns": args.max_turns,
@@ -167,6 +175,17 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     )
 
 
+def _engine_options(data: dict[str, Any]) -> Any:
+    """The config file's ``engine`` section (``EngineOptions`` fields: device, dtype, ...)."""
+    from ._errors import ConfigError
+    from .engine import EngineOptions
+
+    try:
+        return EngineOptions(**data)
+    except TypeError as exc:
+        raise ConfigError(f"engine: {exc}") from None
+
+
 async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, progress):
     """Open what the env needs for this rollout (a shared sandbox pool or client), then run."""
     from contextlib import AsyncExitStack
@@ -196,6 +215,7 @@ async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, prog
             task_offset=args.task_offset,
             config=cfg,
             out=out,
+            engine_options=args.engine_options,
             on_trajectory=progress,
             env_resources=resources,
         )

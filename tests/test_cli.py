@@ -209,3 +209,26 @@ def test_bad_sandbox_spec_is_a_clear_error(tmp_path, tiny_model_path):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr + proc.stdout
     assert "nonsense" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("engine", "needle", "code"),
+    [
+        ({"max_batch_size": 2, "device": "cpu"}, None, 0),
+        ({"device": "tpu"}, "device must be", 2),
+        ({"max_batch": 2}, "engine:", 2),
+    ],
+)
+def test_rollout_reads_the_engine_section_of_the_config(engine, needle, code, tmp_path):
+    """``agentrl rollout --config F`` opens the embedded engine with F's ``engine`` section
+    (the same section ``agentrl train`` reads): a bad device or field is named."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"rollout": {"max_new_tokens": 8}, "engine": engine}))
+    proc = agentrl("rollout", "--env", "calc-v0", "--model", "tiny-random", "-n", "1",
+                   "--config", str(config), "--out", str(tmp_path / "run"))  # fmt: skip
+    text = proc.stderr + proc.stdout
+    assert proc.returncode == code, text
+    if needle:
+        assert needle in text, text
+    else:
+        assert len(read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))) >= 1
