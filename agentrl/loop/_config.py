@@ -37,6 +37,11 @@ class TrainSection(_Section):
     ``max_context_tokens`` is capped at this."""
     packing: bool = True
     """Sequence packing (no padding); False: the padded fallback."""
+    refill_rounds: int = pydantic.Field(0, ge=0)
+    """DAPO dynamic sampling with refill (Yu et al. 2025, §3.2; verl's ``max_num_gen_batches``):
+    when groups whose rewards are all equal are dropped, sample up to this many extra rounds of
+    fresh tasks until the step has ``tasks_per_step`` informative groups (0: only drop them).
+    Needs ``algorithm.dynamic_sampling`` (on for dapo)."""
     share_prefix: bool = True
     """Compute a group's shared prompt once per micro-batch (needs packing and varlen
     attention; on calc-v0 the prompt is ~88% of every sequence)."""

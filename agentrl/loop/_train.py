@@ -51,7 +51,7 @@ from agentrl.trainer import (
 
 from ._config import TrainConfig, dump_config
 from ._ledger import Ledger, StepProgress, rollout_metrics
-from ._ranks import barrier, gather, in_task_order, merge_stats, shard
+from ._ranks import barrier, gather, in_task_order, merge_stats, rank_world, shard
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl")
 
@@ -250,6 +250,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
     fmt = get_format("chatml-hermes", tokenizer)
     last: dict[str, Any] = {}
+    refill_rounds = cfg.train.refill_rounds if learner.settings.algorithm.dynamic_sampling else 0
     async with AsyncExitStack() as stack:
         if cfg.server.urls:  # SGLang / agentrl serve: publish snapshots through the disk
             engine = await stack.enter_async_context(
@@ -303,24 +304,30 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             alone = dist.world_size == 1  # stream trajectories to the file as they finish
             on_traj = files.trajectory if files is not None and alone else None
             mine = await run_groups(ctx, shard(tasks), on_trajectory=on_traj)
-            rollout_s = time.perf_counter() - started
-            stats = learner.train_step(mine)
             trajs = mine if alone else in_task_order(tasks, gather(mine))
             if files is not None and not alone:
                 for traj in trajs:
                     files.trajectory(traj)
+            refill: dict[str, Any] = {}
+            if refill_rounds:
+                mine, trajs, refill = await _refill(
+                    ctx, stream, cursor + len(tasks), len(tasks), trajs, refill_rounds, files
+                )
+            rollout_s = time.perf_counter() - started
+            stats = learner.train_step(mine)
             t0 = time.perf_counter()
             weights = learner.state_dict()
             gather_s = time.perf_counter() - t0
             await sink.publish(learner.version, weights)
             publish_s = time.perf_counter() - t0
             del weights
-            cursor += len(tasks)
+            cursor += len(tasks) + len(refill.get("refill_task_ids", ()))
             learner_stats = merge_stats(gather(stats.as_dict()))
             record = _record(
                 step, learner.version, sampled_with, cursor, tasks, trajs, learner_stats, cfg,
                 rollout_s,
             )  # fmt: skip
+            record.update(refill)
             record.update(publish_s=publish_s, gather_s=gather_s, checkpoint_s=checkpoint_s)
             checkpoint_s = 0.0  # reported once, on the step after the write
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
@@ -347,6 +354,57 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
                 save_checkpoint(ckpt_root, learner, state, keep=cfg.checkpoint.keep)
                 checkpoint_s = time.perf_counter() - t0
     return TrainResult(out, step, learner.version, last)
+
+
+def _informative_groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+    """The groups (in order of appearance) whose rewards are not all equal: DAPO's dynamic
+    sampling keeps exactly these (``dynamic_sampling_mask``; errors carry no reward)."""
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    out = []
+    for members in groups.values():
+        rewards = {float(t.reward) for t in members if t.reward is not None}
+        if len(rewards) > 1:
+            out.append(members)
+    return out
+
+
+async def _refill(ctx, stream, cursor, want, trajs, rounds, files):
+    """DAPO dynamic sampling with refill: while fewer than ``want`` groups are informative,
+    sample fresh tasks from the stream (at ``cursor``, seeds per round) for up to ``rounds``
+    rounds; keep the first ``want`` informative groups. Returns (this rank's share to train
+    on, every trajectory sampled this step, ledger fields)."""
+    alone = rank_world()[1] == 1
+    informative = _informative_groups(trajs)
+    everything = list(trajs)
+    drawn: list[Any] = []
+    used = 0
+    for round_ in range(rounds):
+        need = want - len(informative)
+        if need <= 0:
+            break
+        extra = stream.take(cursor + len(drawn), need)
+        drawn += extra
+        used += 1
+        seed = derive_seed(ctx.config.seed, "refill", round_)
+        rctx = dataclasses.replace(ctx, config=ctx.config.model_copy(update={"seed": seed}))
+        on_traj = files.trajectory if files is not None and alone else None
+        got = await run_groups(rctx, shard(extra), on_trajectory=on_traj)
+        got = got if alone else in_task_order(extra, gather(got))
+        if files is not None and not alone:
+            for traj in got:
+                files.trajectory(traj)
+        everything += got
+        informative += _informative_groups(got)
+    chosen = informative[:want]
+    mine = [t for group in shard(chosen) for t in group]
+    fields = {
+        "refill_rounds": used,
+        "refill_task_ids": [t.id for t in drawn],
+        "groups_informative": len(chosen),
+    }
+    return mine, everything, fields
 
 
 def _record(step, version, sampled_with, cursor, tasks, trajs, stats, cfg, rollout_s):

@@ -264,3 +264,42 @@ def test_training_against_a_server_publishes_snapshots(tmp_path, tiny_model_path
     trajs = read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))
     assert sorted({t.policy_version for t in trajs}) == [0, 1]
     assert [p.name for p in (tmp_path / "run" / "weights").iterdir()] == ["v00000002"]
+
+
+def test_dapo_refill_replaces_groups_without_signal(tmp_path):
+    """``train.refill_rounds``: every other vowels task rewards a constant (its group has no
+    signal); the loop samples fresh tasks until the step has ``tasks_per_step`` informative
+    groups, trains on exactly those, writes every sampled trajectory and advances the cursor by
+    every task it drew."""
+    import sys
+
+    from agentrl import read_trajectories
+
+    sys.path.insert(0, str(HERE))  # vowels_env
+    cfg = load_train_config(
+        tiny_config(
+            tmp_path,
+            algorithm={"name": "dapo", "group_size": 4, "kl_coef": 0.0},
+            env_kwargs={"constant_every": 2},
+            train={"max_steps": 3, "refill_rounds": 4},
+            eval={"every_steps": 0},
+        )
+    )
+    train(cfg, tmp_path / "run")
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    trajs = read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))
+    cursor, refilled = 0, 0
+    for record in ledger:
+        drawn = record["task_ids"] + record["refill_task_ids"]
+        constant = [t for t in record["task_ids"] if int(t.rsplit("-", 1)[1]) % 2 == 0]
+        assert (record["refill_rounds"] > 0) == bool(constant), record
+        assert record["groups_informative"] == 2, record  # 4 rounds are plenty here
+        assert record["groups_filtered"] == 0  # the loop already dropped them
+        assert record["trajectories_in"] == 2 * 4
+        cursor += len(drawn)
+        assert record["data_cursor"] == cursor
+        step = [t for t in trajs if t.policy_version == record["step"] - 1]
+        assert sorted({t.task_id for t in step}) == sorted(set(drawn))
+        assert len(step) == 4 * len(drawn)
+        refilled += len(record["refill_task_ids"])
+    assert refilled > 0, "no step needed a refill: the test proves nothing"

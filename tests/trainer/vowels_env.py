@@ -10,10 +10,13 @@ from agentrl import Episode, Message, Task
 
 @agentrl.env("vowels-v0", max_turns=1, max_new_tokens=8, tags=("test",))
 class VowelsEnv:
-    """Answer anything; reward = share of vowels among the answer's characters."""
+    """Answer anything; reward = share of vowels among the answer's characters. With
+    ``constant_every=k`` every k-th task rewards 0.5 whatever the answer (its groups carry no
+    signal: what DAPO's dynamic sampling drops)."""
 
-    def __init__(self, num_tasks: int = 64) -> None:
+    def __init__(self, num_tasks: int = 64, constant_every: int = 0) -> None:
         self.num_tasks = num_tasks
+        self.constant_every = constant_every
 
     def tasks(self, split: str = "train", *, seed: int = 0) -> list[Task]:
         offset = 0 if split == "train" else 10**6
@@ -26,6 +29,9 @@ class VowelsEnv:
         return [Message("system", "Be brief."), Message("user", task.prompt)]
 
     async def reward(self, episode: Episode) -> float:
+        index = int(episode.task.id.rsplit("-", 1)[1])
+        if self.constant_every and index % self.constant_every == 0:
+            return 0.5
         text = episode.final_text
         return sum(c in "aeiouAEIOU" for c in text) / len(text) if text else 0.0
 
