@@ -301,13 +301,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
                 ),
             )
             sampled_with = learner.version
-            alone = dist.world_size == 1  # stream trajectories to the file as they finish
-            on_traj = files.trajectory if files is not None and alone else None
-            mine = await run_groups(ctx, shard(tasks), on_trajectory=on_traj)
-            trajs = mine if alone else in_task_order(tasks, gather(mine))
-            if files is not None and not alone:
-                for traj in trajs:
-                    files.trajectory(traj)
+            mine, trajs = await _sample(ctx, tasks, files)
             refill: dict[str, Any] = {}
             if refill_rounds:
                 mine, trajs, refill = await _refill(
@@ -356,6 +350,22 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     return TrainResult(out, step, learner.version, last)
 
 
+async def _sample(ctx: RolloutContext, tasks: list[Any], files: _RunFiles | None):
+    """``(this rank's trajectories, every rank's in task order)`` for ``tasks``: each rank rolls
+    out its share; rank 0 appends them all to the trajectory file (as each finishes when there
+    is one process, after the gather otherwise)."""
+    alone = rank_world()[1] == 1
+    on_traj = files.trajectory if files is not None and alone else None
+    mine = await run_groups(ctx, shard(tasks), on_trajectory=on_traj)
+    if alone:
+        return mine, mine
+    everything = in_task_order(tasks, gather(mine))
+    if files is not None:
+        for traj in everything:
+            files.trajectory(traj)
+    return mine, everything
+
+
 def _informative_groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:
     """The groups (in order of appearance) whose rewards are not all equal: DAPO's dynamic
     sampling keeps exactly these (``dynamic_sampling_mask``; errors carry no reward)."""
@@ -375,7 +385,6 @@ async def _refill(ctx, stream, cursor, want, trajs, rounds, files):
     sample fresh tasks from the stream (at ``cursor``, seeds per round) for up to ``rounds``
     rounds; keep the first ``want`` informative groups. Returns (this rank's share to train
     on, every trajectory sampled this step, ledger fields)."""
-    alone = rank_world()[1] == 1
     informative = _informative_groups(trajs)
     everything = list(trajs)
     drawn: list[Any] = []
@@ -389,12 +398,7 @@ async def _refill(ctx, stream, cursor, want, trajs, rounds, files):
         used += 1
         seed = derive_seed(ctx.config.seed, "refill", round_)
         rctx = dataclasses.replace(ctx, config=ctx.config.model_copy(update={"seed": seed}))
-        on_traj = files.trajectory if files is not None and alone else None
-        got = await run_groups(rctx, shard(extra), on_trajectory=on_traj)
-        got = got if alone else in_task_order(extra, gather(got))
-        if files is not None and not alone:
-            for traj in got:
-                files.trajectory(traj)
+        _, got = await _sample(rctx, extra, files)
         everything += got
         informative += _informative_groups(got)
     chosen = informative[:want]
