@@ -275,6 +275,23 @@ def _build(
     )
 
 
+def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bin packing: indices of ``sizes``, longest first (ties by index), each into the first bin
+    with room, a new bin of ``capacity`` when none has; returns the bins' indices."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        for b, room in enumerate(free):
+            if sizes[i] <= room:
+                bins[b].append(i)
+                free[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - sizes[i])
+    return bins
+
+
 def _step_counts(seqs: list[_Sequence]) -> tuple[int, int]:
     return sum(sum(s.loss_mask) for s in seqs), len(seqs)
 
@@ -299,19 +316,8 @@ def pack_trajectories(
     """
     seqs = _prepare(trajs, advantages, algorithm_mask)
     _check_fits(seqs, trajs, max_tokens_per_micro_batch)
-    order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].input_ids), i))
-    bins: list[list[_Sequence]] = []
-    free: list[int] = []
-    for i in order:
-        n = len(seqs[i].input_ids)
-        for b, room in enumerate(free):
-            if n <= room:
-                bins[b].append(seqs[i])
-                free[b] -= n
-                break
-        else:
-            bins.append([seqs[i]])
-            free.append(max_tokens_per_micro_batch - n)
+    sizes = [len(seq.input_ids) for seq in seqs]
+    bins = [[seqs[i] for i in b] for b in _first_fit_decreasing(sizes, max_tokens_per_micro_batch)]
     tokens, count = _step_counts(seqs)
     return [
         _build([row], pad_id=pad_id, packed=True, step_tokens=tokens, step_seqs=count)

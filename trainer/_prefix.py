@@ -29,7 +29,15 @@ import torch
 
 from agentrl._types import Trajectory
 
-from ._batch import PackedBatch, PerTrajectory, _check_fits, _prepare, _Sequence, _step_counts
+from ._batch import (
+    PackedBatch,
+    PerTrajectory,
+    _check_fits,
+    _first_fit_decreasing,
+    _prepare,
+    _Sequence,
+    _step_counts,
+)
 
 
 @dataclass
@@ -143,18 +151,7 @@ def pack_shared_prefix(
     seqs = _prepare(trajs, advantages, algorithm_mask)
     _check_fits(seqs, trajs, max_tokens_per_micro_batch)
     units = _units(seqs, trajs, max_tokens_per_micro_batch)
-    order = sorted(range(len(units)), key=lambda i: (-units[i].size, i))
-    bins: list[list[_Unit]] = []
-    free: list[int] = []
-    for i in order:
-        size = units[i].size
-        for b, room in enumerate(free):
-            if size <= room:
-                bins[b].append(units[i])
-                free[b] -= size
-                break
-        else:
-            bins.append([units[i]])
-            free.append(max_tokens_per_micro_batch - size)
+    sizes = [unit.size for unit in units]
+    bins = [[units[i] for i in b] for b in _first_fit_decreasing(sizes, max_tokens_per_micro_batch)]
     tokens, count = _step_counts(seqs)
     return [_build_row(row, pad_id=pad_id, step_tokens=tokens, step_seqs=count) for row in bins]
