@@ -44,6 +44,8 @@ from ._checkpoint import verify_state as verify_state
 from ._config import AlgorithmConfig as AlgorithmConfig
 from ._config import AlgorithmName as AlgorithmName
 from ._config import OptimizerConfig as OptimizerConfig
+from ._dist import barrier as barrier
+from ._dist import rank_world as rank_world
 from ._engine import DistInfo as DistInfo
 from ._engine import ModelEngine as ModelEngine
 from ._engine import TokenScorer as TokenScorer

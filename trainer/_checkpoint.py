@@ -33,6 +33,8 @@ import torch
 
 from agentrl._errors import AgentRLError
 
+from ._dist import barrier, rank_world
+
 IN_FLIGHT_RULE = "discard-after-checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -62,17 +64,6 @@ class LoopState:
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def rng_state() -> dict[str, Any]:
@@ -114,15 +105,15 @@ def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, state.step)
     tmp = root / f".tmp-{final.name}"
-    if _rank() == 0:
+    if rank_world()[0] == 0:
         for stale in root.glob(".tmp-*"):  # an earlier crash's leftovers
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
+    barrier()
     learner.save(str(tmp))
-    torch.save(rng_state(), tmp / f"rng-rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
+    torch.save(rng_state(), tmp / f"rng-rank{rank_world()[0]}.pt")
+    barrier()
+    if rank_world()[0] == 0:
         state.created = time.time()
         (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
         _fsync_tree(tmp)
@@ -136,7 +127,7 @@ def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState
         _fsync_dir(root)
         for old_dir in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old_dir, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 
@@ -185,7 +176,7 @@ def load_checkpoint(
     state = read_state(path)
     verify_state(state, path, tokenizer_fingerprint=tokenizer_fingerprint, config_hash=config_hash)
     learner.load(str(path), state.policy_version)
-    rng_file = Path(path) / f"rng-rank{_rank()}.pt"
+    rng_file = Path(path) / f"rng-rank{rank_world()[0]}.pt"
     if not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing (was the run saved with fewer ranks?)")
     set_rng_state(torch.load(rng_file, weights_only=False))

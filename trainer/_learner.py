@@ -45,6 +45,7 @@ from ._advantages import (
 )
 from ._batch import PackedBatch, overlong_filter, pack_trajectories, pad_trajectories
 from ._config import AlgorithmConfig, OptimizerConfig
+from ._dist import rank_world
 from ._engine import ModelEngine, open_critic, open_policy, open_reference
 from ._kl import kl_estimate, kl_in_reward
 from ._losses import policy_loss, value_loss
@@ -79,13 +80,8 @@ class LearnerSettings:
     deepspeed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _all_reduce(value: float, op: str = "sum") -> float:
-    if _world() == 1:
+    if rank_world()[1] == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist = torch.distributed
@@ -175,7 +171,7 @@ class Learner:
         size (DeepSpeed averages gradients over ranks)."""
         agg = "token-mean" if tokens else self.settings.algorithm.agg
         local = batch.step_loss_tokens if agg == "token-mean" else batch.step_sequences
-        world = _world()
+        world = rank_world()[1]
         return max(1.0, _all_reduce(float(local))) / world
 
     # -- the step -----------------------------------------------------------------------------
@@ -289,7 +285,7 @@ class Learner:
             selected = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64)
             moments = torch.stack([torch.tensor(float(selected.numel()), dtype=torch.float64),
                                    selected.sum(), selected.square().sum()])  # fmt: skip
-            if _world() > 1:
+            if rank_world()[1] > 1:
                 torch.distributed.all_reduce(moments)
             n, total, squares = moments.tolist()
             if n > 1:

@@ -18,17 +18,8 @@ from typing import Any
 
 import torch
 
-
-def rank_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def barrier() -> None:
-    if rank_world()[1] > 1:
-        torch.distributed.barrier()
+from agentrl.trainer import barrier as barrier
+from agentrl.trainer import rank_world as rank_world
 
 
 def gather(obj: Any) -> list[Any]:
