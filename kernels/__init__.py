@@ -18,6 +18,7 @@ from ._paged_attention import paged_decode_attention as paged_decode_attention
 from ._policy_loss import MAX_LOG_RATIO as MAX_LOG_RATIO
 from ._policy_loss import PolicyLossStats as PolicyLossStats
 from ._policy_loss import fused_policy_loss as fused_policy_loss
+from ._policy_loss import sequence_segments as sequence_segments
 from ._triton import BACKENDS as BACKENDS
 from ._triton import interpreting as interpreting
 from ._triton import triton_available as triton_available
@@ -34,6 +35,7 @@ __all__ = [
     "interpreting",
     "paged_decode_attention",
     "reference",
+    "sequence_segments",
     "triton_available",
     "triton_installed",
     "use_triton",

@@ -68,18 +68,23 @@ class _FusedPolicyLoss(torch.autograd.Function):
         return d_lp, d_ent, None, None, None
 
 
-def _segments(keep: torch.Tensor, sequence_index: torch.Tensor | None, shape: torch.Size):
-    """Flat segment id per token (``num`` = no sequence) and the number of segments."""
+def sequence_segments(
+    shape: torch.Size, sequence_index: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Flat segment id per element of a ``shape`` tensor and the number of segments ``S``; id
+    ``S`` = no sequence. Sequences come from ``sequence_index`` (same shape, -1 = none), else
+    each row of the last dimension is one (the loss modules' shared convention)."""
     if sequence_index is not None:
         if sequence_index.shape != shape:
-            raise ValueError(f"sequence_index {tuple(sequence_index.shape)} != {tuple(shape)}")
+            raise ValueError(
+                f"sequence_index {tuple(sequence_index.shape)} != values {tuple(shape)}"
+            )
         flat = sequence_index.reshape(-1).long()
-        num = int(flat.max()) + 1 if flat.numel() else 0
-        num = max(num, 0)
+        num = max(int(flat.max()) + 1 if flat.numel() else 0, 0)
         return torch.where(flat >= 0, flat, num), num
     rows = 1 if len(shape) <= 1 else shape[:-1].numel()
     per_row = shape[-1] if len(shape) else 1
-    return torch.arange(rows, device=keep.device).repeat_interleave(per_row), rows
+    return torch.arange(rows, device=device).repeat_interleave(per_row), rows
 
 
 def _weights(
@@ -185,7 +190,7 @@ def fused_policy_loss(
     flat = {k: v.detach().reshape(-1).contiguous() for k, v in tensors.items() if k != "mask"}
     ids, num = (None, 0)
     if agg != "token-mean" or algo == "gspo":
-        ids, num = _segments(keep, sequence_index, shape)
+        ids, num = sequence_segments(shape, sequence_index, keep.device)
     weight = _weights(keep, ids, num, agg, denominator, norm_length)
     seq_log_ratio = None
     if algo == "gspo":

@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from agentrl.kernels import MAX_LOG_RATIO as _KERNEL_MAX_LOG_RATIO
-from agentrl.kernels import fused_policy_loss, use_triton
+from agentrl.kernels import fused_policy_loss, sequence_segments, use_triton
 
 from ._kl import KLEstimator, kl_estimate
 
@@ -72,21 +72,6 @@ class LossOutput(NamedTuple):
     metrics: LossMetrics
 
 
-def _segments(
-    shape: torch.Size, sequence_index: torch.Tensor | None, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """Flat segment id per element and the number of segments ``S``; id ``S`` = no sequence."""
-    if sequence_index is not None:
-        if sequence_index.shape != shape:
-            raise ValueError(f"sequence_index {sequence_index.shape} != values {shape}")
-        flat = sequence_index.reshape(-1)
-        num = int(flat.max()) + 1 if flat.numel() else 0
-        return torch.where(flat >= 0, flat, num), max(num, 0)
-    rows = 1 if len(shape) <= 1 else shape[:-1].numel()
-    per_row = shape[-1] if len(shape) else 1
-    return torch.arange(rows, device=device).repeat_interleave(per_row), rows
-
-
 def _segment_sum(flat: torch.Tensor, ids: torch.Tensor, num: int) -> torch.Tensor:
     return flat.new_zeros(num + 1).index_add_(0, ids, flat)[:num]
 
@@ -119,7 +104,7 @@ def aggregate(
     if agg == "token-mean":
         count = keep.sum().clamp(min=1) if denominator is None else denominator
         return x.sum() / count
-    ids, num = _segments(values.shape, sequence_index, values.device)
+    ids, num = sequence_segments(values.shape, sequence_index, values.device)
     sums = _segment_sum(x.reshape(-1), ids, num)
     counts = _segment_sum(keep.reshape(-1).to(x.dtype), ids, num)
     match agg:
@@ -237,7 +222,7 @@ def policy_loss(
     adv = masked(advantages.detach())
     log_ratio = (lp - masked(old_logprobs.detach())).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if algo == "gspo":
-        ids, num = _segments(logprobs.shape, sequence_index, logprobs.device)
+        ids, num = sequence_segments(logprobs.shape, sequence_index, logprobs.device)
         sums = _segment_sum(log_ratio.detach().reshape(-1), ids, num)
         counts = _segment_sum(keep.reshape(-1).to(sums.dtype), ids, num)
         seq_log_ratio = torch.cat([sums / counts.clamp(min=1), sums.new_zeros(1)])[ids]
