@@ -318,9 +318,6 @@ def open_policy(
 ) -> ModelEngine:
     """The trained policy: HF weights from ``model_path``, AdamW, the LR schedule
     (``lr_multiplier`` through ``LRSchedule``, checkpointed with the engine)."""
-    import deepspeed
-
-    bf16 = torch.cuda.is_available()
     scorer = TokenScorer(
         _load_lm(model_path, gradient_checkpointing=gradient_checkpointing),
         temperature=temperature,
@@ -328,8 +325,19 @@ def open_policy(
         varlen=varlen,
         kernels=kernels,
     )
+    config = deepspeed_config(
+        optimizer=optimizer, bf16=torch.cuda.is_available(), overrides=overrides
+    )
+    return _trained_engine(scorer, optimizer, config, total_updates)
+
+
+def _trained_engine(
+    scorer: TokenScorer, optimizer: OptimizerConfig, config: dict[str, Any], total_updates: int
+) -> ModelEngine:
+    """DeepSpeed around a trained ``scorer``: its trainable parameters, the LR schedule."""
+    import deepspeed
+
     scorer.train()
-    config = deepspeed_config(optimizer=optimizer, bf16=bf16, overrides=overrides)
     multiplier = lr_multiplier(optimizer, total_updates)
     engine, *_ = deepspeed.initialize(
         model=scorer,
@@ -378,22 +386,12 @@ def open_critic(
 ) -> ModelEngine:
     """The PPO critic: the policy's decoder (initialized from ``model_path``) with a zero-init
     scalar head; its own AdamW at ``lr``."""
-    import deepspeed
-
     scorer = TokenScorer(
         _load_lm(model_path, gradient_checkpointing=gradient_checkpointing),
         value_head=True,
         varlen=varlen,
     )
-    scorer.train()
     config = deepspeed_config(
         optimizer=optimizer, lr=lr, bf16=torch.cuda.is_available(), overrides=overrides
     )
-    multiplier = lr_multiplier(optimizer, total_updates)
-    engine, *_ = deepspeed.initialize(
-        model=scorer,
-        model_parameters=[p for p in scorer.parameters() if p.requires_grad],
-        config=config,
-        lr_scheduler=lambda opt: LRSchedule(opt, multiplier),
-    )
-    return ModelEngine(engine, scorer, trainable=True)
+    return _trained_engine(scorer, optimizer, config, total_updates)
