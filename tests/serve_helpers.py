@@ -1,8 +1,10 @@
-"""Start and stop a real ``agentrl serve`` (the SGLang HTTP subset) on a free loopback port."""
+"""Start and stop a real ``agentrl serve`` (the SGLang HTTP subset) on a free loopback port, and
+make perturbed model copies to load into it."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+from safetensors.torch import load_file, save_file
 
 
 def free_port() -> int:
@@ -55,3 +59,13 @@ def stop_serve(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
+    """A copy of ``model_dir`` whose weights got seeded noise (same shapes, same tokenizer)."""
+    shutil.copytree(model_dir, dest)
+    state = load_file(dest / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest

@@ -4,7 +4,6 @@ embedded engine on tiny-random, real HTTP through httpx. asyncio only (aiohttp i
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -14,9 +13,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-import torch
 from aiohttp.test_utils import TestServer
-from safetensors.torch import load_file, save_file
+from serve_helpers import perturbed_copy
 from transformers import AutoTokenizer
 
 from agentrl.engine import open_embedded_engine
@@ -68,16 +66,6 @@ async def serving(model_dir: Path) -> AsyncIterator[Served]:
 async def served(tiny_dir: Path) -> AsyncIterator[Served]:
     async with serving(tiny_dir) as value:
         yield value
-
-
-def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
-    """A copy of ``model_dir`` whose weights got seeded noise (same shapes, same tokenizer)."""
-    shutil.copytree(model_dir, dest)
-    state = load_file(dest / "model.safetensors")
-    generator = torch.Generator().manual_seed(seed)
-    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
-    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
 
 
 # --- /generate ------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ update case (skipped without it).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,7 @@ import anyio
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from serve_helpers import free_port, start_serve, stop_serve
+from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve
 from transformers import AutoTokenizer
 
 import agentrl
@@ -224,15 +222,6 @@ async def test_open_and_close_session_errors(server: Server) -> None:
 
 
 # --- weights, cache, health, metrics -------------------------------------------------------
-
-
-def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
-    shutil.copytree(model_dir, dest)
-    state = load_file(dest / "model.safetensors")
-    generator = torch.Generator().manual_seed(seed)
-    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
-    save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
 
 
 async def test_update_weights_from_disk(server: Server, tiny_dir: Path, tmp_path: Path) -> None:

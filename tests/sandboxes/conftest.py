@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_procs import host_processes
 
 from agentrl.sandboxes import (
     BackendUnavailable,
@@ -117,23 +118,6 @@ def anyio_backend() -> str:
 
 
 # -- leak checks -----------------------------------------------------------------------------------
-def host_processes(uid_lo: int, uid_hi: int) -> list[str]:
-    """Host processes whose real uid is in [uid_lo, uid_hi): "pid:uid:name:state"."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{name}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        uid = int(fields.get("Uid", "-1 ").split()[0])
-        if uid_lo <= uid < uid_hi:
-            found.append(f"{name}:{uid}:{fields['Name'].strip()}:{fields['State'].strip()[:1]}")
-    return found
-
-
 def processes_mentioning(needles: set[str]) -> list[str]:
     """Host processes whose command line contains one of ``needles`` (container ids)."""
     found = []

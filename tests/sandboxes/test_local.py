@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+from sandbox_procs import host_processes
 
 from agentrl.sandboxes import (
     BackendUnavailable,
@@ -50,18 +51,7 @@ def py(code: str, **kw: Any) -> RunRequest:
 
 
 def uid_processes() -> list[str]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                status = Path(f"/proc/{name}/status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            uid = int(fields.get("Uid", "-1").split()[0])
-            if UID_BASE <= uid < UID_BASE + 1000:
-                found.append(f"{name}:{uid}:{fields['Name'].strip()}:{fields['State'].strip()}")
-    return found
+    return host_processes(UID_BASE, UID_BASE + 1000)
 
 
 def pool_cgroups(pool_id: str) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_procs import host_processes
 
 SUPERVISOR = Path(__file__).resolve().parents[2] / "sandboxes" / "_supervisor.py"
 PROGRAM_UID = 64_900
@@ -34,17 +35,7 @@ pytestmark = [
 
 def uid_processes(uid: int = PROGRAM_UID) -> list[str]:
     """Host processes (zombies included) whose real uid is ``uid``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                status = Path(f"/proc/{name}/status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if fields.get("Uid", "").split()[:1] == [str(uid)]:
-                found.append(f"{name}:{fields['Name'].strip()}:{fields['State'].strip()[:1]}")
-    return found
+    return host_processes(uid, uid + 1)
 
 
 def answer(stdout: bytes) -> dict[str, Any]:
