@@ -116,6 +116,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     from ._config import RolloutConfig, validate_config
     from ._errors import ConfigError
+    from .engine import engine_options
 
     console = _console()
     data: dict[str, Any] = {}
@@ -124,7 +125,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         loaded = _load_config_file(args.config)
         data = dict(loaded.get("rollout", {}))
         engine_data = dict(loaded.get("engine", {}))
-    args.engine_options = _engine_options(engine_data)
+    args.engine_options = engine_options(engine_data)
     overrides = {
         "group_size": args.group,
         "max_turns": args.max_turns,
@@ -173,17 +174,6 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         check=args.check,
         show=args.show,
     )
-
-
-def _engine_options(data: dict[str, Any]) -> Any:
-    """The config file's ``engine`` section (``EngineOptions`` fields: device, dtype, ...)."""
-    from ._errors import ConfigError
-    from .engine import EngineOptions
-
-    try:
-        return EngineOptions(**data)
-    except TypeError as exc:
-        raise ConfigError(f"engine: {exc}") from None
 
 
 async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, progress):

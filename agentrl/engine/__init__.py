@@ -11,6 +11,7 @@ from ._embedded import EmbeddedEngine as EmbeddedEngine
 from ._embedded import EngineOptions as EngineOptions
 from ._embedded import EngineStatistics as EngineStatistics
 from ._embedded import open_embedded_engine as open_embedded_engine
+from ._options import engine_options as engine_options
 from ._protocol import Engine as Engine
 from ._radix import RadixStatistics as RadixStatistics
 from ._sampling import sample_token as sample_token
@@ -21,6 +22,7 @@ __all__ = [
     "EngineOptions",
     "EngineStatistics",
     "RadixStatistics",
+    "engine_options",
     "open_embedded_engine",
     "sample_token",
 ]

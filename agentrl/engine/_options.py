@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import msgspec
 import torch
 
-from agentrl._errors import EngineError
+from agentrl._errors import ConfigError, EngineError
 
 from ._radix import RadixStatistics
 
@@ -94,6 +95,15 @@ def resolve_device(value: str | torch.device) -> torch.device:
             f"(cuda:0 to cuda:{count - 1})"
         )
     return torch.device("cuda", index)
+
+
+def engine_options(section: Mapping[str, Any]) -> EngineOptions:
+    """``EngineOptions`` from a config file's ``engine`` section; an unknown field is a
+    ``ConfigError`` that names it."""
+    try:
+        return EngineOptions(**section)
+    except TypeError as exc:
+        raise ConfigError(f"engine: {exc}") from None
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

@@ -51,7 +51,7 @@ async def aevaluate(
 
     from agentrl._models import resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
-    from agentrl.engine import EngineOptions, open_embedded_engine
+    from agentrl.engine import engine_options, open_embedded_engine
     from agentrl.formats import get_format
 
     found = find_checkpoint(checkpoint)
@@ -76,10 +76,7 @@ async def aevaluate(
     out_dir = Path(out) if out is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        options = EngineOptions(**cfg.engine)
-    except TypeError as exc:
-        raise ConfigError(f"engine: {exc}") from None
+    options = engine_options(cfg.engine)
     async with open_embedded_engine(model_path, options) as engine:
         if weights is not None:
             await engine.update_weights(version, weights)

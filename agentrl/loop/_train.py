@@ -185,7 +185,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
 
     from agentrl._models import resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
-    from agentrl.engine import EngineOptions, SGLangEngine, open_embedded_engine
+    from agentrl.engine import SGLangEngine, engine_options, open_embedded_engine
     from agentrl.formats import get_format
 
     out = Path(out)
@@ -195,10 +195,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = _check_resume(cfg, out, fingerprint) if resume else None
     _check_out(out, resume=resume)
-    try:
-        options = EngineOptions(**cfg.engine)
-    except TypeError as exc:
-        raise ConfigError(f"engine: {exc}") from None
+    options = engine_options(cfg.engine)
     dist = init_distributed(num_threads=cfg.train.num_threads)
     if cfg.server.urls and dist.world_size > 1:
         raise ConfigError("server.urls: rollouts on servers run from one process (no torchrun)")
