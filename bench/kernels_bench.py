@@ -33,6 +33,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -140,7 +141,8 @@ def _reference(t, h, v, dtype, device):
 
 
 def _child(args: argparse.Namespace) -> None:
-    """``--child NAME``: measure one CPU path in this fresh process, print JSON."""
+    """``--child NAME --lp-out FILE``: measure one CPU path in this fresh process; print JSON,
+    save its logprobs to FILE (the parent compares them with its one reference)."""
     dtype = getattr(torch, args.dtype)
     out = measure(
         args.child, args.tokens[0], args.hidden, args.vocab[0], dtype, "cpu", args.repeats
@@ -149,21 +151,25 @@ def _child(args: argparse.Namespace) -> None:
         print(json.dumps({"oom": True}))
         return
     peak, secs, lp, cpu = out
-    ref = _reference(args.tokens[0], args.hidden, args.vocab[0], dtype, "cpu")
-    dlp = float((lp - ref).abs().max())
-    print(json.dumps({"peak": peak, "secs": secs, "cpu": cpu, "dlp": dlp}))
+    torch.save(lp, args.lp_out)
+    print(json.dumps({"peak": peak, "secs": secs, "cpu": cpu}))
 
 
-def _cpu_run(name, t, h, v, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", name, "--tokens", str(t), "--hidden", str(h)]
-    cmd += ["--vocab", str(v), "--dtype", args.dtype, "--repeats", str(args.repeats)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        if "MemoryError" in proc.stderr or proc.returncode in (-9, 137):
-            return {"oom": True}
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _cpu_run(name, t, h, v, args) -> tuple[dict, torch.Tensor | None]:
+    """One path measured in a fresh process: its numbers and its logprobs (None when OOM)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lp_file = os.path.join(tmp, "lp.pt")
+        cmd = [sys.executable, __file__, "--child", name, "--tokens", str(t), "--hidden", str(h)]
+        cmd += ["--vocab", str(v), "--dtype", args.dtype, "--repeats", str(args.repeats)]
+        cmd += ["--lp-out", lp_file]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            if "MemoryError" in proc.stderr or proc.returncode in (-9, 137):
+                return {"oom": True}, None
+            raise RuntimeError(f"{name} failed:\n{proc.stderr[-2000:]}")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        return row, (torch.load(lp_file) if not row.get("oom") else None)
 
 
 def main() -> None:
@@ -180,6 +186,7 @@ def main() -> None:
         "TRITON_INTERPRET=1)",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lp-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -204,22 +211,19 @@ def main() -> None:
     for t in args.tokens:
         for v in args.vocab:
             rows = {}
-            ref = _reference(t, args.hidden, v, dtype, device) if cuda else None
+            ref = _reference(t, args.hidden, v, dtype, device)  # once per shape, every path
             for name in paths:
                 if cuda:
                     out = measure(name, t, args.hidden, v, dtype, device, args.repeats)
-                    if out is None:
-                        rows[name] = {"oom": True}
-                    else:
-                        peak, secs, lp = out
-                        rows[name] = {
-                            "peak": peak,
-                            "secs": secs,
-                            "dlp": float((lp - ref).abs().max()),
-                        }
+                    row, lp = ({"oom": True}, None) if out is None else (
+                        {"peak": out[0], "secs": out[1], "cpu": out[3]}, out[2]
+                    )  # fmt: skip
                     torch.cuda.empty_cache()
                 else:
-                    rows[name] = _cpu_run(name, t, args.hidden, v, args)
+                    row, lp = _cpu_run(name, t, args.hidden, v, args)
+                if lp is not None:
+                    row["dlp"] = float((lp - ref).abs().max())
+                rows[name] = row
             base = rows["naive"]
             for name, r in rows.items():
                 if r.get("oom"):
