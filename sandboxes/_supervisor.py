@@ -31,9 +31,12 @@ directory fds, never following a symlink, never leaving the dir); the program in
 in the cgroups, with rlimits (CPU, AS, NPROC when non-root, FSIZE, CORE=0, NOFILE), as
 ``uid``/``gid`` with no supplementary groups, no-new-privs and a parent-death SIGKILL; stdin fed
 without blocking (a program may exit before reading it); stdout/stderr read into buffers capped
-at ``output_limit_bytes`` (past it: killed, ``output_limit``); a wall deadline. When the program
+at ``output_limit_bytes`` (past it: killed, ``output_limit``); a wall deadline (in bubblewrap
+mode backed by a kernel timer on bubblewrap itself, see ``BACKSTOP_S``). When the program
 exits (or is killed), everything it left is killed: its process group; then, with cgroups, every
-member (a pidfd each) until ``cgroup.procs`` is empty (a program cannot leave its cgroup); without
+member (a pidfd each; ``pids.max`` set to 0 and the CPU quota lifted for the sweep, so a fork
+bomb cannot refill the group nor starve the sweep) until ``cgroup.procs`` is empty (a program
+cannot leave its cgroup); without
 them, every process of ``uid`` (a forked child becomes ``uid`` and calls ``kill(-1, SIGKILL)``),
 so setsid/double-forked daemons die too. This process is a child subreaper: orphans come back to
 it and are reaped. Then the status is classified (``oom``: the cgroup's OOM kill count rose, or
@@ -56,6 +59,11 @@ ARGV_CODE_LIMIT = 100_000  # longer code goes into a main file (one argv string 
 CHUNK = 1 << 16
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 SUPERVISOR_HEADROOM_MB = 32
+# bubblewrap's own wall-clock timer, set before its exec: at timeout + this, SIGALRM ends it (the
+# program, in its own pid namespace, cannot reach it) and with it the sandbox's PID 1 (parent
+# death), which makes the kernel kill every process in the namespace. It only matters when this
+# supervisor is late, e.g. throttled by a fork bomb sharing its CPU quota on a many-core host.
+BACKSTOP_S = 0.25
 SELFTEST_UID = 64999
 OOM_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "Out of memory")
 _libc = None
@@ -88,6 +96,13 @@ def _write_file(path, text):
         os.close(fd)
 
 
+def _write_best_effort(path, text):
+    try:
+        _write_file(path, text)
+    except OSError:
+        pass
+
+
 def _read_text(path):
     try:
         with open(path) as f:
@@ -115,6 +130,7 @@ class Cgroups:
     def __init__(self, dirs):
         self.dirs = [d for d in dirs if d and os.path.isdir(d)]
         self.oom_before = 0
+        self.saved = None  # the CPU quota files ``contain`` lifted, with their texts
         self.me = os.getpid()
         # A warm supervisor may live in the cgroups itself (the local backend puts it there):
         # its children are born inside, sparing each run a cgroup attach (an RCU grace period,
@@ -184,6 +200,29 @@ class Cgroups:
                 pids.add(int(line))
         pids.discard(self.me)
         return pids
+
+    def contain(self):
+        """Before a kill sweep: no new process may start (``pids.max`` 0: a fork bomb cannot
+        refill what the sweep frees) and the CPU quota is lifted until ``release``, so neither
+        the sweep (this supervisor shares the quota when it lives inside) nor the dying
+        processes wait out throttled periods. Idempotent; each write is best effort."""
+        if self.saved is None:
+            self.saved = {}
+            for name, unlimited in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
+                path = self._file(name)
+                if path:
+                    self.saved[path] = _read_text(path).strip()
+                    _write_best_effort(path, unlimited)
+        pids = self._file("pids.max")
+        if pids:
+            _write_best_effort(pids, "0")
+
+    def release(self):
+        """Put back the CPU quota ``contain`` lifted (``prepare`` resets ``pids.max``)."""
+        for path, text in (self.saved or {}).items():
+            if text:
+                _write_best_effort(path, text)
+        self.saved = None
 
     def kill(self, members=None):
         """SIGKILL every member through a pidfd, checked to be a member once the pidfd is held
@@ -445,9 +484,18 @@ class Run:
                 for fd in keep:
                     os.set_inheritable(fd, True)
                 _close_fds_but(set(keep) | {fail_w})
-                for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT):
+                dfl = (
+                    signal.SIGPIPE,
+                    signal.SIGXFSZ,
+                    signal.SIGCHLD,
+                    signal.SIGINT,
+                    signal.SIGALRM,
+                )
+                for sig in dfl:
                     signal.signal(sig, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_SETMASK, [])
+                if self.bwrap:  # the kernel's backstop (survives exec; see BACKSTOP_S)
+                    signal.setitimer(signal.ITIMER_REAL, self.timeout + BACKSTOP_S)
                 stage = "rlimits"
                 for res, soft, hard in limits:
                     resource.setrlimit(res, (soft, hard))
@@ -502,7 +550,9 @@ class Run:
         while self.status is None and self.reason is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.reason = "timeout"
+                self.reap()  # an exit (or the backstop's kill) we were too late to see
+                if self.status is None:
+                    self.reason = "timeout"
                 break
             for fd, event in poller.poll(max(1, math.ceil(remaining * 1000))):
                 if fd == self.wake_fd:
@@ -515,6 +565,17 @@ class Run:
         self.t1 = time.monotonic()
         if self.stdin_fd is not None:
             self._close_stdin(poller)
+        if (
+            self.bwrap
+            and self.reason is None
+            and os.WIFSIGNALED(self.status)
+            and os.WTERMSIG(self.status) == signal.SIGALRM
+        ):
+            self.reason = "timeout"
+            self.notes.append(
+                "the kernel's backstop timer ended the program: this supervisor was starved "
+                "past the deadline"
+            )
 
     def _feed(self, poller, event):
         try:
@@ -580,7 +641,7 @@ class Run:
         exactly the processes that uid may signal (all of the uid, whatever their session)."""
         try:
             pid = os.fork()
-        except OSError:  # pids.max reached by the program: the cgroup sweep goes on alone
+        except OSError:  # pids.max reached (or set to 0 by contain): the cgroup sweep goes on
             return
         if pid == 0:
             try:
@@ -633,6 +694,12 @@ class Run:
             os.killpg(self.pid, signal.SIGKILL)
         except OSError:
             pass
+        try:
+            self._sweep(end, grace_s)
+        finally:
+            self.cgroups.release()
+
+    def _sweep(self, end, grace_s):
         rounds = 0
         while True:
             children = self.reap()
@@ -642,6 +709,7 @@ class Run:
                 if members:
                     left = True
                     rounds += 1
+                    self.cgroups.contain()
                     self.cgroups.kill(members)
                     if rounds > 1 and self.uid is not None:  # still there: forks racing us
                         self._kill_uid()

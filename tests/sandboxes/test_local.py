@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -52,6 +53,11 @@ def py(code: str, **kw: Any) -> RunRequest:
 
 def uid_processes() -> list[str]:
     return host_processes(UID_BASE, UID_BASE + 1000)
+
+
+def live() -> list[str]:
+    """The sandbox uids' processes that are not zombies."""
+    return [p for p in uid_processes() if not p.endswith(":Z")]
 
 
 def pool_cgroups(pool_id: str) -> list[str]:
@@ -207,8 +213,57 @@ async def test_a_fork_bomb_is_bounded(scratch_root):
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     )
     async with local_pool(scratch_root) as pool:
+        (sandbox,) = pool._backend._sandboxes.values()
         result = await pool.run(py(code, timeout_s=2.0))
         assert result.status in {"timeout", "oom"}, result
+        # the sweep set pids.max to 0 and lifted the CPU quota; the quota is back, and the
+        # next run's process limit too
+        for name, value in (("cpu.cfs_quota_us", "100000"), ("cpu.max", "100000 100000")):
+            for path in [Path(d, name) for d in sandbox.cgroup_dirs if Path(d, name).exists()]:
+                assert path.read_text().strip() == value
+        assert (await pool.run(py("print(1)"))).stdout == "1\n"
+        for path in [Path(d, "pids.max") for d in sandbox.cgroup_dirs]:
+            if path.exists():
+                assert int(path.read_text()) > 500
+
+
+async def wait_for(probe: Any, what: str, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := probe()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        await anyio.sleep(0.02)
+    return found
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_starved_supervisor_still_ends_the_program_at_its_deadline(
+    scratch_root, anyio_backend
+):
+    """A fork bomb sharing the supervisor's CPU quota can starve it for seconds (seen on CI);
+    here the supervisor is stopped outright. The kernel timer on bubblewrap still ends the
+    program, and with it every process in its namespace, a moment after the deadline."""
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    async with local_pool(scratch_root) as pool:
+        (sandbox,) = pool._backend._sandboxes.values()
+        supervisor = sandbox._process.pid
+        results = []
+
+        async def run() -> None:
+            results.append(await pool.run(py(bomb, timeout_s=1.0)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await wait_for(lambda: len(live()) > 8, "fork bomb processes", 5.0)
+            os.kill(supervisor, signal.SIGSTOP)
+            try:  # zombies stay until the supervisor reaps them
+                await wait_for(lambda: not live(), "empty sandbox", 8.0)
+            finally:
+                os.kill(supervisor, signal.SIGCONT)
+        (result,) = results
+        assert result.status == "timeout", result
+        assert "backstop" in (result.error or ""), result
         assert (await pool.run(py("print(1)"))).stdout == "1\n"
 
 
