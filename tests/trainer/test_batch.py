@@ -122,8 +122,11 @@ def test_packing_has_no_padding_and_respects_the_budget(rng):
 
 def test_padded_layout_never_infers_lengths_from_pad_ids(rng):
     seed = rng.randrange(2**31)
-    trajs = make_batch_trajs(seed, count=5)
+    # a two-turn trajectory always has EOS among its inputs (the first turn ends with it; a
+    # sequence's inputs stop before its last sampled token, so one turn alone may have none)
+    trajs = [*make_batch_trajs(seed, count=4), make_trajectory(torch.Generator(), 2, name="two")]
     batches = pad_trajectories(trajs, 200, pad_id=EOS)
+    real_eos = 0
     for b in batches:
         assert not b.packed
         assert b.input_ids.shape[0] * b.input_ids.shape[1] <= 200
@@ -132,8 +135,14 @@ def test_padded_layout_never_infers_lengths_from_pad_ids(rng):
             assert b.attention_mask[row].sum() == n and b.attention_mask[row, :n].all()
             assert (b.input_ids[row, n:] == EOS).all() and (b.sequence_index[row, n:] == -1).all()
             assert not b.loss_mask[row, n:].any() and (b.advantages[row, n:] == 0).all()
-        # EOS appears inside real sequences (each turn ends with it): the mask, not the id, counts
-        assert ((b.input_ids == EOS) & b.attention_mask).any(), f"seed={seed}"
+            assert b.input_ids[row, :n].tolist() == trajs[int(b.trajectory_index[s])].token_ids[:n]
+        real_eos += int(((b.input_ids == EOS) & b.attention_mask).sum())
+    # EOS inside real sequences counts as real: the mask, not the id, decides the length
+    want = 0
+    for t in trajs:
+        last = max(k for k, m in enumerate(t.loss_mask) if m)
+        want += t.token_ids[:last].count(EOS)
+    assert real_eos == want > 0, f"seed={seed}"
     with pytest.raises(ValueError, match="cu_seqlens"):
         batches[0].cu_seqlens  # noqa: B018
 
