@@ -19,6 +19,7 @@ from typing import IO
 
 from . import _supervisor
 from ._hostcheck import CONTROLLERS, HostFacts, bwrap_mounts
+from ._supervisor import write_best_effort
 
 PREFIX = "agentrl-local-"
 INSIDE_UID = 1000
@@ -50,14 +51,6 @@ def owner_alive(name: str) -> bool:
     if len(parts) not in (3, 4) or not parts[0].isdigit():
         return True  # not ours to judge
     return start_time(int(parts[0])) == parts[1]
-
-
-def write_best_effort(path: str, text: str) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError:
-        pass
 
 
 def empty_cgroup_dir(path: str, deadline_s: float = 2.0) -> bool:

@@ -96,7 +96,8 @@ def _write_file(path, text):
         os.close(fd)
 
 
-def _write_best_effort(path, text):
+def write_best_effort(path, text):
+    """Write a control file; a refusal (or a missing file) is ignored."""
     try:
         _write_file(path, text)
     except OSError:
@@ -130,7 +131,7 @@ class Cgroups:
     def __init__(self, dirs):
         self.dirs = [d for d in dirs if d and os.path.isdir(d)]
         self.oom_before = 0
-        self.saved = None  # the CPU quota files ``contain`` lifted, with their texts
+        self.saved = None  # once contained: the CPU quota files lifted, with their texts
         self.me = os.getpid()
         # A warm supervisor may live in the cgroups itself (the local backend puts it there):
         # its children are born inside, sparing each run a cgroup attach (an RCU grace period,
@@ -154,10 +155,7 @@ class Cgroups:
         if limit:
             swap = self._file("memory.memsw.limit_in_bytes")
             for name in ([limit, swap] if swap else [limit]) * 2:  # either order may be refused
-                try:
-                    _write_file(name, str(memory_bytes))
-                except OSError:
-                    pass
+                write_best_effort(name, str(memory_bytes))
             if int(_read_text(limit) or 0) != memory_bytes:  # usage above it: reclaim, retry
                 _write_file(self._file("memory.force_empty") or limit, "0")
                 _write_file(limit, str(memory_bytes))
@@ -206,22 +204,23 @@ class Cgroups:
         refill what the sweep frees) and the CPU quota is lifted until ``release``, so neither
         the sweep (this supervisor shares the quota when it lives inside) nor the dying
         processes wait out throttled periods. Idempotent; each write is best effort."""
-        if self.saved is None:
-            self.saved = {}
-            for name, unlimited in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
-                path = self._file(name)
-                if path:
-                    self.saved[path] = _read_text(path).strip()
-                    _write_best_effort(path, unlimited)
+        if self.saved is not None:
+            return
+        self.saved = {}
+        for name, unlimited in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
+            path = self._file(name)
+            if path:
+                self.saved[path] = _read_text(path).strip()
+                write_best_effort(path, unlimited)
         pids = self._file("pids.max")
         if pids:
-            _write_best_effort(pids, "0")
+            write_best_effort(pids, "0")
 
     def release(self):
         """Put back the CPU quota ``contain`` lifted (``prepare`` resets ``pids.max``)."""
         for path, text in (self.saved or {}).items():
             if text:
-                _write_best_effort(path, text)
+                write_best_effort(path, text)
         self.saved = None
 
     def kill(self, members=None):
