@@ -100,14 +100,9 @@ def measure(name: str, t: int, h: int, v: int, dtype: torch.dtype, device: str, 
             lp = _fwd_bwd(fn, *inputs)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
-            times = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                _fwd_bwd(fn, *inputs)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
+            from agentrl.engine._decode import cuda_median_ms
+
+            seconds = cuda_median_ms(lambda: _fwd_bwd(fn, *inputs), 0, repeats) / 1000
         else:
             base = _status_kib("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
@@ -125,7 +120,7 @@ def measure(name: str, t: int, h: int, v: int, dtype: torch.dtype, device: str, 
             return peak, statistics.median(times), lp.cpu(), statistics.median(cpu)
     except torch.OutOfMemoryError:
         return None
-    return peak, statistics.median(times), lp.cpu(), float("nan")
+    return peak, seconds, lp.cpu(), float("nan")
 
 
 def _reference(t, h, v, dtype, device):

@@ -30,9 +30,7 @@ import importlib.metadata
 import json
 import os
 import platform
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ if not torch.cuda.is_available():  # Triton reads this when the kernels are firs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from agentrl.engine._decode import cuda_median_ms  # noqa: E402
 from agentrl.engine._kv import AttentionBatch, make_attention_batch, paged_attention  # noqa: E402
 from agentrl.kernels import reference  # noqa: E402
 from agentrl.kernels._paged_attention import paged_decode_attention  # noqa: E402
@@ -87,20 +86,6 @@ def make_step(
     return q, k, v, step, lens
 
 
-def median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    events = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
 def max_error(
     out: torch.Tensor, q, k, v, step: AttentionBatch, lens: list[int], rows: int
 ) -> float:
@@ -136,9 +121,9 @@ def run_config(name: str, batch: int, context: int, args: argparse.Namespace) ->
         return paged_attention(q, k, v, step, scale, decode_kernel="triton")
 
     times = {
-        "sdpa": median_ms(sdpa, args.warmup, args.repeats),
-        "triton": median_ms(kernel, args.warmup, args.repeats),
-        "triton*": median_ms(via_engine_path, args.warmup, args.repeats),
+        "sdpa": cuda_median_ms(sdpa, args.warmup, args.repeats),
+        "triton": cuda_median_ms(kernel, args.warmup, args.repeats),
+        "triton*": cuda_median_ms(via_engine_path, args.warmup, args.repeats),
     }
     return {
         "layout": name,

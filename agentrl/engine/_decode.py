@@ -88,7 +88,7 @@ class DecodeKernelChooser:
                 prefill_masks=[],
             )
             times = {
-                kernel: _median_ms(
+                kernel: cuda_median_ms(
                     lambda kernel=kernel: paged_attention(
                         q[:nd], k_cache, v_cache, decode, scale, decode_kernel=kernel
                     )
@@ -99,11 +99,13 @@ class DecodeKernelChooser:
         return choice
 
 
-def _median_ms(fn: Callable[[], object]) -> float:
-    """Median CUDA-event time of ``_TIMED_CALLS`` calls of ``fn`` after one warm-up call."""
-    fn()
+def cuda_median_ms(fn: Callable[[], object], warmup: int = 1, repeats: int = _TIMED_CALLS) -> float:
+    """Median CUDA-event time (ms) of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones
+    (the chooser's measure; the GPU benchmarks time with it too)."""
+    for _ in range(warmup):
+        fn()
     events = []
-    for _ in range(_TIMED_CALLS):
+    for _ in range(repeats):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()

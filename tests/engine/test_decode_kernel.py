@@ -123,7 +123,7 @@ def test_auto_measures_each_bucket_once(
         measured.append(fn())
         return next(timings)
 
-    monkeypatch.setattr(_decode, "_median_ms", fake_median_ms)
+    monkeypatch.setattr(_decode, "cuda_median_ms", fake_median_ms)
     chooser = DecodeKernelChooser("auto", CPU, torch.float32)
     chooser.mode = "auto"  # as on a CUDA device
     q, pool, batch = _step(torch.Generator().manual_seed(1), rng)
