@@ -37,14 +37,11 @@ import argparse
 import json
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import anyio  # noqa: E402
 import torch  # noqa: E402

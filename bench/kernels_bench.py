@@ -180,6 +180,7 @@ def main() -> None:
         help="CPU: also run the Triton kernel in the interpreter, for its memory (needs "
         "TRITON_INTERPRET=1)",
     )
+    p.add_argument("--json", default=None, help="also write every row here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--lp-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -203,6 +204,7 @@ def main() -> None:
         print("# 'cpu ms' is this process's CPU time, steadier than wall time on a shared box")
     print(f"{'T':>6} {'V':>7} {'path':>8} {'peak MiB':>9} {'vs naive':>8} {'ms':>9} "
           f"{'vs naive':>8} {'cpu ms':>9} {'vs naive':>8} {'max|dlp|':>9}")  # fmt: skip
+    table = []
     for t in args.tokens:
         for v in args.vocab:
             rows = {}
@@ -221,18 +223,31 @@ def main() -> None:
                 rows[name] = row
             base = rows["naive"]
             for name, r in rows.items():
+                row = {"tokens": t, "vocab": v, "hidden": args.hidden, "path": name}
+                table.append(row)
                 if r.get("oom"):
+                    row["oom"] = True
                     print(f"{t:>6} {v:>7} {name:>8} {'OOM':>9}")
                     continue
+                row.update(peak_mib=r["peak"] / 2**20, ms=r["secs"] * 1000, dlp=r["dlp"])
+                row.update(cpu_ms=r["cpu"] * 1000)
                 mem_ratio = time_ratio = cpu_ratio = "-"
                 if not base.get("oom"):
-                    mem_ratio = f"{r['peak'] / max(base['peak'], 1):.3f}"
-                    time_ratio = f"{r['secs'] / base['secs']:.2f}"
-                    cpu_ratio = f"{r['cpu'] / base['cpu']:.2f}"
+                    row["mem_ratio"] = r["peak"] / max(base["peak"], 1)
+                    row["time_ratio"] = r["secs"] / base["secs"]
+                    row["cpu_ratio"] = r["cpu"] / base["cpu"]
+                    mem_ratio = f"{row['mem_ratio']:.3f}"
+                    time_ratio = f"{row['time_ratio']:.2f}"
+                    cpu_ratio = f"{row['cpu_ratio']:.2f}"
                 print(f"{t:>6} {v:>7} {name:>8} {r['peak'] / 2**20:>9.1f} {mem_ratio:>8} "
                       f"{r['secs'] * 1000:>9.1f} {time_ratio:>8} {r['cpu'] * 1000:>9.1f} "
                       f"{cpu_ratio:>8} {r['dlp']:>9.2e}")  # fmt: skip
             sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": card, "dtype": args.dtype, "rows": table}, f, indent=2, default=str
+            )
 
 
 if __name__ == "__main__":

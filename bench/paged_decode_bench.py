@@ -38,7 +38,6 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from agentrl.engine._decode import cuda_median_ms  # noqa: E402
 from agentrl.engine._kv import AttentionBatch, make_attention_batch, paged_attention  # noqa: E402

@@ -11,9 +11,21 @@
    process (steadier on a shared machine), and the padding share.
 2. ``loop``: ``agentrl train`` for a few steps (SmolLM2-135M on calc-v0 by default) and the
    per-step time breakdown from its ledger (rollout / reference / logprob / update / publish).
+3. ``step``: the learner alone (``Learner.train_step``, GRPO, DeepSpeed ZeRO-3; bf16 on a GPU)
+   on synthetic GRPO groups of fixed length: update tokens/s, model FLOP utilisation and peak
+   device memory (CUDA ``max_memory_allocated``; on CPU the process's peak RSS). The first step
+   is a warm-up and is not timed.
 
     .venv/bin/python bench/trainer_bench.py layouts --model smollm2-135m --groups 3
     .venv/bin/python bench/trainer_bench.py loop --steps 2
+    .venv/bin/python bench/trainer_bench.py step --model FOLDER --seqs 8 --seq-len 1024
+
+MFU counts the matrix work of one update (forward + backward = 3 forward passes):
+``6 · N_matmul`` per token (every linear layer and the LM head; the embedding lookup is free)
+plus causal attention ``6 · layers · hidden · S`` per token of an ``S``-token sequence
+(``QKᵀ`` and ``PV``, each ``2·S·hidden`` per token per layer, halved by the causal mask, times 3
+for the backward), over a peak rate: the datasheet's dense bf16 rate when the card is known
+(``--peak-flops`` overrides it), else none.
 """
 
 from __future__ import annotations
@@ -34,14 +46,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _trajectory(rng: random.Random, prompt: list[int], response: int, name: str, group: str):
+def _trajectory(
+    rng: random.Random, prompt: list[int], response: int, name: str, group: str,
+    vocab: int = 40000, reward: float = 1.0,
+):  # fmt: skip
     from agentrl._types import SamplingParams, Span, Trajectory
 
-    ids = prompt + [rng.randrange(3, 40000) for _ in range(response)]
+    ids = prompt + [rng.randrange(3, vocab) for _ in range(response)]
     n, length = len(prompt), len(prompt) + response
     return Trajectory(
         id=name, env="bench", task_id=group, group_id=group, policy_version=0, status="done",
-        termination_reason="stop", reward=1.0, turn_rewards=[], error=None,
+        termination_reason="stop", reward=reward, turn_rewards=[], error=None,
         sampling=SamplingParams(), tokenizer_fingerprint="", token_ids=ids,
         loss_mask=[0] * n + [1] * response, logprobs=[None] * n + [-2.0] * response,
         spans=[Span(0, n, "prompt", 0), Span(n, length, "model", 0)],
@@ -188,6 +203,125 @@ def loop(args: argparse.Namespace) -> dict:
     return {"config": str(args.config), "steps": rows, "mean": mean, "wall_s": wall}
 
 
+# Dense (no sparsity) bf16 tensor-core rates from the vendors' datasheets, FLOP/s.
+DATASHEET_BF16_FLOPS = {"H100 80GB HBM3": 989e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def _datasheet_peak(name: str) -> float | None:
+    for key, value in DATASHEET_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def step_flops(config, seq_lens: list[int]) -> float:  # noqa: ANN001
+    """Model FLOPs of one update (fwd + bwd) over sequences of ``seq_lens`` tokens."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o, k, v
+    per_layer += 3 * hidden * config.intermediate_size  # gate, up, down
+    matmul_params = layers * per_layer + config.vocab_size * hidden  # + the LM head
+    tokens = sum(seq_lens)
+    attention = sum(6 * layers * heads * head_dim * s * s for s in seq_lens)
+    return 6 * matmul_params * tokens + attention
+
+
+def step(args: argparse.Namespace) -> dict:
+    from transformers import AutoConfig
+
+    from agentrl.trainer import (
+        AlgorithmConfig,
+        Learner,
+        LearnerSettings,
+        OptimizerConfig,
+        init_distributed,
+    )
+
+    dist = init_distributed()
+    cuda = dist.device.type == "cuda"
+    config = AutoConfig.from_pretrained(args.model)
+    rng = random.Random(args.seed)
+    vocab = config.vocab_size
+
+    def batch(step_index: int) -> list:
+        trajs = []
+        for g in range(args.seqs // args.group_size):
+            prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+            for s in range(args.group_size):
+                response = args.seq_len - args.prompt_len
+                name = f"{step_index}-{g}-{s}"
+                reward = float(s % 2)  # every group informative
+                trajs.append(_trajectory(rng, prompt, response, name, f"g{g}", vocab, reward))
+        return trajs
+
+    learner = Learner(
+        LearnerSettings(
+            model_path=str(args.model),
+            algorithm=AlgorithmConfig(name="grpo", kl_coef=0.0),
+            optimizer=OptimizerConfig(lr=1e-6),
+            total_steps=args.steps + 1,
+            temperature=1.0,
+            pad_id=0,
+            micro_batch_tokens=args.micro_batch_tokens,
+            gradient_checkpointing=args.gradient_checkpointing,
+            kernels=args.kernels,
+        )
+    )
+    learner.train_step(batch(0))  # warm-up: allocator, kernels, Triton compiles
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    rows = []
+    for i in range(args.steps):
+        trajs = batch(i + 1)
+        started = time.perf_counter()
+        stats = learner.train_step(trajs)
+        if cuda:
+            torch.cuda.synchronize()
+        rows.append({"step_s": time.perf_counter() - started, "update_s": stats.update_s,
+                     "logprob_s": stats.logprob_s, "learner_tokens": stats.learner_tokens,
+                     "loss": stats.loss})  # fmt: skip
+    seq_lens = [args.seq_len - 1] * args.seqs  # positions scored: the last token is a target
+    flops = step_flops(config, seq_lens)
+    update_s = statistics.median(r["update_s"] for r in rows)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = args.peak_flops or (_datasheet_peak(name) if cuda else None)
+    result = {
+        "model": str(args.model),
+        "device": name,
+        "dtype": "bfloat16" if cuda else "float32",
+        "params": sum(p.numel() for p in learner.optimizer_parameters()) or None,
+        "seqs": args.seqs,
+        "seq_len": args.seq_len,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "kernels": args.kernels,
+        "steps": rows,
+        "update_s": update_s,
+        "update_tokens_per_s": sum(seq_lens) / update_s,
+        "model_flops_per_update": flops,
+        "achieved_flop_s": flops / update_s,
+        "peak_flop_s": peak,
+        "mfu": flops / update_s / peak if peak else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else _peak_rss(),
+    }
+    mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
+    print(f"{name}: {args.seqs}x{args.seq_len} tokens, update {update_s * 1000:.0f} ms "
+          f"({result['update_tokens_per_s']:.0f} tok/s, {result['achieved_flop_s'] / 1e12:.1f} "
+          f"TFLOP/s, MFU {mfu}), peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB",
+          flush=True)  # fmt: skip
+    return result
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -208,10 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--steps", type=int, default=2)
     b.add_argument("--set", action="append", default=[])
     b.add_argument("--out", default=None)
-    for s in (a, b):
+    c = sub.add_parser("step")
+    c.add_argument("--model", required=True, help="a model folder (config + safetensors)")
+    c.add_argument("--seqs", type=int, default=8)
+    c.add_argument("--seq-len", type=int, default=1024)
+    c.add_argument("--prompt-len", type=int, default=256)
+    c.add_argument("--group-size", type=int, default=4)
+    c.add_argument("--micro-batch-tokens", type=int, default=8192)
+    c.add_argument("--steps", type=int, default=3)
+    c.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"])
+    c.add_argument("--gradient-checkpointing", action="store_true")
+    c.add_argument("--peak-flops", type=float, default=None, help="FLOP/s for the MFU")
+    c.add_argument("--seed", type=int, default=0)
+    for s in (a, b, c):
         s.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
-    result = layouts(args) if args.what == "layouts" else loop(args)
+    result = {"layouts": layouts, "loop": loop, "step": step}[args.what](args)
     result["load_average"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

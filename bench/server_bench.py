@@ -1,0 +1,128 @@
+"""Generation throughput of any server that speaks SGLang's ``/generate`` (real SGLang, or
+``agentrl serve``), on the same workload as ``engine_bench.py``'s throughput section: ``B`` random
+prompts of ``--prompt`` tokens (the same seeded ids), exactly ``--new`` greedy tokens each
+(``ignore_eos``), prefill included.
+
+Two ways to send a batch, both measured:
+
+- ``batch``: one ``/generate`` request whose ``input_ids`` is the list of ``B`` prompts;
+- ``concurrent``: ``B`` requests in flight at once (how rollout workers call a server).
+
+Standard library only, so it runs where nothing else of agentrl is installed (a GPU machine with
+only the server's own bundle).
+
+    python3 bench/server_bench.py --url http://127.0.0.1:30000 --batches 1 32 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    """The prompt ids of ``engine_bench.py`` (same generator, same range)."""
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+def post(url: str, path: str, body: dict, timeout: float = 600.0) -> dict:
+    request = urllib.request.Request(
+        url.rstrip("/") + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def sampling(new: int) -> dict:
+    return {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
+
+
+def run_batch(url: str, prompts: list[list[int]], new: int) -> tuple[float, int]:
+    started = time.perf_counter()
+    out = post(url, "/generate", {"input_ids": prompts, "sampling_params": sampling(new)})
+    wall = time.perf_counter() - started
+    items = out if isinstance(out, list) else [out]
+    return wall, sum(item["meta_info"]["completion_tokens"] for item in items)
+
+
+def run_concurrent(url: str, prompts: list[list[int]], new: int) -> tuple[float, int]:
+    def one(prompt: list[int]) -> int:
+        out = post(url, "/generate", {"input_ids": prompt, "sampling_params": sampling(new)})
+        return out["meta_info"]["completion_tokens"]
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        started = time.perf_counter()
+        tokens = sum(pool.map(one, prompts))
+        return time.perf_counter() - started, tokens
+
+
+def wait_ready(url: str, timeout: float) -> float:
+    """Seconds until ``/health`` answers 200 (``TimeoutError`` after ``timeout``)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return time.perf_counter() - started
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", required=True)
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 32, 128],
+                   help="none: only wait for /health (with --wait)")  # fmt: skip
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["batch", "concurrent"])
+    p.add_argument("--wait", type=float, default=0.0, help="wait this long for /health first")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    report: dict = {"url": args.url, "prompt": args.prompt, "new": args.new}
+    if args.wait:
+        report["ready_after_s"] = wait_ready(args.url, args.wait)
+    try:
+        report["model_info"] = json.loads(
+            urllib.request.urlopen(args.url.rstrip("/") + "/get_model_info", timeout=10).read()
+        )
+    except OSError as exc:
+        report["model_info"] = f"unavailable: {exc}"
+    runners = {"batch": run_batch, "concurrent": run_concurrent}
+    rng = random.Random(0)
+    for batch in args.batches:
+        prompts = [rand_ids(rng, args.prompt) for _ in range(batch)]
+        for mode in args.modes:
+            runners[mode](args.url, prompts, args.new)  # warm-up on the real shapes
+            walls = []
+            for _ in range(args.rounds):
+                wall, tokens = runners[mode](args.url, prompts, args.new)
+                if tokens != batch * args.new:
+                    raise RuntimeError(
+                        f"B={batch} {mode}: {tokens} tokens, want {batch * args.new}"
+                    )
+                walls.append(wall)
+            best = min(walls)
+            report[f"{mode}_B{batch}"] = {
+                "tok_s": batch * args.new / best,
+                "walls": walls,
+            }
+            print(f"B={batch:4} {mode:10} {batch * args.new / best:9.1f} tok/s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``scripts/gpu-check --dry-run``: the GPU run's plan on the CPU with tiny shapes, as a user runs
+it (a subprocess), writing the same JSON + markdown report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[int, dict, str]:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--python", sys.executable, "--out", str(out),
+         "--work", str(tmp_path / "work"), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert (out / "gpu-check.md").read_text().startswith("# gpu-check (dry run)")
+    return proc.returncode, report, (out / "gpu-check.log").read_text()
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_section(tmp_path: Path) -> None:
+    rc, report, log = _run(tmp_path, "--budget", "900")
+    sections = report["sections"]
+    assert list(sections) == [  # no --sglang bundle: no SGLang section
+        "staging", "environment", "ceilings", "models", "kernels", "engine", "train", "serve",
+        "pytest",
+    ]  # fmt: skip
+    statuses = {name: s["status"] for name, s in sections.items()}
+    assert statuses == {name: "ok" for name in sections}, log[-3000:]
+    assert rc == 0
+    # the staged checkout, not another agentrl, is what every section imported
+    assert report["machine"]["agentrl"].startswith(str(tmp_path / "work" / "site"))
+    kernels = sections["kernels"]["results"]["rows"]
+    assert {r["path"] for r in kernels} == {"naive", "chunked"}
+    assert all(r["dlp"] < 1e-3 for r in kernels)
+    engine = sections["engine"]["results"]
+    assert engine["throughput_B2"]["ids_equal"] == "2/2"  # fp32 on the CPU: HF's ids exactly
+    train = sections["train"]["results"]
+    assert set(train) == {"smollm2-135m", "qwen2.5-0.5b"}
+    assert all(r["update_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in train.values())
+    assert sections["serve"]["results"]["batch_B2"]["tok_s"] > 0
+    pytest_counts = sections["pytest"]["results"]
+    assert pytest_counts["tests"] > 0 and pytest_counts["skipped"] == pytest_counts["tests"]
+
+
+def test_a_short_budget_skips_what_does_not_fit_and_fails(tmp_path: Path) -> None:
+    rc, report, _ = _run(tmp_path, "--budget", "12", "--sections", "ceilings", "kernels")
+    statuses = {name: s["status"] for name, s in report["sections"].items()}
+    assert statuses["environment"] == "ok"
+    assert "no_time" in statuses.values() or "timeout" in statuses.values(), statuses
+    assert rc == 1
+
+
+def test_a_missing_sglang_bundle_fails_that_section_only(tmp_path: Path) -> None:
+    missing = tmp_path / "no-bundle"
+    rc, report, _ = _run(tmp_path, "--sections", "sglang", "--sglang", str(missing))
+    sglang = report["sections"]["sglang"]
+    assert sglang["status"] == "failed"
+    assert str(missing) in sglang["detail"] and "site.tar.xz.part_" in sglang["detail"]
+    assert report["sections"]["models"]["status"] == "ok"
+    assert rc == 1
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--sections", "gpu"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown section(s) ['gpu']" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--python", "/no/such/python"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "/no/such/python" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--sections", "sglang"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "needs --sglang BUNDLE" in proc.stderr
