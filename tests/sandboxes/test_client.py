@@ -21,7 +21,7 @@ from agentrl.sandboxes import (
     SandboxUnreachable,
 )
 from agentrl.sandboxes._errors import PoolBusy
-from agentrl.sandboxes._types import RunRequest
+from agentrl.sandboxes._types import InvalidRequest, RunRequest
 
 pytestmark = pytest.mark.anyio
 
@@ -63,8 +63,8 @@ async def test_run_batch_health_and_invalid(local_service):
         assert [r.status for r in results] == ["ok", "nonzero_exit"]
         assert results[1].exit_code == 4
         assert await client.run_batch([]) == []
-        invalid = await client.run(py("print(1)", memory_mb=1))
-        assert invalid.status == "invalid_request" and invalid.error.startswith("memory_mb")
+        with pytest.raises(InvalidRequest, match="memory_mb: must be in .16, 8192., got 1"):
+            await client.run(py("print(1)", memory_mb=1))
         health = await client.health()
         assert health["backend"] == "local" and health["statistics"]["execs"] >= 3
         assert "agentrl_sandbox_execs_total" in await client.metrics()

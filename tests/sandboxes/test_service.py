@@ -15,8 +15,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from sandbox_service import SERVE_CMD, running_service, scratch_root
 
+from agentrl.sandboxes._config import ServiceConfig
 from agentrl.sandboxes._serve import is_loopback
-from agentrl.sandboxes._service import make_app, validation_field
+from agentrl.sandboxes._service import make_app
+from agentrl.sandboxes._validate import validation_field
 
 pytestmark = pytest.mark.anyio
 LOCAL = pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
@@ -105,7 +107,8 @@ async def test_run_and_batch(sandbox_backend):
 
 @LOCAL
 async def test_structured_errors_name_the_field(sandbox_backend):
-    async with service(sandbox_backend, max_request_bytes=4096, max_batch=3) as client:
+    config = ServiceConfig(max_request_bytes=65536, max_batch=3)
+    async with service(sandbox_backend, config=config) as client:
         post = client.post
         await _error(await post("/v1/run", data=b"{not json"), 400, "malformed_json")
         await _error(await post("/v1/run", json=py("1", foo=2)), 400, "invalid_request", "foo")
@@ -118,16 +121,17 @@ async def test_structured_errors_name_the_field(sandbox_backend):
         assert err["field"].startswith("files[")
         await _error(await post("/v1/run", json=[]), 400, "invalid_request")
         await _error(await post("/v1/run_batch", json={"reqs": []}), 400, "invalid_request")
-        await _error(
+        err = await _error(
             await post("/v1/run_batch", json={"requests": [py("1")] * 4}),
             400,
             "invalid_request",
             "requests",
         )
+        assert err["limit"] == 3
         err = await _error(
-            await post("/v1/run", json=py("x" * 10_000)), 413, "request_too_large", None
+            await post("/v1/run", json=py("x" * 70_000)), 413, "request_too_large", None
         )
-        assert "4096" in err["message"]
+        assert "65536" in err["message"] and err["limit"] == 65536
         await _error(await client.get("/nope"), 404, "not_found", None)
         await _error(await client.get("/v1/run"), 405, "method_not_allowed", None)
         ok = await post("/v1/run", json=py("print('fine')"))  # still serving
@@ -217,11 +221,11 @@ async def test_health_and_metrics(sandbox_backend):
 def test_validation_field_and_loopback():
     import msgspec
 
-    from agentrl.sandboxes._types import decode_request
+    from agentrl.sandboxes._types import RunRequest
 
     def field(raw: bytes, prefix: str = "") -> str | None:
         try:
-            decode_request(raw)
+            msgspec.json.decode(raw, type=RunRequest)
         except msgspec.ValidationError as exc:
             return validation_field(exc, prefix)
         raise AssertionError("no error")
