@@ -155,21 +155,23 @@ class ServiceConfig(_Model):
 
     Every POST reserves its body (``Content-Length``, or ``max_request_bytes`` when chunked)
     and, once parsed, its answer (2 × ``output_limit_bytes`` per item: stdout and stderr) from
-    one budget of ``max_inflight_bytes``, and gives them back when the answer is sent. A request
-    that can never fit is refused with 413; one that does not fit *now* with 503 and
-    ``Retry-After`` (nothing ran). The service process holds at most a small multiple of
-    ``max_inflight_bytes`` (JSON text, Python strings and the backend's copies of each)."""
+    one budget of ``max_inflight_bytes``, twice each (the service holds a body as bytes, then
+    text, then values; an answer as read from the sandbox, then as sent), and gives them back
+    once the answer is sent. A request that can never fit is refused with 413; one that does
+    not fit *now* with 503 and ``Retry-After`` (nothing ran). The memory the service holds for
+    requests thus stays near ``max_inflight_bytes``."""
 
     max_request_bytes: int = Field(64 * 2**20, ge=64 * 2**10)
     """Largest request body (413 ``request_too_large`` past it)."""
     max_batch: int = Field(256, ge=1)
     """Most items in one ``/v1/run_batch`` (400 past it)."""
-    max_answer_bytes: int = Field(256 * 2**20, ge=2**20)
+    max_answer_bytes: int = Field(64 * 2**20, ge=2**20)
     """Largest answer a request may ask for: the sum over its items of 2 ×
     ``output_limit_bytes`` (413 ``answer_too_large`` up front, before anything runs)."""
-    max_inflight_bytes: int = Field(512 * 2**20, ge=2**20)
-    """Bodies and answers held at once, over all requests (503 ``overloaded`` past it). At
-    least ``max_request_bytes + max_answer_bytes``, so any acceptable request fits alone."""
+    max_inflight_bytes: int = Field(256 * 2**20, ge=2**20)
+    """Memory for bodies and answers held at once, over all requests (503 ``overloaded`` past
+    it). At least 2 × (``max_request_bytes`` + ``max_answer_bytes``), so any acceptable request
+    fits alone."""
     max_head_bytes: int = Field(32 * 2**10, ge=1024)
     """Largest request head (request line and headers); past it the connection is closed."""
     max_connections: int = Field(256, ge=2)
@@ -191,10 +193,10 @@ class ServiceConfig(_Model):
 
     @model_validator(mode="after")
     def _budget_fits_one_request(self) -> ServiceConfig:
-        if self.max_inflight_bytes < self.max_request_bytes + self.max_answer_bytes:
+        if self.max_inflight_bytes < 2 * (self.max_request_bytes + self.max_answer_bytes):
             raise ValueError(
-                f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
-                f"max_request_bytes + max_answer_bytes ({self.max_request_bytes} + "
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least 2 × "
+                f"(max_request_bytes + max_answer_bytes) = 2 × ({self.max_request_bytes} + "
                 f"{self.max_answer_bytes}): otherwise a valid request could never be served"
             )
         return self

@@ -9,7 +9,9 @@ front of aiohttp's own) that knows which phase it is in:
   ``header_timeout_s`` of its first byte and at most ``max_head_bytes`` long, else the
   connection is closed (this is what ends a slowloris client trickling headers);
 - ``busy``: the application is handling a request (``begin``/``end``, called by the service's
-  middleware); the body and answer have their own deadlines there.
+  middleware); the body and answer have their own deadlines there;
+- ``closing``: the answer said ``Connection: close``; what the client still sends is drained
+  and dropped (aiohttp's lingering close) until the connection ends.
 
 At most ``max_connections`` are open. A new connection over the cap evicts the connection that
 has been waiting longest for a request head (``idle`` or ``head``): slow or idle clients make
@@ -30,7 +32,7 @@ import msgspec
 from ._types import ErrorBody, ErrorResponse
 
 LINGER_S = 2.0
-_MAX_LINGERING = 64
+MAX_LINGERING = 64  # connections being turned away at once; past it they are reset
 
 
 def overloaded_answer(message: str) -> bytes:
@@ -133,9 +135,15 @@ class _GuardedConnection(asyncio.Protocol):
         self.state = "busy"
         self._disarm()
 
-    def end(self) -> None:
-        """The answer is sent: wait for the next request (keep-alive)."""
+    def end(self, *, closing: bool = False) -> None:
+        """The answer is sent: wait for the next request (keep-alive), or, when the answer
+        closes the connection, let aiohttp drain what the client still sends (bounded by its
+        lingering time) so the client reads the answer rather than a reset."""
         if self.state == "closed":
+            return
+        if closing:
+            self.state = "closing"
+            self._arm(self.guard.idle_timeout_s + LINGER_S, "closing")
             return
         self._wait_for_head()
 
@@ -146,8 +154,8 @@ class _GuardedConnection(asyncio.Protocol):
 
     @property
     def waiting(self) -> bool:
-        """Waiting for a request head (may be evicted at the cap)."""
-        return self.state in ("idle", "head")
+        """Waiting for a request head, or for its end (may be evicted at the cap)."""
+        return self.state in ("idle", "head", "closing")
 
     def _arm(self, delay: float, why: str) -> None:
         self._disarm()
@@ -160,10 +168,10 @@ class _GuardedConnection(asyncio.Protocol):
 
     def _expire(self, why: str) -> None:
         self.timer = None
-        if self.state in ("idle", "head", "head_done"):
+        if self.state in ("idle", "head", "head_done", "closing"):
             if why == "header":
                 self.guard.header_timeouts += 1
-            else:
+            elif why == "idle":
                 self.guard.idle_timeouts += 1
             self.close()
 
@@ -249,7 +257,7 @@ class ConnectionGuard:
         self.refused += 1
         transport = conn.transport
         assert transport is not None
-        if len(self._lingering) >= _MAX_LINGERING:
+        if len(self._lingering) >= MAX_LINGERING:
             transport.abort()
             return
         transport.write(

@@ -25,9 +25,10 @@ import sys
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ._config import PoolConfig, ServiceConfig
-from ._connections import ConnectionGuard
+from ._connections import MAX_LINGERING, ConnectionGuard
 from ._errors import BackendUnavailable, SandboxError
 from ._pool import open_sandbox_pool
 from ._service import make_app
@@ -36,6 +37,10 @@ DEFAULT_PORT = 8090
 TOKEN_ENV = "AGENTRL_SANDBOX_TOKEN"
 FDS_PER_SANDBOX = 8  # pipes of a local supervisor, a container's exec socket, their spares
 FDS_RESERVED = 64  # the interpreter, logs, the docker client, the listening sockets
+LISTEN_BACKLOG = 64
+# asyncio accepts up to a backlog of sockets per wake-up and hands them to the guard a loop
+# iteration later: under a connection flood a few backlogs are open beyond the cap for a moment
+ACCEPT_BURSTS = 4
 
 
 def is_loopback(host: str) -> bool:
@@ -97,11 +102,32 @@ def _pool_config(args: argparse.Namespace, data: dict[str, Any] | None = None) -
     return PoolConfig.model_validate(data)
 
 
+class _OneLineClientErrors(logging.Filter):
+    """aiohttp logs a traceback for every malformed request it refuses (400): bad input from a
+    client is not a fault of the service, so it becomes one line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            where = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "refused a malformed request from %s with %s: %s"
+            record.args = (where, exc.code, str(exc.message).strip()[:200])
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def fds_needed(service: ServiceConfig, pool: PoolConfig) -> int:
+    """File descriptors the service may hold at once: its connections (with the ones being
+    turned away and those accepted in a burst before the guard sees them) and the pool's."""
+    connections = service.max_connections + MAX_LINGERING + ACCEPT_BURSTS * LISTEN_BACKLOG
+    return connections + FDS_RESERVED + FDS_PER_SANDBOX * pool.size
+
+
 def fit_fd_limit(service: ServiceConfig, pool: PoolConfig) -> int:
-    """Raise the soft RLIMIT_NOFILE (up to the hard one) to fit ``max_connections`` plus what
-    the pool and the process need; ``ValueError`` when even the hard limit is too low. The
-    file descriptors it needs."""
-    need = service.max_connections + 64 + FDS_RESERVED + FDS_PER_SANDBOX * pool.size
+    """Raise the soft RLIMIT_NOFILE (up to the hard one) to ``fds_needed``; ``ValueError`` when
+    even the hard limit is too low. The file descriptors needed."""
+    need = fds_needed(service, pool)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         if hard != resource.RLIM_INFINITY and hard < need:
@@ -148,7 +174,11 @@ async def serve(
             await runner.setup()
             assert runner.server is not None
             listener = await loop.create_server(
-                guard.protocol_factory(runner.server), host, port, backlog=128, reuse_address=True
+                guard.protocol_factory(runner.server),
+                host,
+                port,
+                backlog=LISTEN_BACKLOG,
+                reuse_address=True,
             )
             try:
                 bound = listener.sockets[0].getsockname()
@@ -197,10 +227,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     limits.add_argument("--max-request-mb", type=float, help="largest request body (64)")
     limits.add_argument("--max-batch", type=int, help="most items in one batch (256)")
     limits.add_argument(
-        "--max-answer-mb", type=float, help="largest answer: items x 2 x output_limit_bytes (256)"
+        "--max-answer-mb", type=float, help="largest answer: items x 2 x output_limit_bytes (64)"
     )
     limits.add_argument(
-        "--max-inflight-mb", type=float, help="bodies and answers held at once (512)"
+        "--max-inflight-mb", type=float, help="bodies and answers held at once (256)"
     )
     limits.add_argument("--max-connections", type=int, help="open connections (256)")
     limits.add_argument("--idle-timeout-s", type=float, help="idle connection lifetime (30)")
@@ -232,6 +262,7 @@ def _run_unwrapped(coro: Any) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_OneLineClientErrors())
     token = args.token or os.environ.get(TOKEN_ENV) or None
     if not is_loopback(args.host) and not token:
         print(

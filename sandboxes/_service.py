@@ -25,8 +25,10 @@ Bearer <token>`` (one such header, compared as bytes in constant time).
 
 **The service's own memory.** Each POST reserves its body (``Content-Length``; chunked bodies
 reserve ``max_request_bytes``) before reading it, and its answer (2 × ``output_limit_bytes`` per
-item) before running it, from one ``ByteBudget`` of ``max_inflight_bytes``; the answer is written
-within the middleware (bounded by ``send_timeout_s``) and only then is the reservation released.
+item) before running it, each ``COPIES`` times, from one ``ByteBudget`` of
+``max_inflight_bytes``; the answer is streamed by the middleware (within ``send_timeout_s``) and
+only then is the reservation released. So the memory the service holds for requests stays near
+``max_inflight_bytes``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -49,7 +52,6 @@ from ._errors import PoolBusy
 from ._metrics import Exposition, Histogram
 from ._pool import SandboxPool
 from ._types import (
-    BatchResult,
     ErrorBody,
     ErrorResponse,
     InvalidRequest,
@@ -60,6 +62,10 @@ from ._types import (
 from ._validate import DuplicateKeys, MalformedJSON, parse_json, request_from_json, show
 
 log = logging.getLogger("agentrl.sandboxes.service")
+COPIES = 2
+"""Each byte of a body or answer is reserved this many times: that is how many copies the
+service holds at once (a body as bytes then text, text then values; an answer as the output
+read from the sandbox, then as the text being sent)."""
 _INVALID_ITEM_BYTES = 4096  # what an invalid batch item's result may take in the answer
 
 
@@ -144,6 +150,32 @@ def _json(obj: Any) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
+_SLICE = 256 * 1024
+
+
+class _StreamedAnswer(web.StreamResponse):
+    """A JSON answer written piece by piece (``_send``): each result is encoded only when its
+    turn comes and dropped once written, and the transport never holds more than a slice, so a
+    large answer is not held two or three times over (results, encoded text, send buffer)."""
+
+    def __init__(self, results: list[RunResult | None], *, batch: bool) -> None:
+        super().__init__(headers={"Content-Type": "application/json"})
+        self.results = results
+        self.batch = batch
+
+    def pieces(self) -> Iterator[bytes | memoryview]:
+        if self.batch:
+            yield b'{"results":['
+        for i, result in enumerate(self.results):
+            data = (b"," if i and self.batch else b"") + encode(result)  # type: ignore[arg-type]
+            self.results[i] = None
+            view = memoryview(data)
+            for start in range(0, len(view), _SLICE):
+                yield view[start : start + _SLICE]
+        if self.batch:
+            yield b"]}"
+
+
 def _route_name(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
@@ -160,6 +192,7 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     started = time.perf_counter()
     route = _route_name(request)
     reservation = state.reservations[id(request)] = Reservation(state.budget)
+    response: web.StreamResponse | None = None
     try:
         response = await _answer(request, handler, state, reservation)
         state.http_requests[(route, response.status)] += 1
@@ -168,7 +201,7 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         reservation.close()
         del state.reservations[id(request)]
         if conn is not None:
-            conn.end()
+            conn.end(closing=response is None or not response.keep_alive)
         state.request_seconds.observe(time.perf_counter() - started, route=route)
     return response
 
@@ -219,7 +252,7 @@ def _admit(request: web.Request, state: _State, reservation: Reservation) -> Non
                 close=True,
             )
         )
-    need = limit if length is None else length
+    need = COPIES * (limit if length is None else length)
     if not reservation.grow(need):
         raise _overloaded(state, "this body", need)
 
@@ -230,6 +263,9 @@ async def _send(request: web.Request, response: web.StreamResponse, state: _Stat
     try:
         async with asyncio.timeout(state.config.send_timeout_s):
             await response.prepare(request)
+            if isinstance(response, _StreamedAnswer):
+                for piece in response.pieces():
+                    await response.write(piece)
             await response.write_eof()
     except TimeoutError:
         state.send_timeouts += 1
@@ -280,7 +316,7 @@ async def _read_body(request: web.Request, state: _State) -> bytearray:
                 close=True,
             )
         ) from None
-    state.reservation(request).shrink_to(len(body))
+    state.reservation(request).shrink_to(COPIES * len(body))
     return body
 
 
@@ -306,8 +342,8 @@ def _reserve_answer(request: web.Request, state: _State, answer: int, what: str)
                 limit=limit,
             )
         )
-    if not state.reservation(request).grow(answer):
-        raise _overloaded(state, "its answer", answer)
+    if not state.reservation(request).grow(COPIES * answer):
+        raise _overloaded(state, "its answer", COPIES * answer)
 
 
 def _busy(state: _State, exc: PoolBusy) -> web.Response:
@@ -331,10 +367,9 @@ async def handle_run(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _read_body(request, state)
     try:
-        req = request_from_json(parse_json(body), state.pool.request_limits)
+        req = request_from_json(parse_json(body), state.pool.request_limits)  # (empties body)
     except (InvalidRequest, MalformedJSON) as exc:
         raise _invalid(exc, state) from None
-    del body
     _reserve_answer(request, state, 2 * req.output_limit_bytes, "this request")
     try:
         result = await state.pool.run(req)
@@ -343,7 +378,7 @@ async def handle_run(request: web.Request) -> web.Response:
     except InvalidRequest as exc:  # validated above with the same function and limits
         raise _invalid(exc, state) from None
     _record(state, result)
-    return _json(result)
+    return _StreamedAnswer([result], batch=False)
 
 
 def _batch_items(obj: Any, state: _State) -> list[Any]:
@@ -372,10 +407,9 @@ async def handle_run_batch(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _read_body(request, state)
     try:
-        items = _batch_items(parse_json(body), state)
+        items = _batch_items(parse_json(body), state)  # (empties body)
     except MalformedJSON as exc:
         raise _invalid(exc, state) from None
-    del body
     limits = state.pool.request_limits
     results: list[RunResult | None] = [None] * len(items)
     valid: list[tuple[int, RunRequest]] = []
@@ -402,10 +436,10 @@ async def handle_run_batch(request: web.Request) -> web.Response:
             return _busy(state, exc)
         for (i, _), result in zip(valid, ran, strict=True):
             results[i] = result
-    final = [r for r in results if r is not None]
-    for result in final:
+    for result in results:
+        assert result is not None
         _record(state, result)
-    return _json(BatchResult(results=final))
+    return _StreamedAnswer(results, batch=True)
 
 
 def _limits(state: _State) -> dict[str, Any]:

@@ -220,13 +220,16 @@ class MalformedJSON(ValueError):
     """The body is not JSON (or not UTF-8)."""
 
 
-def parse_json(data: bytes) -> Any:
+def parse_json(data: bytes | bytearray) -> Any:
     """The JSON value of a body; ``MalformedJSON`` when it is not strict UTF-8 JSON.
-    Objects with a repeated key come back as ``DuplicateKeys``."""
+    Objects with a repeated key come back as ``DuplicateKeys``. A ``bytearray`` is emptied once
+    decoded, so a large body is not held three times over (bytes, text, values)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedJSON(f"the body is not UTF-8 (byte {exc.start})") from None
+    if isinstance(data, bytearray):
+        del data[:]
     try:
         return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
@@ -250,9 +253,15 @@ def request_from_json(obj: Any, limits: RequestLimits | None = None) -> RunReque
     """A validated ``RunRequest`` from a parsed JSON value, or ``InvalidRequest``."""
     if isinstance(obj, DuplicateKeys):
         raise InvalidRequest(obj.duplicates[0], "is given more than once")
-    if isinstance(obj, dict) and isinstance(obj.get("files"), DuplicateKeys):
-        name = obj["files"].duplicates[0]
-        raise InvalidRequest(f"files[{show(name)}]", "is given more than once")
+    files = obj.get("files") if isinstance(obj, dict) else None
+    if isinstance(files, DuplicateKeys):
+        raise InvalidRequest(f"files[{show(files.duplicates[0])}]", "is given more than once")
+    if isinstance(files, dict):  # name the file (msgspec would say only ``files[...]``)
+        for path, content in files.items():
+            if not isinstance(content, str):
+                raise InvalidRequest(
+                    f"files[{show(path)}]", f"the content must be text, got {show(content)}"
+                )
     try:
         req = msgspec.convert(obj, RunRequest)
     except msgspec.ValidationError as exc:
