@@ -154,26 +154,23 @@ _SLICE = 256 * 1024
 
 
 class _StreamedAnswer(web.StreamResponse):
-    """A JSON answer written piece by piece (``_send``): each result is encoded only when its
-    turn comes and dropped once written, and the transport never holds more than a slice, so a
-    large answer is not held two or three times over (results, encoded text, send buffer)."""
+    """A batch's JSON answer written piece by piece (``_send``; chunked): each result is encoded
+    only when its turn comes and dropped once written, and the transport never holds more than
+    a slice, so a large answer is not held three times over (results, text, send buffer)."""
 
-    def __init__(self, results: list[RunResult | None], *, batch: bool) -> None:
+    def __init__(self, results: list[RunResult | None]) -> None:
         super().__init__(headers={"Content-Type": "application/json"})
         self.results = results
-        self.batch = batch
 
     def pieces(self) -> Iterator[bytes | memoryview]:
-        if self.batch:
-            yield b'{"results":['
+        yield b'{"results":['
         for i, result in enumerate(self.results):
-            data = (b"," if i and self.batch else b"") + encode(result)  # type: ignore[arg-type]
+            data = (b"," if i else b"") + encode(result)  # type: ignore[arg-type]
             self.results[i] = None
             view = memoryview(data)
             for start in range(0, len(view), _SLICE):
                 yield view[start : start + _SLICE]
-        if self.batch:
-            yield b"]}"
+        yield b"]}"
 
 
 def _route_name(request: web.Request) -> str:
@@ -378,7 +375,7 @@ async def handle_run(request: web.Request) -> web.Response:
     except InvalidRequest as exc:  # validated above with the same function and limits
         raise _invalid(exc, state) from None
     _record(state, result)
-    return _StreamedAnswer([result], batch=False)
+    return _json(result)  # one result: its text and the transport's copy are what is reserved
 
 
 def _batch_items(obj: Any, state: _State) -> list[Any]:
@@ -439,7 +436,7 @@ async def handle_run_batch(request: web.Request) -> web.Response:
     for result in results:
         assert result is not None
         _record(state, result)
-    return _StreamedAnswer(results, batch=True)
+    return _StreamedAnswer(results)
 
 
 def _limits(state: _State) -> dict[str, Any]:

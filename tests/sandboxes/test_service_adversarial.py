@@ -64,6 +64,13 @@ def read_answer(sock: socket.socket, deadline_s: float = 10.0) -> tuple[int, dic
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
     headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while not body.endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed in a chunked answer")
+            body += chunk
+        return status, headers, _unchunk(body)
     length = int(headers.get("content-length", "0"))
     while len(body) < length:
         chunk = sock.recv(65536)
@@ -71,6 +78,17 @@ def read_answer(sock: socket.socket, deadline_s: float = 10.0) -> tuple[int, dic
             break
         body += chunk
     return status, headers, body[:length]
+
+
+def _unchunk(data: bytes) -> bytes:
+    out = b""
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return out
+        out += data[:size]
+        data = data[size + 2 :]
 
 
 def raw(port: int, data: bytes, deadline_s: float = 10.0) -> tuple[int, dict[str, str], bytes]:
