@@ -4,13 +4,16 @@ contract, and as a real subprocess for start-up rules and graceful shutdown."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import signal
 import subprocess
 import sys
 import time
 
 import anyio
+import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from sandbox_service import SERVE_CMD, running_service, scratch_root
@@ -323,3 +326,39 @@ def test_docker_backend_through_the_service():
         )
         assert proc.stdout.split() == ["ok", "docker"], proc
         assert svc.stop() == 0, svc.output
+
+
+def _refused(*args: str, nofile: tuple[int, int] | None = None, env=None) -> str:
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    proc = subprocess.run(
+        [*SERVE_CMD, "--backend", "local", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        preexec_fn=limit,
+    )
+    assert proc.returncode == 2, proc
+    return proc.stderr
+
+
+def test_service_limits_come_from_config_and_flags_and_are_checked(tmp_path):
+    config = tmp_path / "pool.json"
+    assert "max_inflight_bytes" in _refused("--max-inflight-mb", "10")
+    for bad in ({"max_connections": 1}, {"nonsense": 1}, {"header_timeout_s": -1}):
+        config.write_text(json.dumps({"service": bad}))
+        assert "invalid configuration" in _refused("--config", str(config))
+    assert "RLIMIT_NOFILE" in _refused(nofile=(100, 100))  # 256 connections cannot fit
+    assert "printable ASCII" in _refused("--token", "tök en")
+    with scratch_root() as scratch:
+        backend = {"type": "local", "scratch_root": str(scratch)}
+        service = {"max_batch": 2, "header_timeout_s": 3, "max_connections": 16}
+        config.write_text(json.dumps({"backend": backend, "size": 1, "service": service}))
+        with running_service("--config", str(config), "--max-batch", "5") as svc:
+            limits = httpx.get(f"{svc.url}/health").json()["limits"]
+            assert (limits["max_batch"], limits["header_timeout_s"]) == (5, 3.0)  # flags win
+            assert limits["max_connections"] == 16 and limits["size"] == 1
+            assert svc.stop() == 0

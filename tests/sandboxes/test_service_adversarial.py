@@ -26,7 +26,10 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
+import pytest
 from sandbox_service import ServiceProcess, running_service, scratch_root
+
+from agentrl.sandboxes._types import InvalidRequest, RunRequest
 
 TOKEN = "t0ken-adversarial"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -180,7 +183,7 @@ BAD_REQUESTS: list[tuple[str, Any, str, tuple[str, ...]]] = [
     ("negative-timeout", py("1", timeout_s=-1), "timeout_s", ("got -1",)),
     ("huge-memory", py("1", memory_mb=10**30), "memory_mb", (str(10**30),)),
     ("huge-float", b'{"language":"python","code":"1","timeout_s":1e400}', "timeout_s", ()),
-    ("bool-as-int", py("1", memory_mb=True), "memory_mb", ("bool",)),
+    ("bool-as-int", py("1", memory_mb=True), "memory_mb", ("True",)),
     ("zero-output-limit", py("1", output_limit_bytes=0), "output_limit_bytes", ("got 0",)),
     ("negative-cpu", py("1", cpu_time_s=-0.5), "cpu_time_s", ("got -0.5",)),
     ("unknown-language", {"language": "rust", "code": "fn main(){}"}, "language", ("rust",)),
@@ -507,3 +510,28 @@ def test_at_the_cap_with_every_connection_busy_the_answer_is_503():
             assert [f.result()[0] for f in running] == [200, 200]
         assert health(svc)["statistics"]["execs"] == 2
         no_traceback(svc)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
+async def test_the_pool_raises_the_same_errors_in_process(sandbox_backend):
+    """``SandboxPool.run`` refuses each bad request with the same ``InvalidRequest`` (field and
+    message) the service answers with 400, before touching a sandbox."""
+    async with sandbox_backend.open(size=1) as pool:
+        checked = 0
+        for case, body, field, words in BAD_REQUESTS:
+            if not isinstance(body, dict):
+                continue  # JSON-level cases (duplicates, escapes) exist only on the wire
+            try:
+                request = RunRequest(**body)
+            except TypeError:
+                continue  # an unknown field cannot even be built in-process
+            with pytest.raises(InvalidRequest) as caught:
+                await pool.run(request)
+            assert caught.value.field == field, (case, caught.value)
+            for word in words:
+                assert word in caught.value.message, (case, caught.value)
+            checked += 1
+        assert checked >= 15
+        stats = pool.statistics()
+        assert stats.execs == 0 and stats.recycles == 0 and stats.created == 1
