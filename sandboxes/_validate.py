@@ -43,6 +43,7 @@ MIN_MEMORY_MB = 16
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
 MAX_PATH_BYTES = 1024
 MAX_PATH_DEPTH = 16
+MAX_ENTRIES = 1024  # files plus the directories their names imply (inodes of the scratch tmpfs)
 PAGE = 4096  # tmpfs stores each file in whole pages
 MB = 1 << 20
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -137,6 +138,11 @@ def _check_files(files: Any) -> int:
         stored += -(-size // PAGE) * PAGE
         for i in range(1, len(parts)):
             dirs.setdefault("/".join(parts[:i]), path)
+    if len(files) + len(dirs) > MAX_ENTRIES:
+        raise InvalidRequest(
+            "files",
+            f"{len(files)} files in {len(dirs)} directories; the limit is {MAX_ENTRIES} entries",
+        )
     for path in files:
         if path in dirs:
             raise InvalidRequest(

@@ -191,6 +191,12 @@ BAD_REQUESTS: list[tuple[str, Any, str, tuple[str, ...]]] = [
     ("absolute", py("1", files={"/etc/passwd": "y"}), "files['/etc/passwd']", ("absolute",)),
     ("file-and-dir", py("1", files={"a": "1", "a/b": "2"}), "files['a']", ("'a/b'",)),
     ("too-many-files", py("1", files={f"f{i}": "" for i in range(300)}), "files", ("300",)),
+    (
+        "too-many-directories",
+        py("1", files={"/".join(f"d{i}_{j}" for j in range(15)) + "/f": "" for i in range(100)}),
+        "files",
+        ("1500 directories",),
+    ),
     ("content-not-text", py("1", files={"a": 5}), "files['a']", ("got 5",)),
     ("unknown-field", py("1", env={"X": "1"}), "env", ("unknown field",)),
 ]
@@ -262,6 +268,7 @@ def test_authorization_and_other_headers_never_500():
             b"Content-Length: -5\r\n\r\n",
             b"Content-Length: 99999999999999999999999999\r\n\r\n",
             b"Content-Length: 3\r\nContent-Length: 4\r\n\r\n{}x",
+            b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
         ):
             status, _, body = raw(svc.port, post + head)
             assert 400 <= status < 500, (head, status, body)
