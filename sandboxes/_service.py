@@ -38,19 +38,19 @@ import hmac
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from ._budget import ByteBudget, Reservation
+from ._budget import Reservation
 from ._config import ServiceConfig
 from ._connections import ConnectionGuard
 from ._errors import PoolBusy
-from ._metrics import Exposition, Histogram
 from ._pool import SandboxPool
+from ._service_state import STATE, ServiceState
+from ._service_status import handle_health, handle_metrics
 from ._types import (
     ErrorBody,
     ErrorResponse,
@@ -67,39 +67,6 @@ COPIES = 2
 service holds at once (a body as bytes then text, text then values; an answer as the output
 read from the sandbox, then as the text being sent)."""
 _INVALID_ITEM_BYTES = 4096  # what an invalid batch item's result may take in the answer
-
-
-class _State:
-    """What the handlers share: the pool, the limits, the budget and the service's metrics."""
-
-    def __init__(
-        self,
-        pool: SandboxPool,
-        token: str | None,
-        config: ServiceConfig,
-        guard: ConnectionGuard | None,
-    ) -> None:
-        self.pool = pool
-        self.token = token.encode() if token else None
-        self.config = config
-        self.guard = guard
-        self.budget = ByteBudget(config.max_inflight_bytes)
-        self.http_requests: Counter[tuple[str, int]] = Counter()
-        self.results: Counter[str] = Counter()
-        self.busy_rejections = 0
-        self.body_timeouts = 0
-        self.send_timeouts = 0
-        self.exec_seconds = Histogram()
-        self.request_seconds = Histogram()
-        self.started = time.time()
-        self.reservations: dict[int, Reservation] = {}
-        """What each request being handled holds of the budget (by ``id(request)``)."""
-
-    def reservation(self, request: web.Request) -> Reservation:
-        return self.reservations[id(request)]
-
-
-STATE = web.AppKey("agentrl_sandbox_state", _State)
 
 
 class _Refusal(Exception):
@@ -130,7 +97,7 @@ def error_response(
     return response
 
 
-def _overloaded(state: _State, what: str, need: int) -> _Refusal:
+def _overloaded(state: ServiceState, what: str, need: int) -> _Refusal:
     return _Refusal(
         error_response(
             503,
@@ -204,7 +171,7 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 async def _answer(
-    request: web.Request, handler: Any, state: _State, reservation: Reservation
+    request: web.Request, handler: Any, state: ServiceState, reservation: Reservation
 ) -> web.StreamResponse:
     try:
         if state.token is not None and not _authorized(request, state.token):
@@ -230,7 +197,7 @@ async def _answer(
         return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}", close=True)
 
 
-def _admit(request: web.Request, state: _State, reservation: Reservation) -> None:
+def _admit(request: web.Request, state: ServiceState, reservation: Reservation) -> None:
     """Reserve the body before reading a byte of it: 413 if it can never fit, 503 if not now."""
     limit = state.config.max_request_bytes
     try:
@@ -254,7 +221,7 @@ def _admit(request: web.Request, state: _State, reservation: Reservation) -> Non
         raise _overloaded(state, "this body", need)
 
 
-async def _send(request: web.Request, response: web.StreamResponse, state: _State) -> None:
+async def _send(request: web.Request, response: web.StreamResponse, state: ServiceState) -> None:
     """Write the whole answer now (its bytes stay reserved until then); a client that does not
     take it within ``send_timeout_s`` loses the connection."""
     try:
@@ -284,7 +251,7 @@ def _authorized(request: web.Request, token: bytes) -> bool:
     return hmac.compare_digest(credentials.strip(b" \t"), token)
 
 
-async def _read_body(request: web.Request, state: _State) -> bytearray:
+async def _read_body(request: web.Request, state: ServiceState) -> bytearray:
     """The body (at most ``max_request_bytes``; 408 past ``body_timeout_s``, 413 past the size).
     A chunked body gives back what it reserved beyond its real size."""
     limit = state.config.max_request_bytes
@@ -317,14 +284,14 @@ async def _read_body(request: web.Request, state: _State) -> bytearray:
     return body
 
 
-def _invalid(exc: InvalidRequest | MalformedJSON, state: _State) -> _Refusal:
+def _invalid(exc: InvalidRequest | MalformedJSON, state: ServiceState) -> _Refusal:
     state.results["invalid_request"] += 1
     if isinstance(exc, MalformedJSON):
         return _Refusal(error_response(400, "malformed_json", str(exc)))
     return _Refusal(error_response(400, "invalid_request", exc.message, exc.field))
 
 
-def _reserve_answer(request: web.Request, state: _State, answer: int, what: str) -> None:
+def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what: str) -> None:
     """Refuse up front an answer that could exceed ``max_answer_bytes`` (413) or that does not
     fit the budget now (503); otherwise hold its bytes until it is sent."""
     limit = state.config.max_answer_bytes
@@ -343,7 +310,7 @@ def _reserve_answer(request: web.Request, state: _State, answer: int, what: str)
         raise _overloaded(state, "its answer", COPIES * answer)
 
 
-def _busy(state: _State, exc: PoolBusy) -> web.Response:
+def _busy(state: ServiceState, exc: PoolBusy) -> web.Response:
     state.busy_rejections += 1
     retry_after = max(1, math.ceil(exc.retry_after_s))
     return error_response(
@@ -354,7 +321,7 @@ def _busy(state: _State, exc: PoolBusy) -> web.Response:
     )
 
 
-def _record(state: _State, result: RunResult) -> None:
+def _record(state: ServiceState, result: RunResult) -> None:
     state.results[result.status] += 1
     if result.status != "invalid_request":
         state.exec_seconds.observe(result.wall_s)
@@ -378,7 +345,7 @@ async def handle_run(request: web.Request) -> web.Response:
     return _json(result)  # one result: its text and the transport's copy are what is reserved
 
 
-def _batch_items(obj: Any, state: _State) -> list[Any]:
+def _batch_items(obj: Any, state: ServiceState) -> list[Any]:
     if isinstance(obj, DuplicateKeys):
         message = f"{show(obj.duplicates[0])} is given more than once"
         raise _Refusal(error_response(400, "invalid_request", message, obj.duplicates[0]))
@@ -439,135 +406,6 @@ async def handle_run_batch(request: web.Request) -> web.Response:
     return _StreamedAnswer(results)
 
 
-def _limits(state: _State) -> dict[str, Any]:
-    config = state.pool.config
-    return {
-        "size": config.size,
-        "max_queue": config.max_queue,
-        "queue_timeout_s": config.queue_timeout_s,
-        "recycle_after": config.recycle_after,
-        **state.config.model_dump(),
-    }
-
-
-async def handle_health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    pool = state.pool
-    service: dict[str, Any] = {
-        "inflight_bytes": state.budget.held,
-        "inflight_peak_bytes": state.budget.peak,
-        "overloaded_refusals": state.budget.refusals,
-    }
-    if state.guard is not None:
-        service["connections"] = msgspec.to_builtins(state.guard.statistics())
-    return _json(
-        {
-            "status": "ok",
-            "backend": pool.backend_name,
-            "statistics": msgspec.to_builtins(pool.statistics()),
-            "service": service,
-            "guarantees": msgspec.to_builtins(pool.guarantees()),
-            "limits": _limits(state),
-            "uptime_s": round(time.time() - state.started, 3),
-        }
-    )
-
-
-def _service_metrics(m: Exposition, state: _State) -> None:
-    budget = state.budget
-    m.add("agentrl_sandbox_inflight_bytes", "gauge", "Bytes reserved now.", [({}, budget.held)])
-    m.add(
-        "agentrl_sandbox_inflight_capacity_bytes",
-        "gauge",
-        "max_inflight_bytes.",
-        [({}, budget.capacity)],
-    )
-    m.add(
-        "agentrl_sandbox_overloaded_total",
-        "counter",
-        "Requests answered 503 because the byte budget was full.",
-        [({}, budget.refusals)],
-    )
-    m.add(
-        "agentrl_sandbox_http_timeouts_total",
-        "counter",
-        "Requests whose body came too slowly (408) or whose answer was not taken in time.",
-        [({"phase": "body"}, state.body_timeouts), ({"phase": "send"}, state.send_timeouts)],
-    )
-    if state.guard is None:
-        return
-    stats = state.guard.statistics()
-    m.add("agentrl_sandbox_connections", "gauge", "Open connections.", [({}, stats.open)])
-    m.add(
-        "agentrl_sandbox_connections_closed_total",
-        "counter",
-        "Connections the service closed or turned away, by reason.",
-        [
-            ({"reason": "evicted"}, stats.evicted),
-            ({"reason": "refused"}, stats.refused),
-            ({"reason": "idle_timeout"}, stats.idle_timeouts),
-            ({"reason": "header_timeout"}, stats.header_timeouts),
-            ({"reason": "head_too_large"}, stats.head_too_large),
-        ],
-    )
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    stats = state.pool.statistics()
-    backend = {"backend": stats.backend}
-    m = Exposition()
-    m.add("agentrl_sandbox_execs_total", "counter", "Requests that ran.", [(backend, stats.execs)])
-    m.add(
-        "agentrl_sandbox_failures_total",
-        "counter",
-        "Pool results by non-ok status.",
-        [({**backend, "status": s}, n) for s, n in sorted(stats.failures.items())],
-    )
-    m.add(
-        "agentrl_sandbox_results_total",
-        "counter",
-        "Results the service returned, by status.",
-        [({**backend, "status": s}, n) for s, n in sorted(state.results.items())],
-    )
-    for name, value, help_text in (
-        ("in_use", stats.in_use, "Sandboxes running a request."),
-        ("idle", stats.idle, "Warm sandboxes ready."),
-        ("queued", stats.queued, "Requests waiting for a sandbox."),
-        ("creating", stats.creating, "Sandboxes being created."),
-    ):
-        m.add(f"agentrl_sandbox_{name}", "gauge", help_text, [(backend, value)])
-    for name, value, help_text in (
-        ("recycles", stats.recycles, "Sandboxes replaced."),
-        ("created", stats.created, "Sandboxes created."),
-        ("destroyed", stats.destroyed, "Sandboxes destroyed."),
-        ("create_failures", stats.create_failures, "Sandbox creates that failed."),
-    ):
-        m.add(f"agentrl_sandbox_{name}_total", "counter", help_text, [(backend, value)])
-    m.add(
-        "agentrl_sandbox_busy_rejections_total",
-        "counter",
-        "Requests answered 429 (over capacity).",
-        [(backend, state.busy_rejections)],
-    )
-    _service_metrics(m, state)
-    m.add(
-        "agentrl_sandbox_http_requests_total",
-        "counter",
-        "HTTP requests by route and status code.",
-        [({"route": r, "code": str(c)}, n) for (r, c), n in sorted(state.http_requests.items())],
-    )
-    m.add_histogram(
-        "agentrl_sandbox_exec_seconds", "Wall time of each program run.", state.exec_seconds
-    )
-    m.add_histogram(
-        "agentrl_sandbox_http_request_seconds",
-        "Time to answer an HTTP request, by route.",
-        state.request_seconds,
-    )
-    return web.Response(text=m.text(), content_type="text/plain", charset="utf-8")
-
-
 def make_app(
     pool: SandboxPool,
     *,
@@ -582,7 +420,7 @@ def make_app(
     config = config or ServiceConfig()
     # the body is read by _read_body against max_request_bytes; aiohttp's own cap is a backstop
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_middleware])
-    app[STATE] = _State(pool, token or None, config, guard)
+    app[STATE] = ServiceState(pool, token or None, config, guard)
     app.router.add_post("/v1/run", handle_run)
     app.router.add_post("/v1/run_batch", handle_run_batch)
     app.router.add_get("/health", handle_health)
