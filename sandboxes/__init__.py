@@ -13,6 +13,7 @@ from ._config import DockerConfig as DockerConfig
 from ._config import GVisorConfig as GVisorConfig
 from ._config import LocalConfig as LocalConfig
 from ._config import PoolConfig as PoolConfig
+from ._config import ServiceConfig as ServiceConfig
 from ._errors import BackendUnavailable as BackendUnavailable
 from ._errors import PoolBusy as PoolBusy
 from ._errors import SandboxError as SandboxError
@@ -22,6 +23,7 @@ from ._pool import SandboxPool as SandboxPool
 from ._pool import make_backend as make_backend
 from ._pool import open_sandbox_pool as open_sandbox_pool
 from ._protocol import SandboxRunner as SandboxRunner
+from ._types import InvalidRequest as InvalidRequest
 from ._types import RunRequest as RunRequest
 from ._types import RunResult as RunResult
 from ._verify_math import answers_match as answers_match
