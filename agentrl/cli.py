@@ -121,6 +121,23 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _refuse_moved_settings(loaded: dict[str, Any], path: str) -> None:
+    """A setting written at its old place is refused naming its home, as ``train`` does (the
+    rollout would otherwise ignore it)."""
+    from ._errors import ConfigError
+    from .loop._config import MOVED_SETTINGS
+
+    for old, home in MOVED_SETTINGS.items():
+        node: Any = loaded
+        for part in old:
+            node = node.get(part, None) if isinstance(node, dict) else None
+        if node is not None:
+            where = ".".join(old)
+            raise ConfigError(
+                f"{path}: {where}: moved to {home} (every setting has one home): write it there"
+            )
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
     import time
 
@@ -135,6 +152,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     engine_data: dict[str, Any] = {}
     if args.config:
         loaded = _load_config_file(args.config)
+        _refuse_moved_settings(loaded, args.config)
         data = dict(loaded.get("rollout", {}))
         engine_data = dict(loaded.get("engine", {}))
     args.engine_options = engine_options(engine_data)

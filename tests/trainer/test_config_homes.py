@@ -56,6 +56,27 @@ def test_the_homes_hold_the_values():
     assert "env_kwargs" not in TrainConfig.model_fields
 
 
+def test_rollout_config_files_are_told_the_new_home_too(tmp_path):
+    """``agentrl rollout --config`` reads the ``rollout`` section of a train config: a setting
+    left at its old place would be ignored there, so it is refused the same way."""
+    import subprocess
+    import sys
+
+    for data, needle in (
+        ({"env_kwargs": {"levels": [0]}}, "env_kwargs: moved to rollout.env_kwargs"),
+        ({"algorithm": {"group_size": 4}}, "algorithm.group_size: moved to rollout.group_size"),
+    ):
+        path = tmp_path / "old.yaml"
+        path.write_text(json.dumps(data))
+        proc = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", "rollout", "--env", "calc-v0", "--config",
+             str(path), "--out", str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=str)
 def test_every_example_config_loads(example):
     cfg = load_train_config(example)
