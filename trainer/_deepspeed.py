@@ -147,7 +147,10 @@ def deepspeed_errors(overrides: dict[str, Any]) -> list[Any]:
     if errors:
         return errors
     tracked = _ReadTracker(_merge(base, overrides))
-    DeepSpeedConfig(tracked)
+    try:
+        DeepSpeedConfig(tracked)
+    except Exception as exc:  # keys fine alone that DeepSpeed refuses together
+        return [_line((), f"DeepSpeed refuses these keys together: {exc}", overrides)]
     for key in overrides:
         if key not in tracked.looked_up and key not in _READ_BY_INITIALIZE:
             known = sorted(k for k in tracked.looked_up if isinstance(k, str))

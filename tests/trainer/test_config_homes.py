@@ -193,6 +193,10 @@ def test_a_misspelled_deepspeed_key_fails_with_its_name():
             "deepspeed.zero_optimization.stage: Input should be 3",
         ),
         (["deepspeed.elasticity.enabled=true"], "deepspeed.elasticity: DeepSpeed refuses it"),
+        (
+            ["deepspeed.bf16.enabled=true", "deepspeed.fp16.enabled=true"],
+            "deepspeed: DeepSpeed refuses these keys together: bfloat16 and fp16 modes",
+        ),
     ],
 )
 def test_deepspeed_sections_are_checked_by_deepspeed(sets, needle):
