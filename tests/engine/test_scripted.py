@@ -222,6 +222,21 @@ def test_rollout_replays_a_script_through_a_local_sandbox(tmp_path, tokenizer, t
     assert traj.reward_breakdown == {"correct": 1.0, "format": 1.0}
 
 
+def test_the_example_script_runs_as_documented(tmp_path, tiny_model_path):
+    """examples/calc_scripted.yaml, with the command its header gives."""
+    out = tmp_path / "run"
+    proc = agentrl_cli(
+        "rollout", "--env", "calc-v0", "--model", "tiny-random",
+        "--engine", "scripted:examples/calc_scripted.yaml", "--env-kwargs", '{"levels": [0]}',
+        "-n", "2", "--check", "--dry-run", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    first, second = read_trajectories(str(out / "trajectories.jsonl"))
+    assert first.task_id == "train-L0-0-0" and first.reward == 1.0
+    assert [r.output for r in first.tool_calls] == ["5"]
+    assert [r.output for r in second.tool_calls] == ["42"] and second.status == "done"
+
+
 def test_a_bad_engine_spec_is_a_clear_error(tmp_path):
     for spec, needle in (
         ("scripted", "expected 'embedded' or 'scripted:FILE'"),
