@@ -30,17 +30,23 @@ class EnvSpec:
     id: str
     """``name-vN``."""
     name: str
+    """The id without its version."""
     version: int
+    """N of ``-vN``."""
     entry_point: Callable[..., Any]
     """A class or a factory; called with ``kwargs`` (merged with ``make`` kwargs) per trajectory."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """Factory arguments fixed at registration (``make`` kwargs override them)."""
     description: str = ""
+    """One line for ``agentrl envs list`` (default: the first paragraph of the docstring)."""
     max_turns: int = 8
     """Default turn budget for a trajectory (overridable per rollout)."""
     max_new_tokens: int = 256
     """Default per-turn token budget."""
     tags: tuple[str, ...] = ()
+    """Free-form labels."""
     module: str = ""
+    """The module that registered it."""
 
     def make(self, **kwargs: Any) -> Any:
         merged = {**self.kwargs, **kwargs}

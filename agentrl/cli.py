@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--show", type=int, default=2, help="trajectories to render with --dry-run")
     r.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
     r.add_argument(
+        "--engine",
+        default="embedded",
+        metavar="ENGINE",
+        help="embedded (the model, in this process; default) or scripted:FILE (replay a YAML or "
+        "JSONL file of assistant turns with the model's tokenizer, to exercise an env's tools "
+        "without a model that calls them; logprobs are synthetic 0.0)",
+    )
+    r.add_argument(
         "--sandbox",
         default=None,
         help="sandbox for code-running envs: local | docker | gvisor | http(s)://HOST:PORT "
@@ -57,11 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--show", type=int, default=2)
     i.add_argument("--check", action="store_true", help="boundary-check every trajectory")
 
-    e = sub.add_parser("envs", help="list or show registered environments")
+    e = sub.add_parser("envs", help="list, show or check registered environments")
     esub = e.add_subparsers(dest="envs_command", required=True)
     esub.add_parser("list")
     es = esub.add_parser("show")
     es.add_argument("env_id")
+    ec = esub.add_parser("check", help="run the environment checker (check_env)")
+    ec.add_argument("env_ids", nargs="*", metavar="ENV_ID", help="environment ids to check")
+    ec.add_argument("--all", action="store_true", help="check every registered environment")
+    ec.add_argument("--env-kwargs", default=None, help="JSON object passed to each factory")
 
     m = sub.add_parser("models", help="list or pull models")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -109,6 +121,23 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _refuse_moved_settings(loaded: dict[str, Any], path: str) -> None:
+    """A setting written at its old place is refused naming its home, as ``train`` does (the
+    rollout would otherwise ignore it)."""
+    from ._errors import ConfigError
+    from .loop._config import MOVED_SETTINGS
+
+    for old, home in MOVED_SETTINGS.items():
+        node: Any = loaded
+        for part in old:
+            node = node.get(part, None) if isinstance(node, dict) else None
+        if node is not None:
+            where = ".".join(old)
+            raise ConfigError(
+                f"{path}: {where}: moved to {home} (every setting has one home): write it there"
+            )
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
     import time
 
@@ -123,6 +152,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     engine_data: dict[str, Any] = {}
     if args.config:
         loaded = _load_config_file(args.config)
+        _refuse_moved_settings(loaded, args.config)
         data = dict(loaded.get("rollout", {}))
         engine_data = dict(loaded.get("engine", {}))
     args.engine_options = engine_options(engine_data)
@@ -199,6 +229,7 @@ async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, prog
                 raise ConfigError(f"--sandbox {args.sandbox!r}: {exc}") from None
         return await arollout(
             args.env,
+            engine=_rollout_engine(args),
             model=args.model,
             n=args.num_tasks,
             split=args.split,
@@ -209,6 +240,20 @@ async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, prog
             on_trajectory=progress,
             env_resources=resources,
         )
+
+
+def _rollout_engine(args: argparse.Namespace):
+    """``--engine``: None for the embedded engine (``arollout`` opens it), or a scripted one."""
+    from ._errors import ConfigError
+
+    kind, _, path = args.engine.partition(":")
+    if kind == "embedded" and not path:
+        return None
+    if kind == "scripted" and path:
+        from .engine import ScriptedEngine
+
+        return ScriptedEngine.from_file(path, args.model)
+    raise ConfigError(f"--engine {args.engine!r}: expected 'embedded' or 'scripted:FILE'")
 
 
 def _present(
@@ -308,6 +353,8 @@ def _cmd_envs(args: argparse.Namespace) -> int:
             table.add_row(s.id, s.description, str(s.max_turns), str(s.max_new_tokens), s.module)
         console.print(table)
         return 0
+    if args.envs_command == "check":
+        return _check_envs(args, console)
     from ._tools import collect_tools
 
     s = spec(args.env_id)
@@ -320,6 +367,47 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     for split in ("train", "eval"):
         tasks = env.tasks(split, seed=0)
         console.print(f"{split}: {len(tasks)} tasks, e.g. {tasks[0]}")
+    return 0
+
+
+def _check_envs(args: argparse.Namespace, console) -> int:
+    """``agentrl envs check``: the contract checker on each id, one line per id; exit 1 if any
+    fails (the others are still checked)."""
+    from ._checker import check_env
+    from ._errors import ConfigError
+    from ._registry import load_entry_points, registered
+
+    kwargs: dict[str, Any] = {}
+    if args.env_kwargs:
+        try:
+            kwargs = json.loads(args.env_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"--env-kwargs must be a JSON object, got {args.env_kwargs}")
+    ids = list(args.env_ids)
+    failed = passed = 0
+    if args.all:
+        for err in load_entry_points():  # an env that cannot even load fails the check
+            failed += 1
+            console.print(f"[red]FAIL[/] {err}")
+        ids += [s.id for s in registered() if s.id not in ids]
+    if not ids and not failed:
+        raise ConfigError("agentrl envs check: give environment ids, or --all")
+    for env_id in ids:
+        try:
+            check_env(env_id, env_kwargs=kwargs)
+        except Exception as exc:
+            failed += 1
+            message = str(exc) if isinstance(exc, AgentRLError) else f"{type(exc).__name__}: {exc}"
+            console.print(f"[red]FAIL[/] {env_id}: {message}")
+        else:
+            passed += 1
+            console.print(f"[green]ok[/]   {env_id}")
+    if failed:
+        console.print(f"[red]{failed} failed[/], {passed} passed")
+        return 1
+    console.print(f"all {passed} environment(s) pass the contract checks")
     return 0
 
 

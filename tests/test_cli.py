@@ -216,7 +216,7 @@ def test_bad_sandbox_spec_is_a_clear_error(tmp_path, tiny_model_path):
     [
         ({"max_batch_size": 2, "device": "cpu"}, None, 0),
         ({"device": "tpu"}, "device must be", 2),
-        ({"max_batch": 2}, "engine:", 2),
+        ({"max_batch": 2}, "engine.max_batch: Extra inputs are not permitted", 2),
     ],
 )
 def test_rollout_reads_the_engine_section_of_the_config(engine, needle, code, tmp_path):

@@ -23,8 +23,8 @@ STEPS, KILL_AFTER = 4, 2
 CONFIG = {
     "model": "tiny-random",
     "env": "vowels_env:vowels-v0",
-    "rollout": {"max_new_tokens": 8, "concurrency": 8},
-    "algorithm": {"name": "grpo", "group_size": 4, "kl_coef": 0.05},
+    "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 4},
+    "algorithm": {"name": "grpo", "kl_coef": 0.05},
     "optimizer": {"lr": 1e-3},
     "train": {"max_steps": STEPS, "tasks_per_step": 2, "micro_batch_tokens": 256},
     "checkpoint": {"every_steps": 1, "keep": 5},
@@ -147,7 +147,7 @@ def test_the_example_config_runs(tmp_path):
     _agentrl(
         "train", "--config", str(ROOT / "examples" / "train_calc_grpo.yaml"),
         "--model", "tiny-random", "--max-steps", "1", "--out", str(tmp_path / "run"),
-        "--set", "train.tasks_per_step=1", "--set", "algorithm.group_size=2",
+        "--set", "train.tasks_per_step=1", "--set", "rollout.group_size=2",
         "--set", "eval.num_tasks=1", "--set", "rollout.max_new_tokens=8",
     )  # fmt: skip
     assert [r["step"] for r in _ledger(tmp_path / "run")] == [0, 1]  # eval.at_start: step 0

@@ -4,12 +4,13 @@ It publishes weights through a ``WeightSink`` protocol and never imports the eng
 
 Layering (pure torch, each module imports only those above it): ``_batch`` (trajectories →
 micro-batches, the alignment convention) → ``_logprob`` (chunked log-prob + entropy) →
-``_kl`` → ``_advantages`` → ``_losses``. On top: ``_config`` (algorithm and optimizer
-settings), ``_attention`` (varlen attention) and ``_prefix`` (shared-prefix packing),
-``_schedule`` (LR), ``_engine`` (DeepSpeed ZeRO-3 policy / reference / critic;
-deepspeed is imported lazily), ``_stats`` and ``_learner`` (one training step),
-``_checkpoint`` (atomic loop checkpoints, export) and ``_sink`` (the ``WeightSink`` protocol
-the loop implements).
+``_kl`` → ``_advantages`` → ``_losses`` → ``_algorithms`` (the algorithm table: estimator,
+surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``_attention``
+(varlen attention) and ``_prefix`` (shared-prefix packing), ``_schedule`` (LR), ``_engine``
+(DeepSpeed ZeRO-3 policy / reference / critic; deepspeed is imported lazily), ``_deepspeed``
+(the config's ``deepspeed`` section, checked against DeepSpeed's own parser), ``_stats`` and
+``_learner`` (one training step), ``_checkpoint`` (atomic loop checkpoints, export) and
+``_sink`` (the ``WeightSink`` protocol the loop implements).
 """
 
 from ._advantages import GAE as GAE
@@ -22,6 +23,12 @@ from ._advantages import masked_whiten as masked_whiten
 from ._advantages import overlong_penalty as overlong_penalty
 from ._advantages import rloo_advantages as rloo_advantages
 from ._advantages import terminal_rewards as terminal_rewards
+from ._algorithms import AlgorithmSpec as AlgorithmSpec
+from ._algorithms import GroupEstimator as GroupEstimator
+from ._algorithms import algorithm_names as algorithm_names
+from ._algorithms import algorithm_spec as algorithm_spec
+from ._algorithms import register_algorithm as register_algorithm
+from ._algorithms import unregister_algorithm as unregister_algorithm
 from ._batch import PackedBatch as PackedBatch
 from ._batch import block_causal_mask as block_causal_mask
 from ._batch import model_inputs as model_inputs
@@ -42,8 +49,9 @@ from ._checkpoint import save_checkpoint as save_checkpoint
 from ._checkpoint import step_dir as step_dir
 from ._checkpoint import verify_state as verify_state
 from ._config import AlgorithmConfig as AlgorithmConfig
-from ._config import AlgorithmName as AlgorithmName
 from ._config import OptimizerConfig as OptimizerConfig
+from ._deepspeed import DeepSpeedSection as DeepSpeedSection
+from ._deepspeed import ZeroSection as ZeroSection
 from ._dist import barrier as barrier
 from ._dist import rank_world as rank_world
 from ._engine import DistInfo as DistInfo
@@ -65,7 +73,7 @@ from ._logprob import token_logprobs_and_entropy as token_logprobs_and_entropy
 from ._losses import Aggregation as Aggregation
 from ._losses import LossMetrics as LossMetrics
 from ._losses import LossOutput as LossOutput
-from ._losses import PolicyAlgorithm as PolicyAlgorithm
+from ._losses import Surrogate as Surrogate
 from ._losses import ValueLossOutput as ValueLossOutput
 from ._losses import aggregate as aggregate
 from ._losses import policy_loss as policy_loss

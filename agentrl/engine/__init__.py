@@ -4,7 +4,8 @@
 Llama/Qwen2-family forward in torch (``_model``) over a paged KV pool (``_kv``), a radix prefix
 cache (``_radix``), sessions that pin a trajectory's KV between turns (``_session``) and a
 continuous-batching scheduler (``_scheduler``), run by one worker thread (``_worker``) of this
-process; ``open_embedded_engine`` owns one for a block.
+process; ``open_embedded_engine`` owns one for a block. ``ScriptedEngine`` replays a file of
+assistant turns through the same protocol (``_scripted``), to exercise environments' tools.
 """
 
 from ._embedded import EmbeddedEngine as EmbeddedEngine
@@ -15,6 +16,10 @@ from ._options import engine_options as engine_options
 from ._protocol import Engine as Engine
 from ._radix import RadixStatistics as RadixStatistics
 from ._sampling import sample_token as sample_token
+from ._scripted import Script as Script
+from ._scripted import ScriptedEngine as ScriptedEngine
+from ._scripted import ScriptFile as ScriptFile
+from ._scripted import read_script as read_script
 
 __all__ = [
     "EmbeddedEngine",
@@ -22,8 +27,12 @@ __all__ = [
     "EngineOptions",
     "EngineStatistics",
     "RadixStatistics",
+    "Script",
+    "ScriptFile",
+    "ScriptedEngine",
     "engine_options",
     "open_embedded_engine",
+    "read_script",
     "sample_token",
 ]
 

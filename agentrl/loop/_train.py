@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import torch
 
 from agentrl._errors import ConfigError
@@ -185,7 +184,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
 
     from agentrl._models import resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
-    from agentrl.engine import SGLangEngine, engine_options, open_embedded_engine
+    from agentrl.engine import SGLangEngine, open_embedded_engine
     from agentrl.formats import get_format
 
     out = Path(out)
@@ -195,7 +194,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = _check_resume(cfg, out, fingerprint) if resume else None
     _check_out(out, resume=resume)
-    options = engine_options(cfg.engine)
+    options = cfg.engine
     dist = init_distributed(num_threads=cfg.train.num_threads)
     if cfg.server.urls and dist.world_size > 1:
         raise ConfigError("server.urls: rollouts on servers run from one process (no torchrun)")
@@ -204,9 +203,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
         _prepare_out(cfg, out, model_path)
     if dist.world_size > 1 and options.num_threads is None:  # the ranks share the cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
-        options = msgspec.structs.replace(
-            options, num_threads=max(1, (os.cpu_count() or 1) // local)
-        )
+        options = options.replace(num_threads=max(1, (os.cpu_count() or 1) // local))
     max_turns = cfg.rollout.max_turns or spec.max_turns
     max_new = cfg.rollout.max_new_tokens or spec.max_new_tokens
     learner = Learner(
@@ -225,7 +222,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             chunk_size=cfg.train.logprob_chunk_size,
             kernels=cfg.train.kernels,
             norm_length=float(max_turns * max_new),
-            deepspeed=cfg.deepspeed,
+            deepspeed=cfg.deepspeed.overrides(),
         )
     )
     ckpt_root = checkpoint_root(cfg, out)

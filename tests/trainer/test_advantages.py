@@ -237,7 +237,7 @@ def test_single_token_advantage_placement():
         logprobs.detach(),
         batch.advantages.double(),
         batch.loss_mask,
-        algo="grpo",
+        surrogate="clip",
         agg="token-mean",
     )
     (grad,) = torch.autograd.grad(out.loss, logprobs)

@@ -67,7 +67,7 @@ def test_zero3_step_equals_plain_adamw_on_the_full_batch(make_learner, make_grou
         out = causal_lm_token_logprobs(plain, b)
         loss = policy_loss(
             out.logprobs, b.rollout_logprobs, b.advantages, b.loss_mask,
-            algo="grpo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean",
+            surrogate="clip", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean",
             sequence_index=b.sequence_index, denominator=b.step_sequences,
             entropy=out.entropy, entropy_coef=0.0,
         ).loss  # fmt: skip

@@ -1,4 +1,4 @@
-"""Policy/value losses: each algorithm against a hand-computed example, aggregation modes,
+"""Policy/value losses: each surrogate against a hand-computed example, aggregation modes,
 masked tokens' gradients exactly zero, and the on-policy limit (plain policy gradient)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from agentrl.trainer import aggregate, policy_loss, value_loss
 
-ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo")
+SURROGATES = ("clip", "gspo", "cispo")
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -23,7 +23,7 @@ def test_clipped_surrogate_by_hand():
     old = t([-1.2, -1.5, -0.5, -2.0])
     adv = t([1.0, 1.0, -1.0, -2.0])
     mask = torch.tensor([True, True, True, False])
-    out = policy_loss(lp, old, adv, mask, algo="grpo", clip_low=0.2, agg="token-mean")
+    out = policy_loss(lp, old, adv, mask, surrogate="clip", clip_low=0.2, agg="token-mean")
     r0, r1 = math.exp(0.2), math.exp(-0.5)  # 1.2214 (clipped to 1.2: A > 0), 0.6065 (kept)
     want = (-1.2 - r1 + 1.0) / 3
     assert out.loss.item() == pytest.approx(want, abs=1e-12)
@@ -46,7 +46,7 @@ def test_dapo_clip_higher_is_asymmetric():
     old = t([-1.2, -0.7])  # log ratios 0.2 and -0.3
     adv = t([1.0, -1.0])
     mask = torch.tensor([True, True])
-    out = policy_loss(lp, old, adv, mask, algo="dapo", clip_low=0.2, clip_high=0.28)
+    out = policy_loss(lp, old, adv, mask, surrogate="clip", clip_low=0.2, clip_high=0.28)
     r0 = math.exp(0.2)  # 1.2214 < 1.28: kept; r1 = e^-0.3 = 0.7408 < 0.8 with A < 0: clipped
     assert out.loss.item() == pytest.approx((-r0 + 0.8) / 2, abs=1e-12)
     (grad,) = torch.autograd.grad(out.loss, lp)
@@ -54,7 +54,7 @@ def test_dapo_clip_higher_is_asymmetric():
     assert out.metrics.clip_fraction_low.item() == 0.5
     assert out.metrics.clip_fraction_high.item() == 0.0
     # the symmetric clip would have clipped token 0 (1.2214 > 1.2)
-    sym = policy_loss(lp, old, adv, mask, algo="grpo", clip_low=0.2)
+    sym = policy_loss(lp, old, adv, mask, surrogate="clip", clip_low=0.2)
     assert sym.loss.item() == pytest.approx((-1.2 + 0.8) / 2, abs=1e-12)
 
 
@@ -64,7 +64,7 @@ def test_gspo_by_hand_sequence_ratio():
     adv = t([[1.0, 1.0], [-0.5, -0.5]])
     mask = torch.ones(2, 2, dtype=torch.bool)
     out = policy_loss(
-        lp, old, adv, mask, algo="gspo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"
+        lp, old, adv, mask, surrogate="gspo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"
     )
     s0, s1 = math.exp(0.2), math.exp(-0.05)  # geometric means: 1.2214 (clipped), 0.9512
     assert out.loss.item() == pytest.approx((-1.2 + 0.5 * s1) / 2, abs=1e-12)
@@ -85,7 +85,7 @@ def test_gspo_token_form_equals_sequence_level_gspo(rng):
     mask = torch.rand(5, 7, generator=gen) < 0.7
     mask[:, 0] = True
     out = policy_loss(
-        lp, old, seq_adv[:, None].expand(5, 7), mask, algo="gspo", clip_low=0.05,
+        lp, old, seq_adv[:, None].expand(5, 7), mask, surrogate="gspo", clip_low=0.05,
         clip_high=0.07, agg="seq-mean-token-mean",
     )  # fmt: skip
     log_s = ((lp - old) * mask).sum(1) / mask.sum(1)
@@ -101,7 +101,7 @@ def test_cispo_by_hand_keeps_gradient_of_clipped_tokens():
     old = t([-1.5, -1.9])  # log ratios 0.5 (weight clipped to 1.2) and -0.1
     adv = t([1.0, -1.0])
     mask = torch.tensor([True, True])
-    out = policy_loss(lp, old, adv, mask, algo="cispo", clip_low=1.0, clip_high=0.2)
+    out = policy_loss(lp, old, adv, mask, surrogate="cispo", clip_low=1.0, clip_high=0.2)
     w1 = math.exp(-0.1)
     assert out.loss.item() == pytest.approx((-1.2 * 1 * -1.0 + -w1 * -1.0 * -2.0) / 2, abs=1e-12)
     (grad,) = torch.autograd.grad(out.loss, lp)
@@ -116,7 +116,7 @@ def test_truncated_importance_sampling_by_hand():
     rollout = t([-1.5, -0.8])  # π_old / π_rollout = e^0.5 = 1.6487 → capped at 1.5; e^-0.2
     adv = t([1.0, 1.0])
     mask = torch.tensor([True, True])
-    out = policy_loss(lp, old, adv, mask, algo="grpo", rollout_logprobs=rollout, tis_cap=1.5)
+    out = policy_loss(lp, old, adv, mask, surrogate="clip", rollout_logprobs=rollout, tis_cap=1.5)
     w1 = math.exp(-0.2)
     assert out.loss.item() == pytest.approx((-1.5 - w1) / 2, abs=1e-12)
     (grad,) = torch.autograd.grad(out.loss, lp)
@@ -134,7 +134,7 @@ def test_kl_and_entropy_terms_by_hand():
     ent = t([[2.0, 3.0, 100.0]], grad=True)
     mask = torch.tensor([[True, True, False]])
     out = policy_loss(
-        lp, lp.detach(), adv, mask, algo="grpo", agg="seq-mean-token-mean",
+        lp, lp.detach(), adv, mask, surrogate="clip", agg="seq-mean-token-mean",
         ref_logprobs=ref, kl_coef=0.1, kl_estimator="k3", entropy=ent, entropy_coef=0.01,
     )  # fmt: skip
     k3 = math.exp(-0.5) - 1 + 0.5  # log r = ref - lp = -0.5 on token 0, 0 on token 1
@@ -191,9 +191,9 @@ def test_micro_batches_with_step_denominators_sum_to_the_full_batch_loss(rng):
         torch.testing.assert_close(parts, full, msg=lambda m, a=agg: f"{a}: {m} seed={seed}")
 
 
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("surrogate", SURROGATES)
 @pytest.mark.parametrize("agg", AGGS)
-def test_masked_tokens_get_exactly_zero_gradient(rng, algo, agg):
+def test_masked_tokens_get_exactly_zero_gradient(rng, surrogate, agg):
     """Poison masked positions (NaN old logprobs/advantages/ref/entropy, huge logprobs): the loss
     stays finite and their gradients are exactly 0, with every optional term switched on."""
     seed = rng.randrange(2**31)
@@ -209,7 +209,7 @@ def test_masked_tokens_get_exactly_zero_gradient(rng, algo, agg):
     poison = lambda x: torch.where(mask, x, nan)  # noqa: E731
     noise = lambda: torch.randn(shape, generator=gen, dtype=torch.float64)  # noqa: E731
     out = policy_loss(
-        lp, poison(lp.detach() + 0.3 * noise()), poison(noise()), mask, algo=algo,
+        lp, poison(lp.detach() + 0.3 * noise()), poison(noise()), mask, surrogate=surrogate,
         clip_low=0.2, clip_high=0.28, agg=agg, norm_length=6, ref_logprobs=poison(lp.detach()
         + noise()), kl_coef=0.1, entropy=torch.where(mask, ent, nan), entropy_coef=0.01,
         rollout_logprobs=poison(lp.detach() + 0.1 * noise()), tis_cap=2.0,
@@ -221,8 +221,8 @@ def test_masked_tokens_get_exactly_zero_gradient(rng, algo, agg):
     assert (g_ent[mask] != 0).all(), f"seed={seed}"
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_on_policy_gradient_is_the_plain_policy_gradient(rng, algo):
+@pytest.mark.parametrize("surrogate", SURROGATES)
+def test_on_policy_gradient_is_the_plain_policy_gradient(rng, surrogate):
     """At ratio 1 (π_θ = π_old) every surrogate's gradient is the REINFORCE gradient
     -Â ∇log π, weighted by the aggregation: token-mean 1/N; seq-mean-token-mean 1/(S|o_i|)."""
     seed = rng.randrange(2**31)
@@ -233,7 +233,7 @@ def test_on_policy_gradient_is_the_plain_policy_gradient(rng, algo):
     seq_adv = torch.randn(3, 1, generator=gen, dtype=torch.float64)
     adv = seq_adv.expand(3, 5)
     for agg in ("token-mean", "seq-mean-token-mean"):
-        out = policy_loss(lp, lp.detach(), adv, mask, algo=algo, agg=agg, clip_low=0.2)
+        out = policy_loss(lp, lp.detach(), adv, mask, surrogate=surrogate, agg=agg, clip_low=0.2)
         (grad,) = torch.autograd.grad(out.loss, lp)
         if agg == "token-mean":
             weight = mask / mask.sum()
@@ -247,8 +247,8 @@ def test_on_policy_gradient_is_the_plain_policy_gradient(rng, algo):
 def test_invalid_arguments_are_refused():
     x = t([-1.0])
     mask = torch.tensor([True])
-    with pytest.raises(ValueError, match="unknown algorithm"):
-        policy_loss(x, x, x, mask, algo="reinforce++")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown surrogate"):
+        policy_loss(x, x, x, mask, surrogate="reinforce++")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="shapes differ"):
         policy_loss(x, t([-1.0, -2.0]), x, mask)
 
