@@ -4,8 +4,12 @@
 Llama/Qwen2-family forward in torch (``_model``) over a paged KV pool (``_kv``), a radix prefix
 cache (``_radix``), sessions that pin a trajectory's KV between turns (``_session``) and a
 continuous-batching scheduler (``_scheduler``), run by one worker thread (``_worker``) of this
-process; ``open_embedded_engine`` owns one for a block.
+process; ``open_embedded_engine`` owns one for a block. ``GenerateResult`` (what ``generate``
+returns) and ``SamplingParams`` are the protocol's types, re-exported here for engine authors.
 """
+
+from agentrl._types import GenerateResult as GenerateResult
+from agentrl._types import SamplingParams as SamplingParams
 
 from ._embedded import EmbeddedEngine as EmbeddedEngine
 from ._embedded import EngineOptions as EngineOptions
@@ -21,7 +25,9 @@ __all__ = [
     "Engine",
     "EngineOptions",
     "EngineStatistics",
+    "GenerateResult",
     "RadixStatistics",
+    "SamplingParams",
     "engine_options",
     "open_embedded_engine",
     "sample_token",
