@@ -3,7 +3,6 @@ sandbox glue, and scripted trajectories through the real state machine and a rea
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,8 +42,6 @@ def anyio_backend(request):
 
 @asynccontextmanager
 async def local_pool(tmp_path: Path, **pool) -> AsyncIterator[SandboxRunner]:
-    if importlib.util.find_spec("agentrl.sandboxes._local") is None:
-        pytest.skip("the local backend (sandboxes/_local.py) is not there yet")
     pool.setdefault("size", 2)
     with scratch_root() as scratch:
         config = PoolConfig(backend=LocalConfig(scratch_root=str(scratch)), **pool)
@@ -161,8 +158,6 @@ async def test_open_sandbox_runner_and_lease(tmp_path, monkeypatch):
     lease = SandboxLease(None, env_id="x-v0")
     with pytest.raises(agentrl.SandboxError, match="--sandbox local"):
         await lease.run(RunRequest(language="python", code="print(1)"))
-    if importlib.util.find_spec("agentrl.sandboxes._local") is None:
-        pytest.skip("the local backend (sandboxes/_local.py) is not there yet")
     with scratch_root() as scratch:
         await _lease_over_capacity(tmp_path, scratch)
 
