@@ -31,13 +31,8 @@ from agentrl.sandboxes import (
 )
 from agentrl.sandboxes._types import RunRequest
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 IDS = ("python-math-v0", "code-tests-v0")
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
 
 
 @asynccontextmanager

@@ -32,11 +32,6 @@ PACKAGES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setupto
 SLOW = RunRequest(language="python", code="import time; time.sleep(1.0); print(1)")
 
 
-@pytest.fixture
-def anyio_backend():
-    return "trio"
-
-
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_exported_exception_has_its_packages_root(package):
     module = importlib.import_module(package)

@@ -110,12 +110,6 @@ def _docker_marker_gate(request: pytest.FixtureRequest) -> None:
         require_docker()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    """Sandbox tests run on trio (the rollout runtime); some modules add asyncio (the service)."""
-    return "trio"
-
-
 # -- leak checks -----------------------------------------------------------------------------------
 def processes_mentioning(needles: set[str]) -> list[str]:
     """Host processes whose command line contains one of ``needles`` (container ids)."""
