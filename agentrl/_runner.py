@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
@@ -20,13 +20,24 @@ from ._registry import spec as env_spec
 from ._rollout import RolloutContext, derive_seed, run_trajectory
 from ._types import Trajectory, TrajectoryWriter
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .engine import Engine, EngineOptions
+
 
 @dataclass
 class RolloutResult:
+    """What ``rollout`` / ``arollout`` return."""
+
     trajectories: list[Trajectory]
+    """Every trajectory, in task order, ``group_size`` samples per task."""
     elapsed_s: float
+    """Wall-clock seconds of the rollout (engine start excluded)."""
     out_dir: Path | None
+    """The run directory, when ``out`` was given."""
     model_path: str
+    """The model folder the engine loaded (or the ``model`` name an engine was passed with)."""
 
 
 async def run_groups(
@@ -84,9 +95,9 @@ async def arollout(
     task_offset: int = 0,
     config: RolloutConfig | None = None,
     out: str | Path | None = None,
-    engine: Any = None,
-    engine_options: Any = None,
-    tokenizer: Any = None,
+    engine: Engine | None = None,
+    engine_options: EngineOptions | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     on_trajectory: Callable[[Trajectory], None] | None = None,
     env_resources: dict[str, Any] | None = None,
 ) -> RolloutResult:
@@ -147,6 +158,37 @@ async def arollout(
     return RolloutResult(trajectories, elapsed, out_dir, model_path)
 
 
-def rollout(env: str, *, backend: str = "trio", **kwargs: Any) -> RolloutResult:
-    """Synchronous ``arollout`` on its own event loop (trio by default)."""
-    return anyio.run(lambda: arollout(env, **kwargs), backend=backend)
+def rollout(
+    env: str,
+    *,
+    model: str = "tiny-random",
+    n: int = 8,
+    split: str = "train",
+    task_offset: int = 0,
+    config: RolloutConfig | None = None,
+    out: str | Path | None = None,
+    engine: Engine | None = None,
+    engine_options: EngineOptions | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+    env_resources: dict[str, Any] | None = None,
+    backend: Literal["trio", "asyncio"] = "trio",
+) -> RolloutResult:
+    """Synchronous ``arollout`` (same parameters) on its own event loop, trio by default."""
+    return anyio.run(
+        lambda: arollout(
+            env,
+            model=model,
+            n=n,
+            split=split,
+            task_offset=task_offset,
+            config=config,
+            out=out,
+            engine=engine,
+            engine_options=engine_options,
+            tokenizer=tokenizer,
+            on_trajectory=on_trajectory,
+            env_resources=env_resources,
+        ),
+        backend=backend,
+    )

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sb.add_argument("sandbox_args", nargs=argparse.REMAINDER)
-    from .loop import add_train_commands  # train, eval, export (issue D)
+    from .loop import add_train_commands  # train, eval, export
 
     p.set_defaults(train_handlers=add_train_commands(sub))
     return p
@@ -481,15 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except AgentRLError as exc:
+    except AgentRLError as exc:  # every error agentrl raises on purpose (sandbox ones too)
         print(f"agentrl: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:
-        # sandbox errors come from agentrl.sandboxes, which has its own root (it runs alone)
-        if type(exc).__module__.startswith("agentrl.sandboxes"):
-            print(f"agentrl: error: {exc}", file=sys.stderr)
-            return 2
-        raise
     except KeyboardInterrupt:
         return 130
 

@@ -1,4 +1,4 @@
-"""Sandboxes for model-written code (issue B): backends, pool, service, client, verifiers.
+"""Sandboxes for model-written code: backends, pool, service, client, verifiers.
 
 This package imports nothing else of agentrl so it can run alone as a service.
 """
@@ -40,3 +40,43 @@ from ._verify_unittest import UnitTestReport as UnitTestReport
 from ._verify_unittest import render_report as render_report
 from ._verify_unittest import run_unit_tests as run_unit_tests
 from ._verify_unittest import values_equal as values_equal
+
+__all__ = [
+    "BackendConfig",
+    "BackendUnavailable",
+    "DockerConfig",
+    "GVisorConfig",
+    "InvalidRequest",
+    "LocalConfig",
+    "PoolBusy",
+    "PoolConfig",
+    "PoolStatistics",
+    "RunRequest",
+    "RunResult",
+    "SandboxBusy",
+    "SandboxClient",
+    "SandboxError",
+    "SandboxHTTPError",
+    "SandboxNoAnswer",
+    "SandboxPool",
+    "SandboxRunner",
+    "SandboxUnreachable",
+    "ServiceConfig",
+    "StdioCase",
+    "StdioVerdict",
+    "UnitTest",
+    "UnitTestOutcome",
+    "UnitTestReport",
+    "answers_match",
+    "build_image",
+    "extract_answer",
+    "grade_math",
+    "judge_stdio",
+    "make_backend",
+    "open_sandbox_pool",
+    "outputs_match",
+    "parse_number",
+    "render_report",
+    "run_unit_tests",
+    "values_equal",
+]

@@ -5,6 +5,11 @@ and value; nothing ran) from ``run`` (in a batch, that item comes back as
 ``status="invalid_request"``); a sandbox that breaks during a run comes back as
 ``status="sandbox_error"``. These exceptions are for the pool and the host: too many requests,
 or a backend the host cannot give.
+
+``SandboxError`` is this package's own root, not a subclass of ``agentrl.AgentRLError``: the
+package imports nothing else of agentrl, so that it runs alone as a service. Code that calls it
+directly catches ``agentrl.sandboxes.SandboxError``; where agentrl itself uses a sandbox, these
+errors are translated into ``agentrl.SandboxError`` (see ``agentrl/_errors.py``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from typing import Literal
 
 import msgspec
 
+from ._errors import SandboxError
+
 Language = Literal["python", "bash"]
 RunStatus = Literal[
     "ok",  # exit code 0
@@ -92,9 +94,9 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorBody
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(SandboxError, ValueError):
     """A request broke a rule (``_validate.validate_request``); ``field`` names where. Nothing
-    ran and no sandbox was touched."""
+    ran and no sandbox was touched. Under the package's root, and a ``ValueError``."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")

@@ -4,7 +4,8 @@ Every loss takes per-token tensors of one shape (``[B, T]`` batch layout, ``[S, 
 ``[N]``) plus a mask; masked positions contribute nothing and get an exactly-zero gradient (they
 are removed with ``torch.where``, so even a NaN there cannot leak). Sequences for the
 ``seq-mean-*`` modes and GSPO come from ``sequence_index`` (same shape, -1 = none); without it,
-each row of the last dimension is one sequence. Issue E's fused loss kernel has this contract.
+each row of the last dimension is one sequence. The fused loss kernel
+(``agentrl.kernels.fused_policy_loss``) has the same contract.
 
 ``surrogate`` selects the loss family (``clip``, ``gspo``, ``cispo``); which algorithm uses which
 surrogate, estimator and defaults is the table in ``_algorithms`` (printed in

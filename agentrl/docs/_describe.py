@@ -24,6 +24,8 @@ import msgspec
 import pydantic
 import pydantic_core
 
+from agentrl._errors import AgentRLError
+
 
 @dataclass(frozen=True)
 class Field:
@@ -39,7 +41,7 @@ class Field:
     """A model the field holds (documented in its own section), if any."""
 
 
-class MissingDocstring(Exception):
+class MissingDocstring(AgentRLError):
     """A field without a docstring: the reference refuses to print an undocumented field."""
 
 

@@ -6,7 +6,12 @@ cache (``_radix``), sessions that pin a trajectory's KV between turns (``_sessio
 continuous-batching scheduler (``_scheduler``), run by one worker thread (``_worker``) of this
 process; ``open_embedded_engine`` owns one for a block. ``ScriptedEngine`` replays a file of
 assistant turns through the same protocol (``_scripted``), to exercise environments' tools.
+``GenerateResult`` (what ``generate`` returns) and ``SamplingParams`` are the protocol's types,
+re-exported here for engine authors.
 """
+
+from agentrl._types import GenerateResult as GenerateResult
+from agentrl._types import SamplingParams as SamplingParams
 
 from ._embedded import EmbeddedEngine as EmbeddedEngine
 from ._embedded import EngineOptions as EngineOptions
@@ -26,7 +31,9 @@ __all__ = [
     "Engine",
     "EngineOptions",
     "EngineStatistics",
+    "GenerateResult",
     "RadixStatistics",
+    "SamplingParams",
     "Script",
     "ScriptFile",
     "ScriptedEngine",

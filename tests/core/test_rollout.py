@@ -14,15 +14,10 @@ from agentrl._rollout import RolloutContext, run_trajectory
 from agentrl._runner import run_groups
 from agentrl.formats import check_boundary
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 2"}}\n</tool_call>'
 ANSWER = "<answer>5</answer><|im_end|>"
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
 
 
 def _ctx(chatml, engine, **cfg):

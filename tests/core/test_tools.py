@@ -13,12 +13,7 @@ import trio.testing
 import agentrl
 from agentrl._tools import BoundTool, collect_tools, invoke_tool, tool_spec
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 
 @agentrl.tool

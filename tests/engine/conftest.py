@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny-random model folder, a reference model, both anyio backends."""
+"""Shared fixtures: the tiny-random model folder and a reference model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from agentrl._models import resolve_model
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 @pytest.fixture(scope="session")

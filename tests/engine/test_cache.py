@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, open_embedded_engine
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 PAGE = 16
 
 

@@ -24,11 +24,6 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "trio"  # one backend is enough: nothing here is about the event loop
-
-
 MIXED = [(1, 1), (13, 1), (30, 1), (9, 5), (21, 21)]
 """(seq_len, q_len) of a step's rows: 3 decode rows, then 2 prefill chunks."""
 

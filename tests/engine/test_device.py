@@ -33,18 +33,12 @@ from agentrl.engine._server import serve_main
 from agentrl.engine._worker import Worker
 from agentrl.kernels import triton_available
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_kernel = pytest.mark.skipif(
     not triton_available("cpu"), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"
 )
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 Outcome = tuple[list[int], list[float], str, int]
 """What a run is compared on: ids, logprobs, finish reason, cached tokens."""
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "trio"  # one backend is enough: nothing here is about the event loop
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +252,6 @@ def assert_close_runs(got: list[Outcome], want: list[Outcome], atol: float) -> N
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.anyio
 async def test_cuda_fp32_matches_the_cpu(tiny_dir: Path, perturbed: dict) -> None:
     """Same ids (greedy and seeded sampling: the generators stay on the CPU), logprobs within
@@ -270,7 +263,6 @@ async def test_cuda_fp32_matches_the_cpu(tiny_dir: Path, perturbed: dict) -> Non
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.anyio
 async def test_cuda_triton_decode_equals_sdpa(tiny_dir: Path, perturbed: dict) -> None:
     """The Triton kernel and "auto" (which times both kernels with CUDA events in the worker
@@ -283,7 +275,6 @@ async def test_cuda_triton_decode_equals_sdpa(tiny_dir: Path, perturbed: dict) -
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.anyio
 async def test_cuda_bf16_logprobs_are_close_to_fp32(
     tiny_dir: Path, reference_model: PreTrainedModel
@@ -313,7 +304,6 @@ async def test_cuda_bf16_logprobs_are_close_to_fp32(
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.anyio
 async def test_cuda_weights_and_kv_live_on_the_device(
     tiny_dir: Path, perturbed: dict, tmp_path: Path

@@ -16,7 +16,7 @@ from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, Engine, open_embedded_engine
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
 

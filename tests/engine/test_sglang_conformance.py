@@ -30,7 +30,7 @@ from agentrl.engine import Engine
 from agentrl.engine._sglang import SGLangEngine, SGLangHTTPError
 from agentrl.formats import check_boundary, get_format
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
 SUFFIX = [198, 1, 520, 9531, 198]  # "\n<|im_start|>assistant\n": never starts with BOS

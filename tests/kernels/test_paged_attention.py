@@ -179,7 +179,6 @@ def test_trusted_max_seq_len_matches_checked(gen, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @needs_triton
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),

@@ -23,12 +23,7 @@ from agentrl.sandboxes import (
 from agentrl.sandboxes._errors import PoolBusy
 from agentrl.sandboxes._types import InvalidRequest, RunRequest
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 
 def py(code: str, **kw) -> RunRequest:

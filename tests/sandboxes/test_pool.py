@@ -27,12 +27,7 @@ from agentrl.sandboxes import _pool as pool_module
 from agentrl.sandboxes._backend import Guarantee
 from agentrl.sandboxes._types import InvalidRequest, RunRequest, RunResult
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 
 class GateSandbox:

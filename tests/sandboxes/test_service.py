@@ -23,13 +23,8 @@ from agentrl.sandboxes._serve import is_loopback
 from agentrl.sandboxes._service import make_app
 from agentrl.sandboxes._validate import validation_field
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]  # aiohttp
 LOCAL = pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"  # aiohttp is asyncio-only
 
 
 def py(code: str, **kw) -> dict:

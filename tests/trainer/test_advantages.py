@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 import torch
+from trajectories import trajectory_from_pieces
 
-from agentrl._types import SamplingParams, Span, Trajectory
 from agentrl.trainer import (
     causal_lm_token_logprobs,
     dr_grpo_advantages,
@@ -188,30 +188,14 @@ def tiny_model():
 
 
 def trajectory(token_ids, sampled, logprobs):
-    n = len(token_ids)
-    spans, start = [], 0
-    for i in range(1, n + 1):  # one span per run of equal mask values
+    """``token_ids`` with the positions in ``sampled`` as model tokens (their ``logprobs[i]``),
+    the others as tool tokens: one piece per run of equal mask values."""
+    n, pieces, start = len(token_ids), [], 0
+    for i in range(1, n + 1):
         if i == n or (i in sampled) != (start in sampled):
-            spans.append(Span(start, i, "model" if start in sampled else "tool", 0))
+            pieces.append(("model" if start in sampled else "tool", token_ids[start:i], 0))
             start = i
-    return Trajectory(
-        id="t",
-        env="test-v0",
-        task_id="0",
-        group_id="g",
-        policy_version=0,
-        status="done",
-        termination_reason="stop",
-        reward=1.0,
-        turn_rewards=[],
-        error=None,
-        sampling=SamplingParams(),
-        tokenizer_fingerprint="test",
-        token_ids=token_ids,
-        loss_mask=[int(i in sampled) for i in range(n)],
-        logprobs=[logprobs[i] if i in sampled else None for i in range(n)],
-        spans=spans,
-    )
+    return trajectory_from_pieces(pieces, logprob=lambda i: logprobs[i], id="t")
 
 
 def test_single_token_advantage_placement():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from trajectories import trajectory_from_pieces
 
-from agentrl._types import SamplingParams, Span, Trajectory
 from agentrl.trainer import (
     block_causal_mask,
     causal_lm_token_logprobs,
@@ -24,44 +24,20 @@ EOS = 2  # SmolLM2: pad id == EOS id
 
 def make_trajectory(gen, turns, *, name="t", vocab=64, reason="stop"):
     """prompt, then per turn: model tokens ending in EOS, a template newline, a tool reply."""
-    ids, mask, logprobs, spans = [], [], [], []
-
-    def add(source, tokens, turn):
-        start = len(ids)
-        ids.extend(tokens)
-        sampled = source == "model"
-        mask.extend([int(sampled)] * len(tokens))
-        for _ in tokens:
-            logprobs.append(-3 * torch.rand(1, generator=gen).item() if sampled else None)
-        spans.append(Span(start, len(ids), source, turn))
-
     rand = lambda n: torch.randint(3, vocab, (n,), generator=gen).tolist()  # noqa: E731
-    add("prompt", [1, *rand(int(torch.randint(2, 6, (1,), generator=gen)))], 0)
+    pieces = [("prompt", [1, *rand(int(torch.randint(2, 6, (1,), generator=gen)))], 0)]
     for turn in range(turns):
-        add("model", [*rand(int(torch.randint(1, 6, (1,), generator=gen))), EOS], turn)
-        add("template", [EOS + 7], turn)
+        pieces.append(("model", [*rand(int(torch.randint(1, 6, (1,), generator=gen))), EOS], turn))
+        pieces.append(("template", [EOS + 7], turn))
         if turn + 1 < turns:
-            add("tool", [1, *rand(3), EOS, 9, 1, 11, 9], turn)
-    traj = Trajectory(
+            pieces.append(("tool", [1, *rand(3), EOS, 9, 1, 11, 9], turn))
+    return trajectory_from_pieces(
+        pieces,
+        logprob=lambda i: -3 * torch.rand(1, generator=gen).item(),
         id=name,
-        env="test-v0",
-        task_id="0",
-        group_id="g",
         policy_version=3,
-        status="done",
         termination_reason=reason,
-        reward=1.0,
-        turn_rewards=[],
-        error=None,
-        sampling=SamplingParams(),
-        tokenizer_fingerprint="test",
-        token_ids=ids,
-        loss_mask=mask,
-        logprobs=logprobs,
-        spans=spans,
     )
-    traj.validate()
-    return traj
 
 
 def make_batch_trajs(seed, count=7):

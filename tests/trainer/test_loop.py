@@ -29,7 +29,6 @@ pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
 )
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 LEDGER_FIELDS = {
     "step", "policy_version", "reward_mean", "kl", "version_lag", "gen_tokens_per_s",
     "learner_tokens", "publish_s", "reward_std", "pass_rate", "entropy", "clip_fraction",
@@ -131,9 +130,6 @@ def test_task_stream_continues_without_skipping_or_repeating():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Two steps of GRPO on tiny-random, then a resume to step 3."""
-    import sys
-
-    sys.path.insert(0, str(HERE))  # vowels_env
     tmp = tmp_path_factory.mktemp("loop")
     cfg = load_train_config(tiny_config(tmp))
     out = tmp / "run"
@@ -236,14 +232,11 @@ def test_training_against_a_server_publishes_snapshots(tmp_path, tiny_model_path
     HTTP, each new policy version written as a safetensors snapshot and loaded by the server
     through ``/update_weights_from_disk``; the engine and the trainer still agree on every
     sampled token's logprob, and old snapshots are pruned."""
-    import sys
-
     import httpx
     from serve_helpers import start_serve, stop_serve
 
     from agentrl import read_trajectories
 
-    sys.path.insert(0, str(HERE))  # vowels_env
     proc, url = start_serve(tiny_model_path, tmp_path / "serve.log")
     try:
         cfg = load_train_config(
@@ -271,11 +264,8 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
     signal); the loop samples fresh tasks until the step has ``tasks_per_step`` informative
     groups, trains on exactly those, writes every sampled trajectory and advances the cursor by
     every task it drew."""
-    import sys
-
     from agentrl import read_trajectories
 
-    sys.path.insert(0, str(HERE))  # vowels_env
     cfg = load_train_config(
         tiny_config(
             tmp_path,
