@@ -85,7 +85,7 @@ class ToolCallRecord(msgspec.Struct, omit_defaults=True):
     output: str
     error_kind: str | None = None
     """None when ok; otherwise one of: parse_error, unknown_tool, invalid_arguments,
-    oversize_arguments, tool_exception, timeout."""
+    oversize_arguments, tool_exception, tool_timeout."""
     latency_s: float = 0.0
 
 
@@ -97,6 +97,8 @@ class TrajectoryError(msgspec.Struct, omit_defaults=True):
     where: str = "runtime"
     """One of env, engine, runtime, reward."""
     turn: int | None = None
+    traceback: str | None = None
+    """The innermost frames of the exception (Python's traceback format, bounded in size)."""
 
 
 class Timing(msgspec.Struct):
