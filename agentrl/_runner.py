@@ -150,14 +150,9 @@ def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
     return training, rollout
 
 
-def prepare_run_dir(
-    out: Path, resolved: dict[str, Any], if_exists: IfExists
-) -> tuple[dict[str, int], int]:
-    """Check ``out`` against ``if_exists`` and write its ``config.json``; return the first
-    free sample index per group and the number of trajectories already there (both empty/0
-    unless appending). Raises ``ConfigError`` for a
-    directory holding a training run, or a rollout when ``if_exists="error"``, or an append
-    whose env, model, split or sampling settings differ from the run's."""
+def check_run_dir(out: Path, if_exists: IfExists) -> list[str]:
+    """Refuse ``out`` early (before a model is loaded) when it holds a training run, or a
+    rollout and ``if_exists="error"``; return the rollout files it holds."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     training, held = describe_run_dir(out)
@@ -166,15 +161,26 @@ def prepare_run_dir(
             f"--out {out} holds a training run ({', '.join(training)}); a rollout never writes "
             "into one: choose another directory"
         )
-    first_sample: dict[str, int] = {}
-    previous: list[Trajectory] = []
-    config = resolved
     if held and if_exists == "error":
         count = _count_lines(out / "trajectories.jsonl")
         raise ConfigError(
             f"--out {out} already holds a rollout ({', '.join(held)}; {count} trajectories): "
             "choose another directory, or pass --overwrite to replace it or --append to add to it"
         )
+    return held
+
+
+def prepare_run_dir(
+    out: Path, resolved: dict[str, Any], if_exists: IfExists
+) -> tuple[dict[str, int], int]:
+    """Check ``out`` against ``if_exists`` (``check_run_dir``) and write its ``config.json``;
+    return the first free sample index per group and the number of trajectories already there
+    (both empty/0 unless appending). An append whose env, model, split or sampling settings
+    differ from the run's raises ``ConfigError`` naming each difference."""
+    held = check_run_dir(out, if_exists)
+    first_sample: dict[str, int] = {}
+    previous: list[Trajectory] = []
+    config = resolved
     if held and if_exists == "overwrite":
         for name in held:
             (out / name).unlink()
