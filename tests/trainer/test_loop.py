@@ -303,3 +303,41 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
         assert len(step) == 4 * len(drawn)
         refilled += len(record["refill_task_ids"])
     assert refilled > 0, "no step needed a refill: the test proves nothing"
+
+
+def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_path, make_groups):
+    """Each key of the env's reward breakdown is logged as ``reward/<key>`` (its mean over the
+    trajectories that report it), in ledger.jsonl and under the same TensorBoard tag; a step
+    with failed trajectories carries ``first_error`` with the traceback."""
+    import msgspec
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from agentrl._types import TrajectoryError
+    from agentrl.loop import Ledger, rollout_metrics
+
+    trajs = make_groups(seed=3, groups=2, size=2)
+    parts = [{"correct": 1.0, "format": 0.5}, {"correct": 0.0, "format": 1.0}, {"correct": 1.0}]
+    failed = msgspec.structs.replace(
+        trajs[3],
+        status="error",
+        reward=None,
+        error=TrajectoryError("KeyError", "'x'", "reward", 0, traceback="Traceback …"),
+    )
+    with_parts = zip(trajs[:3], parts, strict=True)
+    trajs = [*(msgspec.structs.replace(t, reward_breakdown=b) for t, b in with_parts), failed]
+    record = {"step": 4, **rollout_metrics(trajs, pass_threshold=1.0, elapsed_s=1.0)}
+    assert record["reward/correct"] == pytest.approx(2 / 3)
+    assert record["reward/format"] == pytest.approx(0.75)
+    assert record["errors"] == 1
+    assert record["first_error"] == {
+        "trajectory": trajs[3].id, "where": "reward", "type": "KeyError", "message": "'x'",
+        "traceback": "Traceback …",
+    }  # fmt: skip
+    ledger = Ledger(tmp_path)
+    ledger.write(record)
+    ledger.close()
+    assert read_ledger(tmp_path / "ledger.jsonl")[0]["reward/format"] == pytest.approx(0.75)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/format")] == [(4, 0.75)]
+    assert acc.Scalars("reward/correct")[0].value == pytest.approx(2 / 3)
