@@ -27,8 +27,9 @@ from ._types import Trajectory, TrajectoryWriter, read_trajectories
 IfExists = Literal["error", "overwrite", "append"]
 ROLLOUT_FILES = ("config.json", "trajectories.jsonl", "summary.json", "report.html")
 """What ``agentrl rollout --out DIR`` writes (``--overwrite`` removes exactly these)."""
-TRAINING_FILES = ("ledger.jsonl", "config.yaml", "checkpoints")
-"""Any of these marks a training run, which a rollout never writes into."""
+TRAINING_FILES = ("ledger.jsonl", "checkpoints")
+"""Any of these (or a ``config.json`` saying ``"train": true``) marks a training run, which a
+rollout never writes into."""
 _APPEND_FREE = ("concurrency", "tool_threads")
 """Rollout settings that do not change what is sampled: an append may change them."""
 
@@ -146,6 +147,11 @@ def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
 def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
     """``(training-run markers, rollout files)`` found in ``out``."""
     training = [name for name in TRAINING_FILES if (out / name).exists()]
+    try:
+        if json.loads((out / "config.json").read_text()).get("train") is True:
+            training.append("config.json of a training run")
+    except (OSError, ValueError, AttributeError):
+        pass
     rollout = [name for name in ROLLOUT_FILES if (out / name).exists()]
     return training, rollout
 

@@ -296,27 +296,45 @@ def test_rollout_refuses_a_run_directory_unless_told_to_overwrite_or_append(
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
-def test_rollout_never_writes_into_a_training_run(tmp_path):
+@pytest.mark.parametrize(
+    ("marker", "text", "named"),
+    [
+        ("ledger.jsonl", '{"step": 1}\n', "ledger.jsonl"),
+        ("config.json", '{"env": "calc-v0", "train": true}', "config.json of a training run"),
+    ],
+)
+def test_rollout_never_writes_into_a_training_run(marker, text, named, tmp_path):
     run = tmp_path / "train"
     run.mkdir()
-    (run / "ledger.jsonl").write_text('{"step": 1}\n')
+    (run / marker).write_text(text)
     for flag in ([], ["--overwrite"], ["--append"]):
         proc = _rollout(run, *flag)
         assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert "holds a training run (ledger.jsonl)" in proc.stderr
-    assert sorted(p.name for p in run.iterdir()) == ["ledger.jsonl"]
+        assert f"holds a training run ({named})" in proc.stderr
+    assert [p.name for p in run.iterdir()] == [marker]
+    assert (run / marker).read_text() == text
+
+
+def test_a_config_file_next_to_the_run_is_not_a_run(tmp_path, tiny_model_path):
+    """``--config DIR/config.yaml --out DIR``: a rollout config is not a training run."""
+    (tmp_path / "config.yaml").write_text("rollout: {max_new_tokens: 4}\n")
+    proc = _rollout(tmp_path, "--config", str(tmp_path / "config.yaml"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(read_trajectories(str(tmp_path / "trajectories.jsonl"))) == 2
 
 
 # -- Ctrl-C and failures are reported, not buried ------------------------------------------------
 
 
-def test_ctrl_c_during_a_rollout_saves_what_finished(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_ctrl_c_during_a_rollout_saves_what_finished(backend, tmp_path, tiny_model_path):
     """SIGINT to a real ``agentrl rollout``: a one-line notice (no exception group), the
     finished trajectories kept, the summary written, exit 130."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl.cli", "rollout", "--env", "faulty_envs:slow-v0",
-         "--model", "tiny-random", "-n", "300", "--concurrency", "4", "--out", str(out)],
+         "--model", "tiny-random", "-n", "300", "--concurrency", "4", "--out", str(out),
+         "--backend", backend],
         cwd=REPO, env=FAULTY, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     file = out / "trajectories.jsonl"
@@ -352,31 +370,23 @@ def test_a_rollout_where_every_trajectory_fails_exits_nonzero(tmp_path, tiny_mod
 
 
 def _command_paths() -> list[list[str]]:
-    """Every command and sub-command of ``agentrl``: its argparse tree, and for the commands
-    whose options live in their own package, the choices their help lists."""
+    """Every command and sub-command of ``agentrl``: the top-level commands from its parser,
+    then, recursively, the sub-commands each one's help lists (``{a,b} ...`` in its usage), so
+    commands whose options live in their own package are walked too."""
     import argparse
     import re
 
     from agentrl import cli
 
-    def walk(parser: argparse.ArgumentParser, path: list[str]) -> list[list[str]]:
-        found = [path] if path else []
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, child in action.choices.items():
-                    found += walk(child, [*path, name])
-        return found
-
-    paths = walk(cli._parser(), [])
-    for name in cli.DELEGATED:
-        pending = [[name]]
-        while pending:
-            path = pending.pop()
-            usage = _help(path).split("\n\n")[0]
-            choices = re.search(r"\{([\w,-]+)\}\s+\.\.\.", usage)  # a sub-command, then its args
-            for child in choices[1].split(",") if choices else []:
-                pending.append([*path, child])
-                paths.append([*path, child])
+    (commands,) = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    paths: list[list[str]] = []
+    pending = [[name] for name in commands.choices]
+    while pending:
+        path = pending.pop(0)
+        paths.append(path)
+        usage = _help(path).split("\n\n")[0]
+        choices = re.search(r"\{([\w,-]+)\}\s+\.\.\.", usage)  # a sub-command, then its args
+        pending += [[*path, child] for child in (choices[1].split(",") if choices else [])]
     return paths
 
 
@@ -394,7 +404,7 @@ def _help(path: list[str]) -> str:
 
 
 def test_every_command_and_subcommand_has_help():
-    paths = _command_paths()
+    paths = _command_paths()  # runs each one's --help (exit 0)
     names = {" ".join(p) for p in paths}
     assert {"rollout", "envs show", "sandbox", "sandbox image build", "sandbox serve", "serve",
             "train", "models pull"} <= names, names  # fmt: skip
