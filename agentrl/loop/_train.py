@@ -472,8 +472,12 @@ def _stall_reason(steps: int, record: dict[str, Any]) -> str:
     first = record.get("first_error")
     if first:
         why += f"; first: {first['where']} {first['type']}: {first['message']}"
-    if errors < total:
-        why += f"; {record.get('groups_filtered', 0)} groups dropped by dynamic sampling"
+    if errors < total:  # the algorithm's masks left nothing (dynamic sampling, overlong filter)
+        why += (
+            f"; the learner kept {record.get('trajectories_used', 0)} of "
+            f"{record.get('trajectories_in', total)} (groups dropped by dynamic sampling: "
+            f"{record.get('groups_filtered', 0)}; terminations: {record.get('termination', {})})"
+        )
     return f"{steps} consecutive steps trained on nothing ({why})"
 
 

@@ -279,7 +279,9 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
     cfg = load_train_config(
         tiny_config(
             tmp_path,
-            algorithm={"name": "dapo", "group_size": 4, "kl_coef": 0.0},
+            # tiny-random never stops within 8 tokens: DAPO's overlong filter would mask every
+            # trajectory and the run would train on nothing (and stop after 3 such steps)
+            algorithm={"name": "dapo", "group_size": 4, "kl_coef": 0.0, "overlong_filter": False},
             env_kwargs={"constant_every": 2},
             train={"max_steps": 3, "refill_rounds": 4},
             eval={"every_steps": 0},
@@ -296,6 +298,7 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
         assert record["groups_informative"] == 2, record  # 4 rounds are plenty here
         assert record["groups_filtered"] == 0  # the loop already dropped them
         assert record["trajectories_in"] == 2 * 4
+        assert record["trajectories_used"] == 2 * 4 and record["updates"] > 0
         cursor += len(drawn)
         assert record["data_cursor"] == cursor
         step = [t for t in trajs if t.policy_version == record["step"] - 1]
@@ -341,3 +344,29 @@ def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_p
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward/format")] == [(4, 0.75)]
     assert acc.Scalars("reward/correct")[0].value == pytest.approx(2 / 3)
+
+
+def test_a_run_whose_masks_leave_nothing_to_train_stops(tmp_path):
+    """No trajectory fails, but DAPO's overlong filter masks every one (tiny-random never stops
+    within 8 tokens): after ``train.max_steps_without_update`` such steps the loop stops and
+    says why, instead of "training" on nothing."""
+    import sys
+
+    from agentrl.loop._train import TrainingStalled
+
+    sys.path.insert(0, str(HERE))  # vowels_env
+    cfg = load_train_config(
+        tiny_config(
+            tmp_path,
+            algorithm={"name": "dapo", "group_size": 4, "kl_coef": 0.0},
+            train={"max_steps": 5, "max_steps_without_update": 2},
+            eval={"every_steps": 0},
+        )
+    )
+    with pytest.raises(TrainingStalled, match="2 consecutive steps trained on nothing") as info:
+        train(cfg, tmp_path / "run")
+    assert "0 of 8 trajectories failed; the learner kept 0 of 8" in str(info.value)
+    assert "'max_tokens': 8" in str(info.value)
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert [r["steps_without_update"] for r in ledger] == [1, 2]
+    assert ledger[-1]["stop_reason"] in str(info.value)
