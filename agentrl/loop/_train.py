@@ -193,8 +193,9 @@ def _check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
     if path is None:
         return None
     state = read_state(path)
+    # the tokenizer first (ids would not mean the same thing), then the configuration
+    verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
     if state.config_hash == cfg.hash():
-        verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=cfg.hash())
         return path
     changed = _changed_fields(out, state.config_hash, cfg)
     raise ConfigError(
