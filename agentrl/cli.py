@@ -129,6 +129,11 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     from ._interrupt import run_until_interrupted
     from ._runner import check_run_dir
     from ._types import read_trajectories
+
+    out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
+    check_run_dir(out, if_exists)  # refused before anything heavy is imported or loaded
+
     from .engine import engine_options
 
     console = _console()
@@ -158,9 +163,6 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     cfg = validate_config(RolloutConfig, data)
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
-    out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
-    check_run_dir(out, if_exists)  # refused before anything is loaded
     console.print(
         f"[bold]rollout[/] {args.env} on {args.model}: {args.num_tasks} tasks × "
         f"{cfg.group_size} samples → {out}" + (" (appending)" if args.append else "")
