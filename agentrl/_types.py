@@ -109,7 +109,7 @@ class ToolCallRecord(msgspec.Struct, omit_defaults=True):
     """What the model sees: the tool's result, or the error explained."""
     error_kind: str | None = None
     """None when ok; otherwise one of: parse_error, unknown_tool, invalid_arguments,
-    oversize_arguments, tool_exception, timeout."""
+    oversize_arguments, tool_exception, tool_timeout."""
     latency_s: float = 0.0
     """Wall-clock time of the call."""
 
@@ -125,6 +125,8 @@ class TrajectoryError(msgspec.Struct, omit_defaults=True):
     """One of env, engine, runtime, reward."""
     turn: int | None = None
     """The turn it happened in (None: before the first)."""
+    traceback: str | None = None
+    """The innermost frames of the exception (Python's traceback format, bounded in size)."""
 
 
 class Timing(msgspec.Struct):

@@ -72,6 +72,10 @@ class TrainSection(_Section):
     """A trajectory with reward >= this counts as passed (pass rate)."""
     num_threads: int | None = pydantic.Field(None, ge=1)
     """Torch CPU threads of the learner (default: cores / local ranks)."""
+    max_steps_without_update: int = pydantic.Field(3, ge=0)
+    """Stop the run (non-zero exit, ``stop_reason`` in the ledger) after this many consecutive
+    steps that trained on nothing: every trajectory failed (e.g. the env's ``reward()`` raises)
+    or dynamic sampling dropped every group. 0: never stop."""
 
 
 class CheckpointSection(_Section):
@@ -204,14 +208,16 @@ class TrainConfig(_Section):
 
     def hash(self) -> str:
         """sha256 (16 hex) of what decides the training trajectory: everything except
-        ``train.max_steps``/``num_threads``, checkpointing, logging, eval, engine options, the
-        servers and rollout concurrency (those may change on resume)."""
+        ``train.max_steps``/``num_threads``/``max_steps_without_update``, checkpointing,
+        logging, eval, engine options, the servers and rollout concurrency (those may change on
+        resume)."""
         data = self.model_dump(mode="json")
         data["algorithm"] = self.algorithm.resolved().model_dump(mode="json")
         for section in ("checkpoint", "logging", "eval", "engine", "server"):
             data.pop(section)
         data["train"].pop("max_steps")
         data["train"].pop("num_threads")
+        data["train"].pop("max_steps_without_update")
         data["rollout"].pop("concurrency")
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

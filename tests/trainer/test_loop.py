@@ -269,7 +269,9 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
     cfg = load_train_config(
         tiny_config(
             tmp_path,
-            algorithm={"name": "dapo", "kl_coef": 0.0},
+            # tiny-random never stops within 8 tokens: DAPO's overlong filter would mask every
+            # trajectory and the run would train on nothing (and stop after 3 such steps)
+            algorithm={"name": "dapo", "kl_coef": 0.0, "overlong_filter": False},
             rollout={"env_kwargs": {"constant_every": 2}},
             train={"max_steps": 3, "refill_rounds": 4},
             eval={"every_steps": 0},
@@ -286,6 +288,7 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
         assert record["groups_informative"] == 2, record  # 4 rounds are plenty here
         assert record["groups_filtered"] == 0  # the loop already dropped them
         assert record["trajectories_in"] == 2 * 4
+        assert record["trajectories_used"] == 2 * 4 and record["updates"] > 0
         cursor += len(drawn)
         assert record["data_cursor"] == cursor
         step = [t for t in trajs if t.policy_version == record["step"] - 1]
@@ -293,3 +296,64 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
         assert len(step) == 4 * len(drawn)
         refilled += len(record["refill_task_ids"])
     assert refilled > 0, "no step needed a refill: the test proves nothing"
+
+
+def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_path, make_groups):
+    """Each key of the env's reward breakdown is logged as ``reward/<key>`` (its mean over the
+    trajectories that report it), in ledger.jsonl and under the same TensorBoard tag; a step
+    with failed trajectories carries ``first_error`` with the traceback."""
+    import msgspec
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from agentrl._types import TrajectoryError
+    from agentrl.loop import Ledger, rollout_metrics
+
+    trajs = make_groups(seed=3, groups=2, size=2)
+    parts = [{"correct": 1.0, "format": 0.5}, {"correct": 0.0, "format": 1.0}, {"correct": 1.0}]
+    failed = msgspec.structs.replace(
+        trajs[3],
+        status="error",
+        reward=None,
+        error=TrajectoryError("KeyError", "'x'", "reward", 0, traceback="Traceback …"),
+    )
+    with_parts = zip(trajs[:3], parts, strict=True)
+    trajs = [*(msgspec.structs.replace(t, reward_breakdown=b) for t, b in with_parts), failed]
+    record = {"step": 4, **rollout_metrics(trajs, pass_threshold=1.0, elapsed_s=1.0)}
+    assert record["reward/correct"] == pytest.approx(2 / 3)
+    assert record["reward/format"] == pytest.approx(0.75)
+    assert record["errors"] == 1
+    assert record["first_error"] == {
+        "trajectory": trajs[3].id, "where": "reward", "type": "KeyError", "message": "'x'",
+        "traceback": "Traceback …",
+    }  # fmt: skip
+    ledger = Ledger(tmp_path)
+    ledger.write(record)
+    ledger.close()
+    assert read_ledger(tmp_path / "ledger.jsonl")[0]["reward/format"] == pytest.approx(0.75)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/format")] == [(4, 0.75)]
+    assert acc.Scalars("reward/correct")[0].value == pytest.approx(2 / 3)
+
+
+def test_a_run_whose_masks_leave_nothing_to_train_stops(tmp_path):
+    """No trajectory fails, but DAPO's overlong filter masks every one (tiny-random never stops
+    within 8 tokens): after ``train.max_steps_without_update`` such steps the loop stops and
+    says why, instead of "training" on nothing."""
+    from agentrl.loop._train import TrainingStalled
+
+    cfg = load_train_config(
+        tiny_config(
+            tmp_path,
+            algorithm={"name": "dapo", "kl_coef": 0.0},
+            train={"max_steps": 5, "max_steps_without_update": 2},
+            eval={"every_steps": 0},
+        )
+    )
+    with pytest.raises(TrainingStalled, match="2 consecutive steps trained on nothing") as info:
+        train(cfg, tmp_path / "run")
+    assert "0 of 8 trajectories failed; the learner kept 0 of 8" in str(info.value)
+    assert "'max_tokens': 8" in str(info.value)
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert [r["steps_without_update"] for r in ledger] == [1, 2]
+    assert ledger[-1]["stop_reason"] in str(info.value)
