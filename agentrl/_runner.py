@@ -337,9 +337,12 @@ def rollout(
     tokenizer: PreTrainedTokenizerBase | None = None,
     on_trajectory: Callable[[Trajectory], None] | None = None,
     env_resources: dict[str, Any] | None = None,
+    if_exists: IfExists = "error",
     backend: Literal["trio", "asyncio"] = "trio",
 ) -> RolloutResult:
-    """Synchronous ``arollout`` (same parameters) on its own event loop, trio by default."""
+    """Synchronous ``arollout`` (same parameters but ``stop``, an event of the loop this call
+    creates: Ctrl-C ends a synchronous rollout instead) on its own event loop, trio by
+    default."""
     return anyio.run(
         lambda: arollout(
             env,
@@ -354,6 +357,7 @@ def rollout(
             tokenizer=tokenizer,
             on_trajectory=on_trajectory,
             env_resources=env_resources,
+            if_exists=if_exists,
         ),
         backend=backend,
     )

@@ -433,7 +433,7 @@ for name in os.environ.get("AGENTRL_TEST_MISSING", "").split(","):
         ("aiohttp", ["serve", "--model", "tiny-random"], "pip install 'agentrl[serve]'"),
         ("aiohttp", ["sandbox", "serve", "--backend", "local"], "pip install 'agentrl[sandbox]'"),
         ("deepspeed", ["train", "--model", "tiny-random", "--max-steps", "1", "--out", "OUT",
-                       "--set", "algorithm.group_size=2"], "pip install 'agentrl[train]'"),
+                       "--set", "rollout.group_size=2"], "pip install 'agentrl[train]'"),
         ("docker", ["rollout", "--env", "python-math-v0", "--model", "tiny-random", "-n", "1",
                     "--sandbox", "docker", "--out", "OUT"], "pip install 'agentrl[sandbox]'"),
     ],
