@@ -271,6 +271,76 @@ def paged_decode_bound(
     return bound
 
 
+def logprob_entropy_bounds(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor,
+    *,
+    u: float = _UNIT_ROUNDOFF[torch.float32],
+    u_dz: float = 0.0,
+    u_out: float = 0.0,
+    u_operand: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error bounds of per-token log-prob and entropy from ``z = hidden @ weightᵀ / τ`` (see
+    ``agentrl.kernels.reference.logprob_entropy``) computed at unit roundoff ``u`` (float64,
+    from the values the implementation read), and of the gradients of ``Σ g_lp logprob + g_ent
+    entropy``: ``(logprob [T], entropy [T], grad_hidden [T, H], grad_weight [V, H])``.
+
+    Forward, ``f = accumulation_factor``: a logit ``z_j = h·w_j / τ``
+    errs by ``dz_j = f(H) Σ_k|h_k w_jk| / τ + 2u|z_j|``; the log-sum-exp by ``δlse = Σ_j p_j dz_j
+    + f(V) + 4u + u|lse|`` (the weights' sum over the vocabulary, the exps, the log); so each
+    ``log p_j`` by ``ε_j = dz_j + δlse``, the logprob by ``ε_y + u|logprob|``, and the entropy
+    ``-Σ p log p`` by ``Σ_j p_j (1 + |log p_j| + |log p_j + H|) ε_j + (f(V) + 4u)(Σ_j p_j
+    |log p_j| + H + 1)``: ``p_j |log p_j + H|`` is its derivative along a shift of ``z_j`` (which
+    the normalizer partly absorbs), ``p_j |1 + log p_j|`` along an error of ``log p_j`` alone
+    (``z_j - lse`` rounded: with logits of 1e3 that alone is ~6e-5).
+
+    Backward: ``dL/dz_j = (g_lp (1[j=y] - p_j) - g_H p_j (log p_j + H)) / τ`` errs by
+    ``(|g_lp| p_j ε_j + |g_H| p_j (ε_j |log p_j + H| + ε_j + δH)) / τ`` plus ``4u`` of its terms;
+    ``u_dz``: the kernel rounds ``dL/dz`` to the weights' dtype before its products (bf16
+    ``tl.dot`` on a GPU). The gradients ``dz @ W`` and ``dzᵀ @ h`` then err by the propagated
+    ``|δdz| @ |W|`` plus their own sums over ``V`` (``T``), and the cast to the input dtype,
+    ``u_out |grad|``. ``u_operand``: every GEMM rounds its operands first (tf32 on tensor
+    cores: ``2 u_operand`` of its absolute products)."""
+    h, w, g_lp, g_ent = to64(hidden, weight, g_lp, g_ent)
+    v = w.shape[0]
+    z = h @ w.T / temperature
+    dz = (dot_bound(h, w.T, u=u) + 2 * u_operand * (h.abs() @ w.abs().T)) / temperature
+    dz = dz + 2 * u * z.abs()
+    log_p = z.log_softmax(-1)
+    p = log_p.exp()
+    lse = torch.logsumexp(z, -1)
+    entropy = -(p * log_p).sum(-1)
+    d_lse = (p * dz).sum(-1) + accumulation_factor(v, u) + 4 * u + u * lse.abs()
+    eps = dz + d_lse[:, None]  # [T, V]: each log p_j
+    lp = log_p.gather(1, targets.cpu().long()[:, None])[:, 0]
+    lp_bound = eps.gather(1, targets.cpu().long()[:, None])[:, 0] + u * lp.abs()
+    centred = (log_p + entropy[:, None]).abs()
+    sum_term = accumulation_factor(v, u) + 4 * u
+    # each log p_j errs on its own (not as a shift of the logits the normalizer absorbs), so
+    # entropy's sensitivity to it is p_j |1 + log p_j| as well as the logits' p_j |log p_j + H|
+    sensitivity = p * (1 + log_p.abs() + centred)
+    ent_bound = (sensitivity * eps).sum(-1) + sum_term * ((p * log_p.abs()).sum(-1) + entropy + 1)
+    onehot = torch.zeros_like(p).scatter_(1, targets.cpu().long()[:, None], 1.0)
+    grad_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
+    grad_z = grad_z / temperature
+    size = g_lp.abs()[:, None] * (onehot + p) + g_ent.abs()[:, None] * p * centred
+    d_grad_z = (
+        g_lp.abs()[:, None] * p * eps
+        + g_ent.abs()[:, None] * p * (eps * centred + eps + ent_bound[:, None])
+        + 4 * u * size
+    ) / temperature + u_dz * grad_z.abs()
+    grad_h, grad_w = grad_z @ w, grad_z.T @ h
+    gh_sums = dot_bound(grad_z, w, u=u) + 2 * u_operand * (grad_z.abs() @ w.abs())
+    gw_sums = dot_bound(grad_z.T, h, u=u) + 2 * u_operand * (grad_z.abs().T @ h.abs())
+    gh_bound = d_grad_z @ w.abs() + gh_sums + u_out * grad_h.abs()
+    gw_bound = d_grad_z.T @ h.abs() + gw_sums + u_out * grad_w.abs()
+    return lp_bound, ent_bound, gh_bound, gw_bound
+
+
 # -- Monte Carlo propagation through deep computations -----------------------------------------
 
 _EXACT = frozenset(

@@ -6,71 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_devices import DEVICES, needs_triton
-from numerics import (
-    TF32_UNIT_ROUNDOFF,
-    accumulation_factor,
-    assert_within,
-    dot_bound,
-    to64,
-    unit_roundoff,
-)
+from numerics import TF32_UNIT_ROUNDOFF, assert_within, logprob_entropy_bounds, unit_roundoff
 
 from agentrl.kernels import FusedLogprobEntropy, fused_logprob_entropy, reference
-
-
-def _bounds(
-    hidden, weight, targets, temperature, g_lp, g_ent, *, u_dz=0.0, u_out=0.0, u_operand=0.0
-):
-    """Error bounds of an fp32 evaluation (float64, from the values the implementation read):
-    ``(logprob [T], entropy [T], grad_hidden [T, H], grad_weight [V, H])``.
-
-    Forward, ``f = accumulation_factor``, ``u`` fp32's unit roundoff: a logit ``z_j = h·w_j / τ``
-    errs by ``dz_j = f(H) Σ_k|h_k w_jk| / τ + 2u|z_j|``; the log-sum-exp by ``δlse = Σ_j p_j dz_j
-    + f(V) + 4u + u|lse|`` (the weights' sum over the vocabulary, the exps, the log); so each
-    ``log p_j`` by ``ε_j = dz_j + δlse``, the logprob by ``ε_y + u|logprob|``, and the entropy
-    ``-Σ p log p`` (whose derivative in ``z_j`` is ``-p_j (log p_j + H)``) by ``Σ_j p_j |log p_j
-    + H| ε_j + (f(V) + 4u)(Σ_j p_j |log p_j| + H + 1)``.
-
-    Backward: ``dL/dz_j = (g_lp (1[j=y] - p_j) - g_H p_j (log p_j + H)) / τ`` errs by
-    ``(|g_lp| p_j ε_j + |g_H| p_j (ε_j |log p_j + H| + ε_j + δH)) / τ`` plus ``4u`` of its terms;
-    ``u_dz``: the kernel rounds ``dL/dz`` to the weights' dtype before its products (bf16
-    ``tl.dot`` on a GPU). The gradients ``dz @ W`` and ``dzᵀ @ h`` then err by the propagated
-    ``|δdz| @ |W|`` plus their own sums over ``V`` (``T``), and the cast to the input dtype,
-    ``u_out |grad|``. ``u_operand``: every GEMM rounds its operands first (tf32 on tensor
-    cores: ``2 u_operand`` of its absolute products)."""
-    u = unit_roundoff(torch.float32)
-    h, w, g_lp, g_ent = to64(hidden, weight, g_lp, g_ent)
-    t, k = h.shape
-    v = w.shape[0]
-    z = h @ w.T / temperature
-    dz = (dot_bound(h, w.T, u=u) + 2 * u_operand * (h.abs() @ w.abs().T)) / temperature
-    dz = dz + 2 * u * z.abs()
-    log_p = z.log_softmax(-1)
-    p = log_p.exp()
-    lse = torch.logsumexp(z, -1)
-    entropy = -(p * log_p).sum(-1)
-    d_lse = (p * dz).sum(-1) + accumulation_factor(v, u) + 4 * u + u * lse.abs()
-    eps = dz + d_lse[:, None]  # [T, V]: each log p_j
-    lp = log_p.gather(1, targets.cpu().long()[:, None])[:, 0]
-    lp_bound = eps.gather(1, targets.cpu().long()[:, None])[:, 0] + u * lp.abs()
-    centred = (log_p + entropy[:, None]).abs()
-    sum_term = accumulation_factor(v, u) + 4 * u
-    ent_bound = (p * centred * eps).sum(-1) + sum_term * ((p * log_p.abs()).sum(-1) + entropy + 1)
-    onehot = torch.zeros_like(p).scatter_(1, targets.cpu().long()[:, None], 1.0)
-    grad_z = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
-    grad_z = grad_z / temperature
-    size = g_lp.abs()[:, None] * (onehot + p) + g_ent.abs()[:, None] * p * centred
-    d_grad_z = (
-        g_lp.abs()[:, None] * p * eps
-        + g_ent.abs()[:, None] * p * (eps * centred + eps + ent_bound[:, None])
-        + 4 * u * size
-    ) / temperature + u_dz * grad_z.abs()
-    grad_h, grad_w = grad_z @ w, grad_z.T @ h
-    gh_sums = dot_bound(grad_z, w, u=u) + 2 * u_operand * (grad_z.abs() @ w.abs())
-    gw_sums = dot_bound(grad_z.T, h, u=u) + 2 * u_operand * (grad_z.abs().T @ h.abs())
-    gh_bound = d_grad_z @ w.abs() + gh_sums + u_out * grad_h.abs()
-    gw_bound = d_grad_z.T @ h.abs() + gw_sums + u_out * grad_w.abs()
-    return lp_bound, ent_bound, gh_bound, gw_bound
 
 
 def _inputs(gen, t, h, v, dtype, device, *, scale=1.0):
@@ -122,7 +60,7 @@ def test_three_way(gen, device, dtype, t, h, v, temperature):
         # are input_precision="ieee". torch's fp32 GEMMs on a GPU use tf32 if allowed.
         u_dz = u_out if name == "kernel" and device == "cuda" else 0.0
         tf32 = name == "torch" and device == "cuda" and torch.backends.cuda.matmul.allow_tf32
-        lp_b, ent_b, gh_b, gw_b = _bounds(
+        lp_b, ent_b, gh_b, gw_b = logprob_entropy_bounds(
             hidden.detach()[keep], weight.detach(), targets[keep], temperature,
             g_lp[keep], g_ent[keep], u_dz=u_dz, u_out=u_out,
             u_operand=TF32_UNIT_ROUNDOFF if tf32 and dtype == torch.float32 else 0.0,
@@ -151,7 +89,7 @@ def test_extreme_logits_stay_finite(gen, device):
     assert (lp <= 0).all() and (ent >= 0).all()
     # fp32 logits of magnitude ~1e4 carry absolute rounding errors ~1e-3: the model scales
     ones = torch.ones(19, dtype=torch.float64)
-    lp_bound, ent_bound, _, _ = _bounds(hidden, weight, targets, 1.0, ones, ones)
+    lp_bound, ent_bound, _, _ = logprob_entropy_bounds(hidden, weight, targets, 1.0, ones, ones)
     assert_within(lp, ref_lp, lp_bound, "logprob")
     assert_within(ent, ref_ent, ent_bound, "entropy")
     (lp.sum() + ent.sum()).backward()
@@ -183,7 +121,7 @@ def test_only_hidden_needs_grad(gen, device):
     ref_lp, _ = reference.logprob_entropy(leaf, weight, targets)
     ref_lp.sum().backward()
     ones, zeros = torch.ones(21, dtype=torch.float64), torch.zeros(21, dtype=torch.float64)
-    bound = _bounds(hidden, weight, targets, 1.0, ones, zeros)[2]
+    bound = logprob_entropy_bounds(hidden, weight, targets, 1.0, ones, zeros)[2]
     assert_within(hidden.grad, leaf.grad, bound, "grad hidden")
 
 
@@ -226,7 +164,9 @@ def test_auto_uses_torch_on_cpu(gen, monkeypatch):
     lp, _ = fused_logprob_entropy(hidden, weight, targets)
     ref, _ = reference.logprob_entropy(hidden, weight, targets)
     ones = torch.ones(11, dtype=torch.float64)
-    assert_within(lp, ref, _bounds(hidden, weight, targets, 1.0, ones, ones)[0], "logprob")
+    assert_within(
+        lp, ref, logprob_entropy_bounds(hidden, weight, targets, 1.0, ones, ones)[0], "logprob"
+    )
 
 
 def test_triton_backend_refused_where_it_cannot_run(monkeypatch):
