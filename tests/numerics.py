@@ -568,6 +568,27 @@ def emulated_std(
     return reference, (squares / draws).sqrt()
 
 
+def emulated_gradients(
+    loss: Callable[[], torch.Tensor], params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[float]]:
+    """The gradients of ``loss()`` (a float64 computation) in ``params`` and, per parameter,
+    how far an fp32 forward and backward may put them: ``EMULATION_SAFETY`` times the largest
+    emulated fp32 deviation over that parameter's elements (``emulated_rounding_error``: a
+    parameter's many elements make one draw's maximum a stable measure). Parameters without a
+    gradient get zeros."""
+
+    def flat() -> torch.Tensor:
+        grads = torch.autograd.grad(loss(), params, allow_unused=True)
+        pairs = zip(params, grads, strict=True)
+        return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in pairs])
+
+    want, deviation = emulated_rounding_error(flat)
+    sizes = [p.numel() for p in params]
+    grads = [v.view_as(p) for v, p in zip(want.split(sizes), params, strict=True)]
+    bounds = [EMULATION_SAFETY * float(d.max()) for d in deviation.split(sizes)]
+    return grads, bounds
+
+
 def float64_transformers(model: torch.nn.Module) -> torch.nn.Module:
     """A float64 copy of a transformers causal LM that computes in float64 throughout, but for
     its rope tables (fp32 by design, in our engine as well).
