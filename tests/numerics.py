@@ -394,7 +394,8 @@ class EmulatedRounding(TorchDispatchMode):
       promise about one ulp): ``2u |out|``;
     - ``mm``/``bmm``/``addmm``... over ``k`` terms: ``summation_std`` of the ``k`` products, plus
       ``u |out|``;
-    - ``sum``/``mean`` of ``n`` terms, ``index_add``/``scatter_add`` (segment sums):
+    - ``sum``/``mean`` of ``n`` terms, ``index_add``/``scatter_add``/``embedding_dense_backward``
+      (segment sums):
       ``summation_std``, plus ``u |out|``;
     - ``softmax`` / ``log_softmax`` / ``logsumexp`` over ``n``: the normalizer ``S = Σ e^(x -
       max)`` errs by ``summation_std`` (plus ``2u S`` for the exps) once for the whole row;
@@ -477,6 +478,14 @@ class EmulatedRounding(TorchDispatchMode):
             squares = (out.double() - added).square() + func.overloadpacket(
                 zeros, dim, index, source.square()
             )
+            return summation_std(counts, out.double(), squares, u) + u * mag
+        if name == "embedding_dense_backward":  # rows of the output gradient summed per id
+            grad, indices, num_weights = args[0].to(torch.float64), args[1], args[2]
+            rows = grad.reshape(-1, grad.shape[-1])
+            ids = indices.reshape(-1)
+            zeros = torch.zeros(num_weights, grad.shape[-1], dtype=torch.float64)
+            counts = torch.bincount(ids, minlength=num_weights).to(torch.float64)[:, None]
+            squares = zeros.index_add(0, ids, rows.square())
             return summation_std(counts, out.double(), squares, u) + u * mag
         if name in _SUM:
             x = args[0].to(torch.float64)
@@ -569,10 +578,13 @@ def emulated_std(
 
 
 def emulated_gradients(
-    loss: Callable[[], torch.Tensor], params: list[torch.Tensor]
+    loss: Callable[[], torch.Tensor],
+    params: list[torch.Tensor],
+    *,
+    emulate: torch.dtype = torch.float32,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """The gradients of ``loss()`` (a float64 computation) in ``params`` and, per parameter,
-    how far an fp32 forward and backward may put them: ``EMULATION_SAFETY`` times the largest
+    how far an ``emulate`` forward and backward may put them: ``EMULATION_SAFETY`` times the largest
     emulated fp32 deviation over that parameter's elements (``emulated_rounding_error``: a
     parameter's many elements make one draw's maximum a stable measure). Parameters without a
     gradient get zeros."""
@@ -582,7 +594,7 @@ def emulated_gradients(
         pairs = zip(params, grads, strict=True)
         return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in pairs])
 
-    want, deviation = emulated_rounding_error(flat)
+    want, deviation = emulated_rounding_error(flat, emulate=emulate)
     sizes = [p.numel() for p in params]
     grads = [v.view_as(p) for v, p in zip(want.split(sizes), params, strict=True)]
     bounds = [EMULATION_SAFETY * float(d.max()) for d in deviation.split(sizes)]
