@@ -582,12 +582,15 @@ def emulated_gradients(
     params: list[torch.Tensor],
     *,
     emulate: torch.dtype = torch.float32,
-) -> tuple[list[torch.Tensor], list[float]]:
-    """The gradients of ``loss()`` (a float64 computation) in ``params`` and, per parameter,
-    how far an ``emulate`` forward and backward may put them: ``EMULATION_SAFETY`` times the largest
-    emulated fp32 deviation over that parameter's elements (``emulated_rounding_error``: a
-    parameter's many elements make one draw's maximum a stable measure). Parameters without a
-    gradient get zeros."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients of ``loss()`` (a float64 computation) in ``params`` and their emulated
+    ``emulate``-precision deviation (``emulated_rounding_error``, one draw), per element.
+
+    Per parameter, ``EMULATION_SAFETY * deviation.max()`` bounds how far an ``emulate``
+    forward and backward may put any of its elements (a parameter's many elements make one
+    draw's maximum a stable measure), and over all of them ``EMULATION_SAFETY`` times the
+    deviations' 2-norm bounds the gradient's error in 2-norm (a sum of many squares
+    concentrates too). Parameters without a gradient get zeros."""
 
     def flat() -> torch.Tensor:
         grads = torch.autograd.grad(loss(), params, allow_unused=True)
@@ -596,9 +599,11 @@ def emulated_gradients(
 
     want, deviation = emulated_rounding_error(flat, emulate=emulate)
     sizes = [p.numel() for p in params]
-    grads = [v.view_as(p) for v, p in zip(want.split(sizes), params, strict=True)]
-    bounds = [EMULATION_SAFETY * float(d.max()) for d in deviation.split(sizes)]
-    return grads, bounds
+
+    def shaped(x: torch.Tensor) -> list[torch.Tensor]:
+        return [v.view_as(p) for v, p in zip(x.split(sizes), params, strict=True)]
+
+    return shaped(want), shaped(deviation)
 
 
 def float64_transformers(model: torch.nn.Module) -> torch.nn.Module:

@@ -68,8 +68,8 @@ def _grad_bounds(dense, batches) -> dict[str, torch.Tensor]:
         scores = [causal_lm_token_logprobs(model64, b).logprobs for b in batches]
         return sum(s.sum() / b.step_loss_tokens for s, b in zip(scores, batches, strict=True))
 
-    _, bounds = emulated_gradients(loss, list(params))
-    return dict(zip(names, bounds, strict=True))
+    _, deviations = emulated_gradients(loss, list(params))
+    return {n: EMULATION_SAFETY * d.max() for n, d in zip(names, deviations, strict=True)}
 
 
 def _grads(model, batches, score) -> dict[str, torch.Tensor]:

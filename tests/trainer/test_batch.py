@@ -317,12 +317,13 @@ def test_packed_and_padded_loss_and_gradients_equal(rng, agg):
     # two float64 evaluations (HF's RMSNorm in fp32 inside), each within the emulated error
     names, params = zip(*model.named_parameters(), strict=True)
     _, loss_std = emulated_std(lambda: step_loss(pad_trajectories).detach(), emulate=torch.float64)
-    _, grad_bounds = emulated_gradients(
+    _, deviations = emulated_gradients(
         lambda: step_loss(pad_trajectories), list(params), emulate=torch.float64
     )
     assert_within(packed_loss, padded_loss, 2 * LAMBDA * loss_std, f"loss seed={seed}")
-    for name, bound in zip(names, grad_bounds, strict=True):
-        assert_within(packed_grads[name], padded_grads[name], 2 * bound, f"{name} seed={seed}")
+    for name, dev in zip(names, deviations, strict=True):
+        bound = 2 * EMULATION_SAFETY * dev.max()
+        assert_within(packed_grads[name], padded_grads[name], bound, f"{name} seed={seed}")
     assert any(g.abs().sum() > 0 for g in packed_grads.values())
 
 
