@@ -62,6 +62,11 @@ TF32_UNIT_ROUNDOFF = 2.0**-11
 """tf32 keeps fp16's 10 explicit mantissa bits: what an fp32 ``tl.dot`` or cuBLAS GEMM rounds its
 operands to when it runs on tensor cores without ``input_precision="ieee"``."""
 
+SPLIT_FP32_UNIT_ROUNDOFF = 2.0**-21
+"""fp32 products computed as three tf32 products (CUTLASS's ``OpMultiplyAddFastF32``, which
+torch's memory-efficient attention uses for fp32 on sm80+): the dropped low × low term is below
+2^-22 of each product, so each product errs by up to ~2^-21 before the fp32 sum."""
+
 _UNIT_ROUNDOFF = {
     torch.float64: 2.0**-53,
     torch.float32: 2.0**-24,
@@ -233,13 +238,14 @@ def sdpa_rounding(dtype: torch.dtype, device: str) -> dict[str, float]:
     math backend pre-scales q and k and stores scores and probabilities in the working dtype,
     flash backends round the probabilities before ``P @ V``, all accumulate in fp32 and cast
     the output; CPU flash attention's exponential is a fast approximation (``exp_u20``, taken
-    as 32 ulps); fused CUDA kernels may run fp32 products on tensor cores (tf32 operands)."""
+    as 32 ulps); on CUDA, fp32 attention runs the memory-efficient kernel, whose products are
+    split tf32 products (``SPLIT_FP32_UNIT_ROUNDOFF``)."""
     exp = 32 * unit_roundoff(torch.float32)
     if dtype != torch.float32:
         u = unit_roundoff(dtype)
         return {"u_operand": u, "u_score": u, "u_prob": u, "u_out": u, "exp_error": exp}
     if device == "cuda":
-        return {"u_operand": TF32_UNIT_ROUNDOFF, "exp_error": exp}
+        return {"u_operand": SPLIT_FP32_UNIT_ROUNDOFF, "exp_error": exp}
     return {"exp_error": exp}
 
 
@@ -406,7 +412,9 @@ class EmulatedRounding(TorchDispatchMode):
       kernel: ``NotImplementedError`` naming it, so no reduction passes for one rounding.
 
     ``overrides`` gives some ops another unit roundoff (``{"bmm": TF32_UNIT_ROUNDOFF}``: the
-    attention products of a GPU kernel that may run them on tensor cores).
+    attention products of a GPU kernel that may run them on tensor cores); ``accumulate``, the
+    precision sums accumulate at where it is finer than the results' (bf16 GEMMs and reductions
+    accumulate in fp32 and round once at the end).
 
     Run the computation under ``sdpa_kernel(SDPBackend.MATH)`` so that attention decomposes into
     these ops (``emulated_rounding_error`` does).
@@ -417,11 +425,13 @@ class EmulatedRounding(TorchDispatchMode):
         emulate: torch.dtype,
         generator: torch.Generator,
         overrides: dict[str, float] | None = None,
+        accumulate: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.u = unit_roundoff(emulate)
         self.generator = generator
         self.overrides = overrides or {}
+        self.u_acc = None if accumulate is None else unit_roundoff(accumulate)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -451,6 +461,7 @@ class EmulatedRounding(TorchDispatchMode):
         if name in _EXACT:
             return None
         u = max(self.overrides.get(name, self.u), unit_roundoff(out.dtype))
+        acc = u if self.u_acc is None else self.u_acc  # what sums accumulate at
         mag = out.detach().to(torch.float64).abs()
         if name in ("_to_copy", "to", "copy", "_copy_from"):
             src = args[1] if name == "copy" else args[0]
@@ -468,7 +479,7 @@ class EmulatedRounding(TorchDispatchMode):
                 total = total - float(kwargs.get("beta", 1)) * args[0].to(torch.float64)
             # Σt² only sizes the error: fp32 holds it well enough, at half the cost
             squares = _MATMUL[name](a.float().square(), b.float().square()).double()
-            return summation_std(a.shape[-1], total, alpha**2 * squares, u) + u * mag
+            return summation_std(a.shape[-1], total, alpha**2 * squares, acc) + u * mag
         if name in ("index_add", "scatter_add"):
             dim, index, source = args[1], args[2], args[3]
             source = source.to(torch.float64)
@@ -478,7 +489,7 @@ class EmulatedRounding(TorchDispatchMode):
             squares = (out.double() - added).square() + func.overloadpacket(
                 zeros, dim, index, source.square()
             )
-            return summation_std(counts, out.double(), squares, u) + u * mag
+            return summation_std(counts, out.double(), squares, acc) + u * mag
         if name == "embedding_dense_backward":  # rows of the output gradient summed per id
             grad, indices, num_weights = args[0].to(torch.float64), args[1], args[2]
             rows = grad.reshape(-1, grad.shape[-1])
@@ -486,7 +497,7 @@ class EmulatedRounding(TorchDispatchMode):
             zeros = torch.zeros(num_weights, grad.shape[-1], dtype=torch.float64)
             counts = torch.bincount(ids, minlength=num_weights).to(torch.float64)[:, None]
             squares = zeros.index_add(0, ids, rows.square())
-            return summation_std(counts, out.double(), squares, u) + u * mag
+            return summation_std(counts, out.double(), squares, acc) + u * mag
         if name in _SUM:
             x = args[0].to(torch.float64)
             n = max(x.numel() // max(out.numel(), 1), 1)
@@ -494,9 +505,9 @@ class EmulatedRounding(TorchDispatchMode):
             total = torch.ops.aten.sum(x, *args[1:3]) if len(args) > 1 else x.sum()
             squares = torch.ops.aten.sum(x.square(), *args[1:3]) if len(args) > 1 else None
             squares = (x.square().sum() if squares is None else squares).reshape(total.shape)
-            return summation_std(n, total, squares, u).reshape(out.shape) / scale + u * mag
+            return summation_std(n, total, squares, acc).reshape(out.shape) / scale + u * mag
         if name in ("_softmax", "_safe_softmax", "_log_softmax", "logsumexp"):
-            return self._normalizer_std(name, args, kwargs, out, u)
+            return self._normalizer_std(name, args, kwargs, out, u, acc)
         if name.startswith("_scaled_dot_product") or "attention" in name:
             raise NotImplementedError(
                 f"{func} is fused: run under sdpa_kernel(SDPBackend.MATH) so it decomposes"
@@ -506,13 +517,13 @@ class EmulatedRounding(TorchDispatchMode):
             raise NotImplementedError(f"EmulatedRounding has no model for the reduction {func}")
         return (1 if name in _ONE_ROUNDING else 2) * u * mag
 
-    def _normalizer_std(self, name, args, kwargs, out, u):
+    def _normalizer_std(self, name, args, kwargs, out, u, acc):
         x, dim = args[0].to(torch.float64), args[1]
         dim = dim[0] if isinstance(dim, list | tuple) else dim
         n = x.shape[dim]
         e = (x - x.amax(dim=dim, keepdim=True)).exp()  # the terms of S, each ≤ 1
         total = e.sum(dim, keepdim=True)
-        relative = summation_std(n, total, e.square().sum(dim, keepdim=True), u) / total + 2 * u
+        relative = summation_std(n, total, e.square().sum(dim, keepdim=True), acc) / total + 2 * u
         if name == "logsumexp":
             keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
             return (relative if keepdim else relative.squeeze(dim)), 1.0, u * out.abs()
@@ -530,6 +541,7 @@ def emulated_rounding_error(
     seed: int = 0,
     reference: torch.Tensor | None = None,
     overrides: dict[str, float] | None = None,
+    accumulate: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``fn()`` (a float64 computation) plainly (unless its ``reference`` result is given)
     and ``draws`` times under ``EmulatedRounding(emulate)``; return ``(reference, deviation)``,
@@ -546,7 +558,7 @@ def emulated_rounding_error(
         deviation = torch.zeros_like(reference)
         for draw in range(draws):
             generator = torch.Generator().manual_seed(seed * 1_000_003 + draw)
-            with EmulatedRounding(emulate, generator, overrides):
+            with EmulatedRounding(emulate, generator, overrides, accumulate):
                 noisy = fn()
             deviation = torch.maximum(deviation, (noisy.detach().double() - reference).abs())
     return reference, deviation
@@ -626,35 +638,58 @@ def _rms_norm_float64(module: torch.nn.Module, hidden_states: torch.Tensor) -> t
 
 
 class LogprobError:
-    """``error(prompt, output, temperature)``: how far a causal LM's fp32 log-probs of ``output``
-    (``log_softmax(logits / temperature)``, temperature 0 counting as 1) may be from exact:
-    ``EMULATION_SAFETY`` times the largest emulated fp32 deviation (``numerics``) of the whole
-    log-softmax rows at those positions. Two fp32 evaluations (a cache hit and a recompute, two
-    batch shapes) differ by at most twice that.
+    """``error(prompt, output, temperature)``: how far a causal LM's log-probs of ``output``
+    (``log_softmax(logits / temperature)``, temperature 0 counting as 1) evaluated at
+    ``emulate`` precision may be from exact: ``EMULATION_SAFETY`` times the largest emulated
+    deviation (``emulated_rounding_error``) of the whole log-softmax rows at those positions.
+    Two such evaluations (a cache hit and a recompute, two batch shapes) differ by at most
+    twice that. ``overrides``, ``accumulate``: as in ``EmulatedRounding``;
+    ``round_weights``: the weights themselves are stored at ``emulate`` precision (a bf16
+    engine), emulated as one rounding of each.
 
     ``exact(...)``: the float64 log-probs (transformers in float64) and their own error bound
     (their rope tables are fp32: emulated at fp32, the rest at float64). Cached per call."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        emulate: torch.dtype = torch.float32,
+        overrides: dict[str, float] | None = None,
+        accumulate: torch.dtype | None = None,
+        round_weights: bool = False,
+    ) -> None:
         self.model64 = float64_transformers(model)
+        self.emulate, self.overrides, self.round_weights = emulate, overrides, round_weights
+        self.accumulate = accumulate
         self._fp32: dict[tuple, tuple[torch.Tensor, float]] = {}
         self._exact: dict[tuple, tuple[torch.Tensor, float]] = {}
 
-    def _logprobs(self, prompt: list[int], output: list[int], temperature: float):
+    def _logprobs(self, prompt: list[int], output: list[int], temperature: float, rounded: bool):
         ids = torch.tensor([prompt + output])
+        params = dict(self.model64.named_parameters())
 
         def run() -> torch.Tensor:
             with torch.no_grad():  # logits of the positions that predict ``output`` only
-                logits = self.model64(ids, logits_to_keep=len(output) + 1).logits[0, :-1]
-            return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+                if rounded:  # p * 1 is exact, but emulated it is one rounding of p
+                    weights = {name: p * 1.0 for name, p in params.items()}
+                    out = torch.func.functional_call(
+                        self.model64, weights, (ids,), {"logits_to_keep": len(output) + 1}
+                    )
+                else:
+                    out = self.model64(ids, logits_to_keep=len(output) + 1)
+            return torch.log_softmax(out.logits[0, :-1] / (temperature or 1.0), dim=-1)
 
         return run
 
     def _emulated(self, prompt: list[int], output: list[int], temperature: float):
         key = (tuple(prompt), tuple(output), temperature)
         if key not in self._fp32:
-            want, e32 = emulated_rounding_error(self._logprobs(prompt, output, temperature))
-            self._fp32[key] = want, EMULATION_SAFETY * float(e32.max())
+            fn = self._logprobs(prompt, output, temperature, self.round_weights)
+            want, e = emulated_rounding_error(
+                fn, emulate=self.emulate, overrides=self.overrides, accumulate=self.accumulate
+            )
+            self._fp32[key] = want, EMULATION_SAFETY * float(e.max())
         return key, *self._fp32[key]
 
     def __call__(self, prompt: list[int], output: list[int], temperature: float = 1.0) -> float:
@@ -665,7 +700,7 @@ class LogprobError:
     ) -> tuple[torch.Tensor, float]:
         key, want, _ = self._emulated(prompt, output, temperature)
         if key not in self._exact:
-            fn = self._logprobs(prompt, output, temperature)
+            fn = self._logprobs(prompt, output, temperature, False)
             _, e64 = emulated_rounding_error(fn, emulate=torch.float64, reference=want)
             picked = want.gather(1, torch.tensor(output).view(-1, 1)).view(-1)
             self._exact[key] = picked, EMULATION_SAFETY * float(e64.max())
