@@ -167,7 +167,8 @@ def test_reference_is_frozen_and_in_no_optimizer(make_learner, make_groups, rng)
         stats = learner.train_step(make_groups(seed + step, version=step))
     assert learner.version == 2
     assert _max_diff(learner.reference.state_dict(), ref_before) == 0.0, f"seed={seed}"
-    assert _max_diff(learner.state_dict(), policy_before) > 1e-5, "the policy did not move"
+    # Adam's first step moves a weight whose |g| ≥ eps by at least lr / 2 (lr·g / (|g| + eps))
+    assert _max_diff(learner.state_dict(), policy_before) > 1e-3 / 2, "the policy did not move"
     record = stats.as_dict()
     assert record["kl"] is not None and record["kl"] > 0, f"seed={seed}"
 
@@ -199,8 +200,10 @@ def test_lr_schedule():
     warm = OptimizerConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
     f = lr_multiplier(warm, total_updates=14)
     assert [f(u) for u in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert f(4) == pytest.approx(1.0) and f(9) == pytest.approx(0.55) and f(14) == 0.1
-    assert f(100) == pytest.approx(0.1)
+    # a cosine and a few float64 operations on values ≤ 1: a handful of ulps
+    ulps = 16 * unit_roundoff(torch.float64)
+    assert f(4) == pytest.approx(1.0, abs=ulps) and f(9) == pytest.approx(0.55, abs=ulps)
+    assert f(14) == 0.1 and f(100) == pytest.approx(0.1, abs=ulps)
     linear = lr_multiplier(OptimizerConfig(schedule="linear"), total_updates=10)
     assert [round(linear(u), 6) for u in (0, 5, 10)] == [1.0, 0.5, 0.0]
     assert lr_multiplier(OptimizerConfig(), 10)(7) == 1.0
