@@ -26,14 +26,19 @@ accumulated in precision ``u`` (a dot product, a reduction) errs by
 Deep computations
 -----------------
 Through a whole network the per-operation errors compound in ways no closed form tracks without
-becoming useless. ``emulated_rounding_error`` propagates the same per-operation model numerically
+becoming useless. ``emulated_rounding_error`` propagates a per-operation model numerically
 (Monte Carlo arithmetic, Parker, Pierce & Eggert, *Computing in Science & Engineering* 2(4),
 2000): it reruns a float64 computation with an independent Gaussian error added to every
-operation's result, its standard deviation that operation's rounding model at the emulated
-precision (``EmulatedRounding`` lists the rules), and reports how far the outputs move. Each
-operation's error scale is the probabilistic model with ``λ = 1`` over the *whole* sum's
-magnitude, an overestimate of a real rounding error's spread (whose partial sums are mostly
-smaller than the total); ``EMULATION_SAFETY`` then covers the sampling of a few draws.
+operation's result, with the standard deviation of that operation's rounding at the emulated
+precision (``EmulatedRounding`` lists the rules; sums use ``summation_std``, the error of adding
+the terms one by one in a random order, which blocked and tree-shaped kernels beat), and reports
+how far the outputs move. The largest move over many outputs is a stable measure (the maximum
+of a Gaussian field concentrates); ``EMULATION_SAFETY`` times it bounds an evaluation at that
+precision. Outputs checked one by one (a loss, a metric) use ``emulated_std`` instead: a
+per-output standard deviation from 16 draws, times ``LAMBDA``.
+
+Measured on tiny-random and SmolLM2-135M (AVX-512, AVX2 and plain kernels), real fp32 errors
+stay at 7-16 % of these bounds, while a wrong rope, norm epsilon or weight exceeds them.
 """
 
 from __future__ import annotations
