@@ -361,6 +361,14 @@ def _fake_clock():
     return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
 
 
+def _assert_fake_elapsed(start: float, seconds: float) -> None:
+    """The fake clock jumped to the deadline ``start + seconds``: float64 rounds that sum, and
+    the difference taken here, by at most ``u (|start| + seconds)`` each."""
+    u = 2.0**-53  # float64's unit roundoff
+    elapsed = anyio.current_time() - start
+    assert abs(elapsed - seconds) <= 2 * u * (abs(start) + seconds), elapsed
+
+
 @agentrl.tool(timeout_s=1)
 async def sleepy(seconds: float) -> str:
     """Sleep, then answer."""
@@ -375,7 +383,7 @@ async def test_async_tool_timeout_with_fake_clock(anyio_backend):
     record = await invoke_tool(tools, "sleepy", '{"seconds": 100}', turn=0)
     assert record.error_kind == "tool_timeout"
     assert record.output == "Error (tool_timeout): tool 'sleepy' did not finish within 1 s"
-    assert anyio.current_time() - start == pytest.approx(1.0)  # fake seconds
+    _assert_fake_elapsed(start, 1.0)
     # the tool's own timeout_s beats the caller's default; under it the tool finishes
     record = await invoke_tool(tools, "sleepy", '{"seconds": 0.5}', turn=0, timeout_s=0.1)
     assert record.ok and record.output == "awake"
@@ -395,7 +403,7 @@ async def test_caller_timeout_and_default_with_fake_clock(anyio_backend):
     start = anyio.current_time()
     record = await invoke_tool(tools, "slow", '{"seconds": 100}', turn=0)
     assert record.error_kind == "tool_timeout" and "within 10 s" in record.output
-    assert anyio.current_time() - start == pytest.approx(10.0)
+    _assert_fake_elapsed(start, 10.0)
     record = await invoke_tool(tools, "slow", '{"seconds": 9}', turn=0)
     assert record.ok and record.output == "done"
 
