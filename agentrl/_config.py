@@ -33,13 +33,14 @@ class RolloutConfig(pydantic.BaseModel):
     """Base seed; each trajectory derives its own from (seed, task id, sample index)."""
     group_size: int = pydantic.Field(1, ge=1)
     """Samples per task (G of the group estimators); a group shares one prompt. Training with a
-    group estimator needs >= 2."""
+    group estimator needs >= 2 and defaults to 4 when the config names none."""
     concurrency: int = pydantic.Field(16, ge=1)
     """Trajectories in flight at once."""
     turn_timeout_s: float = pydantic.Field(300.0, gt=0)
     """Deadline for one generate call."""
     tool_timeout_s: float = pydantic.Field(10.0, gt=0)
-    """Deadline for one tool call (a tool's own ``timeout_s`` wins)."""
+    """Deadline for one tool call, unless the tool's own ``timeout_s`` or the environment's
+    ``tool_timeout_s`` attribute sets one (the tool's wins over the environment's)."""
     trajectory_timeout_s: float = pydantic.Field(1800.0, gt=0)
     """Wall-clock deadline for a whole trajectory."""
     tool_error_budget: int = pydantic.Field(3, ge=0)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from ._ledger import rollout_metrics as rollout_metrics
     from ._train import EngineWeightSink as EngineWeightSink
     from ._train import TaskStream as TaskStream
+    from ._train import TrainingStalled as TrainingStalled
     from ._train import TrainResult as TrainResult
     from ._train import atrain as atrain
     from ._train import train as train
@@ -44,6 +45,7 @@ _LAZY = {
     "EngineWeightSink": "_train",
     "TaskStream": "_train",
     "TrainResult": "_train",
+    "TrainingStalled": "_train",
     "atrain": "_train",
     "train": "_train",
 }
@@ -54,6 +56,7 @@ __all__ = [
     "TaskStream",
     "TrainConfig",
     "TrainResult",
+    "TrainingStalled",
     "add_train_commands",
     "aevaluate",
     "apply_overrides",

@@ -168,7 +168,9 @@ class TrainConfig(_Section):
     @classmethod
     def _read(cls, data: Any) -> Any:
         """Refuse settings at their old place; default ``rollout.max_context_tokens`` to
-        ``train.micro_batch_tokens``. Returns a new mapping (the input is not modified)."""
+        ``train.micro_batch_tokens`` and, for an algorithm that compares a group of samples,
+        ``rollout.group_size`` to ``TRAIN_GROUP_SIZE``. Returns a new mapping (the input is not
+        modified)."""
         if not isinstance(data, dict):
             return data
         errors = []
@@ -188,7 +190,8 @@ class TrainConfig(_Section):
                 )
         if errors:
             raise pydantic_core.ValidationError.from_exception_data(cls.__name__, errors)
-        return {**data, "rollout": _default_context(data.get("rollout"), data.get("train"))}
+        rollout = _default_context(data.get("rollout"), data.get("train"))
+        return {**data, "rollout": _default_group_size(rollout, data.get("algorithm"))}
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -235,6 +238,36 @@ def _lookup(data: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
         else:
             return False, None
     return True, node
+
+
+TRAIN_GROUP_SIZE = 4
+"""``rollout.group_size`` of a training run whose algorithm needs groups and whose config names
+none (a rollout's default, 1, would leave GRPO nothing to compare)."""
+
+
+def _default_group_size(rollout: Any, algorithm: Any) -> Any:
+    """``rollout`` with ``group_size`` defaulting to ``TRAIN_GROUP_SIZE`` when the algorithm
+    needs groups and the config does not set it (else unchanged; validation names bad values)."""
+    try:
+        algo = (
+            algorithm
+            if isinstance(algorithm, AlgorithmConfig)
+            else AlgorithmConfig.model_validate(algorithm or {})
+        )
+        needs_groups = algo.spec.needs_groups
+    except (pydantic.ValidationError, ValueError, KeyError):
+        return rollout
+    if not needs_groups:
+        return rollout
+    if rollout is None:
+        return {"group_size": TRAIN_GROUP_SIZE}
+    if isinstance(rollout, RolloutConfig):
+        if "group_size" in rollout.model_fields_set:
+            return rollout
+        return rollout.model_copy(update={"group_size": TRAIN_GROUP_SIZE})
+    if isinstance(rollout, dict) and "group_size" not in rollout:
+        return {**rollout, "group_size": TRAIN_GROUP_SIZE}
+    return rollout
 
 
 def _default_context(rollout: Any, train: Any) -> Any:

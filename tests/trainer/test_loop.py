@@ -24,6 +24,7 @@ from agentrl.loop import (
     read_ledger,
     train,
 )
+from agentrl.loop._config import TRAIN_GROUP_SIZE
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
@@ -77,6 +78,15 @@ def test_config_errors_name_the_field(sets, names):
     with pytest.raises(ConfigError, match="invalid config") as info:
         load_train_config(None, ["rollout.group_size=4", *sets])
     assert names in str(info.value)
+
+
+def test_a_group_algorithm_defaults_its_group_size():
+    """No config at all trains: GRPO's groups default to ``TRAIN_GROUP_SIZE``; a size the user
+    names is kept (1 is refused above), and an algorithm without groups keeps the rollout's 1."""
+    assert load_train_config(None, []).rollout.group_size == TRAIN_GROUP_SIZE == 4
+    assert load_train_config(None, ["rollout.group_size=8"]).rollout.group_size == 8
+    ppo = load_train_config(None, ["algorithm.name=ppo"])
+    assert ppo.rollout.group_size == 1
 
 
 def test_overrides_parse_yaml_values_and_name_bad_keys():
