@@ -8,7 +8,9 @@ response length, tool calls and tool errors per trajectory, termination reasons,
 time broken into ``rollout_s / reference_s / logprob_s / update_s / publish_s``
 (``checkpoint_s`` is the previous step's checkpoint write). ``eval_*`` fields appear on steps
 with an evaluation. Each key of the env's reward breakdown (``Reward.breakdown``) is logged as
-``reward/<key>``: its mean over the step's trajectories that report it. A step with failed
+``reward/<key>``: its mean over the step's trajectories that report it (a key that names one
+of the ledger's own reward tags, ``mean``, ``std``, ``pass_rate`` or ``histogram``, is logged as
+``reward/breakdown/<key>``). A step with failed
 trajectories carries ``errors`` and ``first_error`` (where, type, message, traceback).
 """
 
@@ -50,6 +52,17 @@ _GROUPS = {
 _TIME_FIELDS = ("rollout_s", "reference_s", "logprob_s", "update_s", "publish_s", "step_s")
 
 
+_RESERVED_REWARD_TAGS = frozenset({"mean", "std", "pass_rate", "histogram"})
+
+
+def breakdown_tag(key: str) -> str:
+    """The ledger field / TensorBoard tag of a reward breakdown key: ``reward/<key>``, or
+    ``reward/breakdown/<key>`` where ``reward/<key>`` is one of the ledger's own tags."""
+    if key in _RESERVED_REWARD_TAGS or key.startswith("breakdown/"):
+        return f"reward/breakdown/{key}"
+    return f"reward/{key}"
+
+
 def rollout_metrics(
     trajectories: Sequence[Trajectory], *, pass_threshold: float, elapsed_s: float
 ) -> dict[str, Any]:
@@ -78,7 +91,7 @@ def rollout_metrics(
         "tool_errors_per_trajectory": tool_errors / n,
         "termination": dict(Counter(t.termination_reason for t in trajectories)),
     }
-    out.update({f"reward/{key}": statistics.fmean(values) for key, values in sorted(parts.items())})
+    out.update({breakdown_tag(key): statistics.fmean(v) for key, v in sorted(parts.items())})
     if failed:
         out["first_error"] = first_error(failed[0])
     return out

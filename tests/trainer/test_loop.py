@@ -320,6 +320,7 @@ def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_p
 
     trajs = make_groups(seed=3, groups=2, size=2)
     parts = [{"correct": 1.0, "format": 0.5}, {"correct": 0.0, "format": 1.0}, {"correct": 1.0}]
+    parts[0]["mean"] = 0.25  # an env's own "mean" must not overwrite the reward mean's tag
     failed = msgspec.structs.replace(
         trajs[3],
         status="error",
@@ -331,6 +332,7 @@ def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_p
     record = {"step": 4, **rollout_metrics(trajs, pass_threshold=1.0, elapsed_s=1.0)}
     assert record["reward/correct"] == pytest.approx(2 / 3)
     assert record["reward/format"] == pytest.approx(0.75)
+    assert record["reward/breakdown/mean"] == 0.25 and "reward/mean" not in record
     assert record["errors"] == 1
     assert record["first_error"] == {
         "trajectory": trajs[3].id, "where": "reward", "type": "KeyError", "message": "'x'",
@@ -343,6 +345,9 @@ def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_p
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward/format")] == [(4, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/breakdown/mean")] == [(4, 0.25)]
+    (mean,) = acc.Scalars("reward/mean")  # the reward mean alone under its tag
+    assert mean.value == pytest.approx(record["reward_mean"])
     assert acc.Scalars("reward/correct")[0].value == pytest.approx(2 / 3)
 
 
