@@ -38,11 +38,19 @@ _encoder = msgspec.json.Encoder()
 
 
 class _Probe(msgspec.Struct):
+    """What the wrapper found after a request (see ``_exec_wrapper.probe``)."""
+
     processes: list[str]
     n_processes: int
     files: list[str]
     n_files: int
     ipc: int
+    sockets: int = 0
+    unknown: list[str] = msgspec.field(default_factory=list)
+    """Kinds of leftovers the wrapper could not look for: the container is recycled."""
+
+    def anomalies(self) -> bool:
+        return bool(self.n_processes or self.n_files or self.ipc or self.sockets or self.unknown)
 
 
 class _Answer(msgspec.Struct):
@@ -62,6 +70,8 @@ class ExecSpec:
     cmd: list[str]
     environment: dict[str, str]
     scratch_root: str
+    deny_syscalls: list[str] = field(default_factory=list)
+    """What the program's seccomp filter refuses (the supervisor's default when empty)."""
 
 
 @dataclass
@@ -291,7 +301,10 @@ class ContainerSandbox:
             "uid": self.program_uid,
             "gid": self.program_uid,
             "cgroup": None,
+            "meter": "container",
         }
+        if self.spec.deny_syscalls:
+            envelope["deny_syscalls"] = self.spec.deny_syscalls
         return _encoder.encode(envelope) + b"\n"
 
     async def exec(self, request: RunRequest) -> RunResult:
@@ -359,7 +372,7 @@ class ContainerSandbox:
             return self._error(problem or "no answer from the sandbox", start)
         probe, result = answer.probe, answer.result
         self.last_probe = probe
-        if probe.n_processes or probe.n_files or probe.ipc or result.status == "sandbox_error":
+        if probe.anomalies() or result.status == "sandbox_error":
             self.clean = False
         result.backend = self.backend
         result.sandbox_id = self.id

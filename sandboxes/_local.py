@@ -67,6 +67,9 @@ class LocalSandbox:
         self.uid = uid
         self.runs = 0
         self.cgroup_dirs: list[str] = []
+        """The slot's cgroups (the supervisor lives in them)."""
+        self.program_dirs: list[str] = []
+        """The program's: the slot's, or a ``run`` group of its own inside (memory, cpuacct)."""
         self._backend = backend
         self._lock = lock
         self._process: anyio.abc.Process | None = None
@@ -168,17 +171,24 @@ class LocalSandbox:
         result.sandbox_id = self.id
         return result
 
+    def _cgroups(self) -> _supervisor.Cgroups:
+        return _supervisor.Cgroups(list(dict.fromkeys(self.cgroup_dirs + self.program_dirs)))
+
     async def is_clean(self) -> bool:
-        """No anomaly: the supervisor alive and answering, nothing left in the cgroups."""
+        """No anomaly: the supervisor alive and answering, nothing left in the cgroups but the
+        supervisor and its spare (the next program's process, forked ahead: a child of the
+        supervisor still running as root, which no program process can be)."""
         if self._broken or self._process is None or self._process.returncode is not None:
             return False
-        return not _supervisor.Cgroups(self.cgroup_dirs).members() - {self._process.pid}
+        supervisor = self._process.pid
+        left = self._cgroups().members() - {supervisor}
+        return all(host.is_spare(pid, supervisor) for pid in left)
 
     def _kill_program(self) -> None:
         """SIGKILL everything in the slot's cgroups but the supervisor, which then reaps it,
         finishes its run and stays usable for a clean shutdown (no orphans left to PID 1)."""
         keep = {self._process.pid} if self._process is not None else set()
-        group = _supervisor.Cgroups(self.cgroup_dirs)
+        group = self._cgroups()
         group.kill(group.members() - keep)
 
     async def _stop(self, grace_s: float = 2.0) -> None:
@@ -223,6 +233,7 @@ class LocalBackend:
         self._next_index = 0
         self._pool_dirs: list[str] = []
         self._argv: list[str] = []
+        self._tmpfs: list[dict[str, Any]] = []
         self.max_processes = int(_setting(config, "max_processes", 512))
         self.cpus = float(_setting(config, "cpus", 1.0))
         self.memory_cap_mb: int | None = _setting(config, "memory_mb", None)
@@ -285,7 +296,8 @@ class LocalBackend:
         host.reap_orphans(facts, root, self.config.cgroups)
         self.workdir = tempfile.mkdtemp(prefix=f"{PREFIX}{self.owner_id}-", dir=root)
         os.chmod(self.workdir, 0o755)  # the sandbox uid (bubblewrap) binds etc/ from here
-        self._argv = host.bwrap_argv(facts, host.make_etc(self.workdir), self.sizes_mb)
+        self._argv = host.bwrap_argv(facts, host.make_etc(self.workdir))
+        self._tmpfs = host.tmpfs_specs(facts, self.sizes_mb)
         if self.config.cgroups:
             self._pool_dirs = host.make_pool_cgroups(facts, PREFIX + self.owner_id)
 
@@ -302,7 +314,9 @@ class LocalBackend:
         sandbox = LocalSandbox(self, index, uid, lock)
         self._sandboxes[index] = sandbox
         try:
-            sandbox.cgroup_dirs = host.make_slot_cgroups(self._pool_dirs, index, self.cpus)
+            sandbox.cgroup_dirs, sandbox.program_dirs = host.make_slot_cgroups(
+                self._pool_dirs, index, self.cpus
+            )
         except BaseException:
             self._close_slot(sandbox)
             raise
@@ -323,9 +337,11 @@ class LocalBackend:
         envelope = {
             "uid": sandbox.uid,
             "gid": sandbox.uid,
-            "cgroup": sandbox.cgroup_dirs,
+            "cgroup": sandbox.program_dirs,
+            "scratch_root": self.workdir,
             "bwrap": {
                 "argv": self._argv,
+                "tmpfs": self._tmpfs,
                 "post_argv": ["--remount-ro", "/", "--remount-ro", "/dev"],
                 "workdir": host.WORKDIR,
                 "main_dir": "/opt/agentrl",
