@@ -266,7 +266,8 @@ class ContainerSandbox:
     margin_s: float
     memory_cap_mb: int
     """Requests asking for more memory get this (the container's cap less the supervisor's
-    share), so a big program ends as ``oom`` by its rlimit, not by the container's OOM killer."""
+    share), so a big program ends as ``oom`` by the supervisor's sampled limit before the
+    container's cap (where the kernel's OOM killer takes the program, ``oom_score_adj`` 1000)."""
     runs: int = 0
     clean: bool = True
     last_probe: Any = None

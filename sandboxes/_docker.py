@@ -1,9 +1,14 @@
 """The docker and gvisor backends: warm, locked-down containers made through the docker SDK.
 
 Each container: read-only rootfs; tmpfs ``/scratch`` (per-request dirs), ``/tmp`` and a small
-``/dev/shm``; ``network_mode="none"``; memory (no swap), CPU and (runc only) pids limits; every
-capability dropped but CHOWN, DAC_OVERRIDE, FOWNER, SETUID, SETGID and KILL, which the supervisor
-needs to make the scratch dir, drop to the program's uid and clean up; ``no-new-privileges``.
+``/dev/shm``, each capped in bytes and inodes; System V shared memory capped at ``shm_mb`` and
+few message queues (IPC sysctls of its own IPC namespace); ``network_mode="none"``; memory (no
+swap), CPU and (runc only) pids limits; every capability dropped but CHOWN, DAC_OVERRIDE, FOWNER,
+SETUID, SETGID and KILL, which the supervisor needs to make the scratch dir, drop to the
+program's uid and clean up; ``no-new-privileges``. A request's ``memory_mb`` and ``cpu_time_s``
+are held by the supervisor sampling the container's own counters; after each request the exec
+wrapper looks for leftovers (processes, files, System V IPC objects, sockets) and a container
+with any, or one it cannot check, is recycled (``docs/sandboxes.md``).
 
 Three identities per container: a reaping init (PID 1, ``python3`` waiting on orphans) starts as
 root and drops to ``init_uid`` at once (the container must start as root: Docker gives the execs

@@ -2,16 +2,22 @@
 
 A sandbox is a *slot*: a host uid of its own (``uid_base + i``, held through a lock file so two
 live pools never share one), cgroups of its own (``agentrl-local-<pool>/<i>`` under each
-writable v1 controller, or one v2 group), and a warm supervisor (``_supervisor.py --serve``:
-root, outside the sandbox, inside the slot's cgroups, at nice -20 and out of the OOM killer's
-reach) that runs one request at a time. For each, it forks a child (born in the cgroups: no
-attach, which would cost an RCU grace period), which sets rlimits, becomes the slot's uid and
+writable v1 hierarchy, or one v2 group), and a warm supervisor (``_supervisor.py --serve``:
+root, outside the sandbox, in the slot's cgroups, at nice -20 and out of the OOM killer's reach)
+that runs one request at a time. The program's memory and CPU time are accounted in a ``run``
+group of its own inside the slot's (v1 memory and cpuacct): the per-request ``memory_mb`` limit,
+the OOM kill count, ``peak_memory_mb`` and ``cpu_s`` are then the program's alone. Between two
+requests the supervisor forks the next program's process ahead (a spare) and moves it into those
+groups, so no request waits for the attach (an RCU grace period); the child that runs a request
+sets rlimits, ``oom_score_adj`` 1000 and a fresh session keyring, becomes the slot's uid and
 execs bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount namespaces;
-read-only ``/usr`` and a generated ``/etc``; size-capped tmpfs ``/work`` holding the request's
-files, ``/tmp`` and ``/dev/shm``; ``/`` and ``/dev`` read-only) and runs the program as uid 1000
-inside. When the program exits, bubblewrap exits, and with it the sandbox's PID 1, which takes
-every process left in the namespace down; the supervisor then checks the cgroups are empty.
-Nothing outlives a request: the next one gets a new sandbox in the same slot.
+read-only ``/usr`` and a generated ``/etc``; the tmpfs ``/work`` holding the request's files,
+``/tmp`` and ``/dev/shm``, which the supervisor mounts in its own private mount namespace capped
+in bytes and inodes; ``/`` and ``/dev`` read-only), installs the seccomp filter (``--seccomp``:
+the keyring syscalls answer EPERM) and runs the program as uid 1000 inside. When the program
+exits, bubblewrap exits, and with it the sandbox's PID 1, which takes every process left in the
+namespace down; the supervisor then checks the cgroups are empty. Nothing outlives a request:
+the next one gets a new sandbox in the same slot (``docs/sandboxes.md``).
 
 ``guarantees()`` says what this host gives (``_hostcheck``); ``start()`` refuses with
 ``BackendUnavailable`` when a guarantee named in ``LocalConfig.require`` is missing. Settings
@@ -98,10 +104,10 @@ class LocalSandbox:
         self.runs = 0
 
     def _adopt_supervisor(self, pid: int) -> None:
-        """Put the supervisor into the slot's cgroups once (its programs are then born there;
-        an attach per run would cost an RCU grace period), out of the OOM killer's reach, and
-        at nice -20 so a fork bomb sharing its CPU quota cannot starve it (its programs run at
-        nice 0)."""
+        """Put the supervisor into the slot's cgroups once (its programs are born there, or
+        in the ``run`` groups its spare joined ahead), out of the OOM killer's reach, and at
+        nice -20 so a fork bomb cannot starve it where they share a CPU quota (v2; its programs
+        run at nice 0)."""
         for path in self.cgroup_dirs:
             with open(os.path.join(path, "cgroup.procs"), "w") as f:
                 f.write(str(pid))

@@ -115,17 +115,17 @@ def make_pool_cgroups(facts: HostFacts, name: str) -> list[str]:
 
 RUN_GROUP = "run"
 # v1 control files whose hierarchy gets a ``run`` group of the program's own inside the slot's
-ACCOUNTED = ("memory.limit_in_bytes", "cpuacct.usage")
+ACCOUNTED = ("memory.limit_in_bytes", "cpuacct.usage", "cpu.cfs_quota_us")
 
 
 def make_slot_cgroups(pool_dirs: list[str], index: int, cpus: float) -> tuple[list[str], list[str]]:
     """The slot's cgroups under the pool's, and the program's. The supervisor lives in the
-    slot's (its CPU quota is set here and covers the program too; the supervisor sets pids.max
-    per request). In v1 hierarchies that account memory or CPU time, the program gets a ``run``
-    group of its own inside the slot's: the per-request memory limit, OOM kill count,
-    high-water mark and ``cpuacct`` usage are then the program's alone. (v2 forbids processes
-    in a group whose children have controllers: there the program shares the slot's group.)
-    Returns ``(slot dirs, program dirs)``."""
+    slot's (it sets pids.max there per request, which counts it too). In v1 hierarchies that
+    account memory or CPU, the program gets a ``run`` group of its own inside the slot's: the
+    per-request memory limit, OOM kill count, high-water mark, ``cpuacct`` usage and the CPU
+    quota (set here) are then the program's alone, and a fork bomb cannot throttle its
+    supervisor. (v2 forbids processes in a group whose children have controllers: there the
+    program shares the slot's group, quota included.) Returns ``(slot dirs, program dirs)``."""
     made: list[str] = []
     program: list[str] = []
     quota = int(cpus * 100_000)
@@ -134,17 +134,17 @@ def make_slot_cgroups(pool_dirs: list[str], index: int, cpus: float) -> tuple[li
             path = os.path.join(pool_dir, str(index))
             os.mkdir(path)
             made.append(path)
-            if os.path.exists(os.path.join(path, "cpu.cfs_quota_us")):
-                write_best_effort(os.path.join(path, "cpu.cfs_period_us"), "100000")
-                write_best_effort(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
-            if os.path.exists(os.path.join(path, "cpu.max")):
-                write_best_effort(os.path.join(path, "cpu.max"), f"{quota} 100000")
             v1 = not os.path.exists(os.path.join(path, "cgroup.controllers"))
             if v1 and any(os.path.exists(os.path.join(path, f)) for f in ACCOUNTED):
                 run = os.path.join(path, RUN_GROUP)
                 os.mkdir(run)
                 path = run
             program.append(path)
+            if os.path.exists(os.path.join(path, "cpu.cfs_quota_us")):
+                write_best_effort(os.path.join(path, "cpu.cfs_period_us"), "100000")
+                write_best_effort(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+            if os.path.exists(os.path.join(path, "cpu.max")):
+                write_best_effort(os.path.join(path, "cpu.max"), f"{quota} 100000")
             for where in {made[-1], path}:
                 if os.path.exists(os.path.join(where, "memory.swappiness")):
                     write_best_effort(os.path.join(where, "memory.swappiness"), "0")

@@ -98,9 +98,20 @@ async def local_pool(scratch_root: Path, **pool: Any) -> AsyncIterator[SandboxPo
 def test_guarantees_report_this_host():
     guarantees = {g.name: g for g in LocalBackend(LocalConfig()).guarantees()}
     assert all(g.detail for g in guarantees.values())
-    for name in ("bubblewrap", "user_ns", "network_isolation", "readonly_root", "separate_uid"):
+    for name in (
+        "bubblewrap",
+        "user_ns",
+        "network_isolation",
+        "readonly_root",
+        "separate_uid",
+        "session_keyring",
+        "kernel_objects",
+        "tmpfs_inodes",
+    ):
         assert guarantees[name].available, guarantees[name]
-    assert not guarantees["seccomp"].available and not guarantees["kernel_isolation"].available
+    assert guarantees["seccomp"].available == ("--seccomp" in FACTS.bwrap_options)
+    assert not guarantees["kernel_isolation"].available  # a gap, said plainly
+    assert guarantees["cpu_time_per_request"].available == ("cpuacct" in FACTS.cgroup_v1)
     kind = FACTS.cgroup_kind
     assert guarantees["memory_limit"].available == (kind is not None)
     if kind is not None:
@@ -112,7 +123,10 @@ def test_guarantees_report_this_host():
 
 @pytest.mark.parametrize(
     ("require", "message"),
-    [(["seccomp"], "seccomp: not provided"), (["no_such_guarantee"], "unknown guarantee")],
+    [
+        (["kernel_isolation"], "kernel_isolation: shares the host kernel"),
+        (["no_such_guarantee"], "unknown guarantee"),
+    ],
 )
 async def test_a_required_guarantee_that_is_missing_refuses_to_start(
     scratch_root, require, message
@@ -219,7 +233,7 @@ async def test_a_fork_bomb_is_bounded(scratch_root):
         # the sweep set pids.max to 0 and lifted the CPU quota: the quota is back, and the next
         # run may start processes again
         for name, value in (("cpu.cfs_quota_us", "100000"), ("cpu.max", "100000 100000")):
-            for path in [Path(d, name) for d in sandbox.cgroup_dirs if Path(d, name).exists()]:
+            for path in [Path(d, name) for d in sandbox.program_dirs if Path(d, name).exists()]:
                 assert path.read_text().strip() == value
         forks = "import subprocess\nprint([subprocess.run(['true']).returncode for _ in range(3)])"
         assert (await pool.run(py(forks))).stdout == "[0, 0, 0]\n"
@@ -330,3 +344,62 @@ async def test_p50_latency_of_a_trivial_program(scratch_root):
     p50 = statistics.median(walls)
     print(f"local backend p50 {p50 * 1000:.1f} ms")
     assert p50 < 0.5
+
+
+# -- the program's own cgroups and the spare -------------------------------------------------------
+@pytest.mark.skipif(FACTS.cgroup_kind != "v1", reason="no writable cgroup v1 controllers")
+async def test_the_program_runs_in_a_group_of_its_own_entered_ahead(scratch_root):
+    """Memory and CPU time are accounted in a ``run`` group holding only the program; between
+    requests a spare process (the next program's, forked by the supervisor) already sits there,
+    so no request waits for a cgroup attach. A spare that dies is replaced by a fork."""
+    code = "print(sorted(set(open('/proc/self/cgroup').read().split())))"
+    async with local_pool(scratch_root) as pool:
+        (sandbox,) = pool._backend._sandboxes.values()
+        supervisor = sandbox._process.pid
+        runs = [d for d in sandbox.program_dirs if d.endswith("/run")]
+        assert {Path(d).parent.parent.parent.name for d in runs} >= {"memory", "cpuacct", "cpu"}
+        assert (await pool.run(py(code))).status == "ok"
+
+        def spare() -> int | None:
+            members = {int(p) for d in runs for p in Path(d, "cgroup.procs").read_text().split()}
+            assert len(members) <= 1, members
+            return members.pop() if members else None
+
+        first = await wait_for(spare, "a spare", 5.0)
+        status = Path(f"/proc/{first}/status").read_text()
+        assert f"PPid:\t{supervisor}\n" in status and "\nUid:\t0\t" in status
+        assert await sandbox.is_clean()
+        os.kill(first, signal.SIGKILL)  # the next request forks its own child
+        result = await pool.run(py("print('after the spare died')"))
+        assert result.status == "ok" and result.stdout == "after the spare died\n", result
+        second = await wait_for(spare, "a new spare", 5.0)
+        assert second != first
+        result = await pool.run(py("x = bytearray(50 << 20)", memory_mb=128))
+        assert result.status == "ok" and 50 <= result.peak_memory_mb < 70, result
+
+
+async def test_tmpfs_mounts_are_the_supervisors_own(scratch_root):
+    """The sandbox's tmpfs mounts (with inode caps) exist only in the supervisor's private mount
+    namespace: nothing of them shows on the host, during a run or after it."""
+    code = (
+        "import time\n"
+        "print([l.split()[1:4:2] for l in open('/proc/self/mounts') if 'nr_inodes' in l\n"
+        "       and l.split()[1] in ('/work', '/tmp', '/dev/shm')], flush=True)\n"
+        "time.sleep(1)\n"
+    )
+    async with local_pool(scratch_root) as pool:
+        async with anyio.create_task_group() as tg:
+            results = []
+
+            async def run() -> None:
+                results.append(await pool.run(py(code)))
+
+            tg.start_soon(run)
+            await anyio.sleep(0.5)
+            host_mounts = Path("/proc/self/mountinfo").read_text()
+        assert str(scratch_root) not in host_mounts
+        (result,) = results
+        assert result.status == "ok", result
+        mounts = json.loads(result.stdout.replace("'", '"'))
+        assert [m[0] for m in mounts] == ["/work", "/tmp", "/dev/shm"], mounts
+        assert "nr_inodes=4096" in mounts[2][1], mounts
