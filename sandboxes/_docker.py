@@ -339,7 +339,9 @@ class ContainerBackend:
                 "memory_limit",
                 True,
                 "memory_mb per request: the container's memory (anonymous, tmpfs files, "
-                "memfds, System V shared memory, every process) sampled every 10 ms, the program "
+                "memfds, System V shared memory, every process) sampled every "
+                + ("~40 ms" if gvisor else "10 ms")
+                + ", the program "
                 "killed past it (oom); "
                 + (
                     "under gVisor from its /proc/meminfo"
@@ -441,7 +443,8 @@ class ContainerBackend:
                 "be checked: processes (zombies too), entries in "
                 + ", ".join(GVISOR_PROBE_DIRS if gvisor else PROBE_DIRS)
                 + ", System V message queues, shared memory and semaphore sets (counted through "
-                "msgctl/shmctl/semctl *_INFO, proven on a canary at start), sockets in /proc/net",
+                "msgctl/shmctl/semctl *_INFO, proven on a canary at start), unix sockets "
+                "(/proc/net/unix)",
             ),
             g(
                 "posix_mqueue",

@@ -259,12 +259,13 @@ def local_guarantees(
         ),
         g(
             "tmpfs_inodes",
-            sandbox and facts.root,
-            "the supervisor makes the tmpfs mounts itself (a private mount namespace) with "
-            "nr_inodes = size / 4 KiB and binds them in"
-            if facts.root
-            else "not root: bubblewrap makes the tmpfs mounts, without an inode cap (empty "
-            "files are bounded by the memory cgroup only)",
+            sandbox and has.get("memory", False),
+            "bubblewrap has no nr_inodes option, but each inode and dentry a program makes is "
+            "kernel memory charged to its memory cgroup: empty files end the request as oom at "
+            "memory_mb"
+            if has.get("memory")
+            else "not capped: bubblewrap has no nr_inodes option and no memory cgroup counts "
+            "the kernel memory of empty files",
         ),
         g(
             "no_new_privileges",

@@ -5,19 +5,18 @@ live pools never share one), cgroups of its own (``agentrl-local-<pool>/<i>`` un
 writable v1 hierarchy, or one v2 group), and a warm supervisor (``_supervisor.py --serve``:
 root, outside the sandbox, in the slot's cgroups, at nice -20 and out of the OOM killer's reach)
 that runs one request at a time. The program's memory and CPU time are accounted in a ``run``
-group of its own inside the slot's (v1 memory and cpuacct): the per-request ``memory_mb`` limit,
-the OOM kill count, ``peak_memory_mb`` and ``cpu_s`` are then the program's alone. Between two
-requests the supervisor forks the next program's process ahead (a spare) and moves it into those
-groups, so no request waits for the attach (an RCU grace period); the child that runs a request
-sets rlimits, ``oom_score_adj`` 1000 and a fresh session keyring, becomes the slot's uid and
-execs bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount namespaces;
-read-only ``/usr`` and a generated ``/etc``; the tmpfs ``/work`` holding the request's files,
-``/tmp`` and ``/dev/shm``, which the supervisor mounts in its own private mount namespace capped
-in bytes and inodes; ``/`` and ``/dev`` read-only), installs the seccomp filter (``--seccomp``:
-the keyring syscalls answer EPERM) and runs the program as uid 1000 inside. When the program
-exits, bubblewrap exits, and with it the sandbox's PID 1, which takes every process left in the
-namespace down; the supervisor then checks the cgroups are empty. Nothing outlives a request:
-the next one gets a new sandbox in the same slot (``docs/sandboxes.md``).
+group of its own inside the slot's (v1 memory, pids, cpuacct): the per-request ``memory_mb`` limit,
+the OOM kill count, ``peak_memory_mb`` and ``cpu_s`` are then the program's alone. The
+supervisor's zygote, moved into those groups once, forks each program's process there (so no
+request waits for a cgroup attach, an RCU grace period); that process sets rlimits,
+``oom_score_adj`` 1000 and a fresh session keyring, becomes the slot's uid and execs
+bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount namespaces;
+read-only ``/usr`` and a generated ``/etc``; size-capped tmpfs ``/work`` holding the request's
+files, ``/tmp`` and ``/dev/shm``; ``/`` and ``/dev`` read-only), installs the seccomp filter
+(``--seccomp``: the keyring syscalls answer EPERM) and runs the program as uid 1000 inside.
+When the program exits, bubblewrap exits, and with it the sandbox's PID 1, which takes every
+process left in the namespace down; the supervisor then checks the cgroups are empty. Nothing
+outlives a request: the next one gets a new sandbox in the same slot (``docs/sandboxes.md``).
 
 ``guarantees()`` says what this host gives (``_hostcheck``); ``start()`` refuses with
 ``BackendUnavailable`` when a guarantee named in ``LocalConfig.require`` is missing. Settings
@@ -76,6 +75,7 @@ class LocalSandbox:
         """The slot's cgroups (the supervisor lives in them)."""
         self.program_dirs: list[str] = []
         """The program's: the slot's, or a ``run`` group of its own inside (memory, cpuacct)."""
+        self._program_cgroups: _supervisor.Cgroups | None = None
         self._backend = backend
         self._lock = lock
         self._process: anyio.abc.Process | None = None
@@ -104,10 +104,10 @@ class LocalSandbox:
         self.runs = 0
 
     def _adopt_supervisor(self, pid: int) -> None:
-        """Put the supervisor into the slot's cgroups once (its programs are born there, or
-        in the ``run`` groups its spare joined ahead), out of the OOM killer's reach, and at
-        nice -20 so a fork bomb cannot starve it where they share a CPU quota (v2; its programs
-        run at nice 0)."""
+        """Put the supervisor into the slot's cgroups once (its programs are born there, or in
+        the ``run`` groups its zygote joined once), out of the OOM killer's reach, and at nice
+        -20 so a fork bomb cannot starve it where they share a CPU quota (v2; its programs run
+        at nice 0)."""
         for path in self.cgroup_dirs:
             with open(os.path.join(path, "cgroup.procs"), "w") as f:
                 f.write(str(pid))
@@ -178,17 +178,20 @@ class LocalSandbox:
         return result
 
     def _cgroups(self) -> _supervisor.Cgroups:
-        return _supervisor.Cgroups(list(dict.fromkeys(self.cgroup_dirs + self.program_dirs)))
+        """The program's cgroups (where it runs: a program cannot leave them)."""
+        if self._program_cgroups is None:
+            self._program_cgroups = _supervisor.Cgroups(self.program_dirs)
+        return self._program_cgroups
 
     async def is_clean(self) -> bool:
         """No anomaly: the supervisor alive and answering, nothing left in the cgroups but the
-        supervisor and its spare (the next program's process, forked ahead: a child of the
-        supervisor still running as root, which no program process can be)."""
+        supervisor and its helpers (children of the supervisor still running as root, which no
+        program process is once it runs)."""
         if self._broken or self._process is None or self._process.returncode is not None:
             return False
         supervisor = self._process.pid
         left = self._cgroups().members() - {supervisor}
-        return all(host.is_spare(pid, supervisor) for pid in left)
+        return all(host.is_helper(pid, supervisor) for pid in left)
 
     def _kill_program(self) -> None:
         """SIGKILL everything in the slot's cgroups but the supervisor, which then reaps it,
@@ -239,7 +242,6 @@ class LocalBackend:
         self._next_index = 0
         self._pool_dirs: list[str] = []
         self._argv: list[str] = []
-        self._tmpfs: list[dict[str, Any]] = []
         self.max_processes = int(_setting(config, "max_processes", 512))
         self.cpus = float(_setting(config, "cpus", 1.0))
         self.memory_cap_mb: int | None = _setting(config, "memory_mb", None)
@@ -302,8 +304,7 @@ class LocalBackend:
         host.reap_orphans(facts, root, self.config.cgroups)
         self.workdir = tempfile.mkdtemp(prefix=f"{PREFIX}{self.owner_id}-", dir=root)
         os.chmod(self.workdir, 0o755)  # the sandbox uid (bubblewrap) binds etc/ from here
-        self._argv = host.bwrap_argv(facts, host.make_etc(self.workdir))
-        self._tmpfs = host.tmpfs_specs(facts, self.sizes_mb)
+        self._argv = host.bwrap_argv(facts, host.make_etc(self.workdir), self.sizes_mb)
         if self.config.cgroups:
             self._pool_dirs = host.make_pool_cgroups(facts, PREFIX + self.owner_id)
 
@@ -344,10 +345,8 @@ class LocalBackend:
             "uid": sandbox.uid,
             "gid": sandbox.uid,
             "cgroup": sandbox.program_dirs,
-            "scratch_root": self.workdir,
             "bwrap": {
                 "argv": self._argv,
-                "tmpfs": self._tmpfs,
                 "post_argv": ["--remount-ro", "/", "--remount-ro", "/dev"],
                 "workdir": host.WORKDIR,
                 "main_dir": "/opt/agentrl",

@@ -20,17 +20,17 @@ account memory and CPU through the container's own counters, see ``ContainerMete
 then copied into the sandbox by bubblewrap itself (``--file FD``), the scratch dir is its tmpfs
 and the seccomp filter goes through ``--seccomp FD``. The cgroup dirs are where the program
 runs; a supervisor already in one of them (the local backend's warm one lives in its slot's
-pids and cpu groups, the program in a ``run`` group of its own for memory and CPU accounting)
-spares the program that attach, is never killed or counted with the program, and gets 32 MB of
-memory headroom when it shares the program's memory group.
+groups, the program in ``run`` groups of its own) spares the program that attach, is never
+killed or counted with the program, and gets 32 MB of memory headroom when it shares the
+program's memory group.
 
 Output, exactly one line on stdout: a RunResult object (status, exit_code, stdout, stderr,
 stdout_truncated, stderr_truncated, wall_s, cpu_s, peak_memory_mb, signal, error). Exit code 0
 whenever a result was printed. ``--serve`` reads one such object per line and answers one line
 each, until EOF (a warm supervisor; the local backend keeps one per slot; the container
-backends run ``run_job`` the same way, one per container, through ``_exec_wrapper.py``). Between
-two requests a warm supervisor forks the next program's process ahead (a *spare*) and moves it
-into the cgroups it must join, so no request waits for a cgroup attach (an RCU grace period).
+backends run ``run_job`` the same way, one per container, through ``_exec_wrapper.py``). A warm
+supervisor starts its programs from a *zygote* already in the cgroups they must join, so no
+request waits for a cgroup attach (an RCU grace period).
 ``--selftest [--uid N]`` checks a few programs and prints what failed.
 
 What it does per request: a fresh scratch dir (files written with O_NOFOLLOW|O_EXCL through
@@ -67,7 +67,6 @@ import os
 import resource
 import select
 import signal
-import socket
 import struct
 import sys
 import time
@@ -82,8 +81,8 @@ SUPERVISOR_HEADROOM_MB = 32
 # death), which makes the kernel kill every process in the namespace. It only matters when this
 # supervisor is late, e.g. throttled by a fork bomb sharing its CPU quota on a many-core host.
 BACKSTOP_S = 0.25
-BYTES_PER_INODE = 4096  # a tmpfs made here gets one inode per this many bytes of its size
-SAMPLE_S = 0.01  # memory sampling period where no cgroup of the program's own enforces it
+SAMPLE_S = 0.01  # memory sampling period where no cgroup of the program's own enforces it,
+SAMPLE_SHARE = 0.025  # longer where one sample costs more than this share (gVisor: ~1 ms)
 CPU_SAMPLE_S = 0.05  # CPU-time sampling period for an explicit cpu_time_s
 # A memory group that still holds this much from earlier requests (page cache of files they
 # read) is reclaimed before the next one, so its high-water mark is the program's own.
@@ -219,21 +218,36 @@ def seccomp_program(deny):
     return out
 
 
+_FPROGS = {}
+
+
+def _fprog(program):
+    """A ``struct sock_fprog`` for ``program`` (made once, before a fork: the child only calls
+    prctl with it)."""
+    if program not in _FPROGS:
+        import ctypes
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        buf = ctypes.create_string_buffer(program, len(program))
+        _FPROGS[program] = (buf, SockFprog(len(program) // 8, ctypes.addressof(buf)))
+    return _FPROGS[program][1]
+
+
 def install_seccomp(program):
     """Install ``program`` on the calling thread (no-new-privs must be set); raise on failure."""
     import ctypes
 
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
     libc = _libc_handle()
     if not libc:
         raise OSError("seccomp: no libc through ctypes")
-    buf = ctypes.create_string_buffer(program, len(program))
-    prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
-    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
+    if libc.prctl(22, 2, ctypes.byref(_fprog(program)), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
         errno = ctypes.get_errno()
         raise OSError(errno, f"seccomp: {os.strerror(errno)}")
+
+
+_KEYRINGS = None  # whether this kernel lets us join keyrings (found once, see keyrings_work)
 
 
 def join_fresh_session_keyring():
@@ -247,28 +261,58 @@ def join_fresh_session_keyring():
     return libc.syscall(nr, _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
 
 
+def keyrings_work():
+    """Whether programs can be given a fresh session keyring here: this supervisor joins one
+    itself once (harmless: nothing of its session is its programs' business either). Where
+    that is refused, no program could use a keyring at all."""
+    global _KEYRINGS
+    if _KEYRINGS is None:
+        _KEYRINGS = join_fresh_session_keyring()
+    return _KEYRINGS
+
+
 # -- cgroups -----------------------------------------------------------------------------------
 class Cgroups:
     """The cgroup dirs (v1 controllers or v2 groups) the program joins and is killed through."""
+
+    helpers = set()  # this supervisor's own processes in the program's groups (its zygote)
 
     def __init__(self, dirs):
         self.dirs = [d for d in dirs if d and os.path.isdir(d)]
         self.oom_before = 0
         self.saved = None  # once contained: the CPU quota files lifted, with their texts
         self.me = os.getpid()
-        # A warm supervisor may live in some of the dirs itself (the local backend's lives in
-        # its slot's): its children are born inside those, sparing each run an attach there
-        # (an RCU grace period, ~10 ms). It is never killed or counted as a member.
-        self.inside = {
-            d for d in self.dirs if str(self.me) in _read_text(os.path.join(d, "cgroup.procs"))
-        }
-        self.to_join = [d for d in self.dirs if d not in self.inside]
+        self._inside = None
+
+    _membership = {}  # dir -> whether this process is in it (a supervisor never moves)
+
+    @property
+    def inside(self):
+        """The dirs this supervisor lives in itself (the local backend's lives in its slot's):
+        its children are born there, sparing each run an attach (an RCU grace period, ~10 ms).
+        It is never killed or counted as a member."""
+        if self._inside is None:
+            known = Cgroups._membership
+            for d in self.dirs:
+                if (self.me, d) not in known:
+                    procs = _read_text(os.path.join(d, "cgroup.procs")).split()
+                    known[self.me, d] = str(self.me) in procs
+            self._inside = {d for d in self.dirs if known[self.me, d]}
+        return self._inside
+
+    @property
+    def to_join(self):
+        return [d for d in self.dirs if d not in self.inside]
+
+    _where = {}  # (dirs, control file) -> the dir that has it (cgroup dirs keep their files)
 
     def _dir(self, name):
-        for d in self.dirs:
-            if os.path.exists(os.path.join(d, name)):
-                return d
-        return None
+        key = (tuple(self.dirs), name)
+        if key not in Cgroups._where:
+            Cgroups._where[key] = next(
+                (d for d in self.dirs if os.path.exists(os.path.join(d, name))), None
+            )
+        return Cgroups._where[key]
 
     def _file(self, name):
         d = self._dir(name)
@@ -285,12 +329,21 @@ class Cgroups:
         max_processes += 4  # the supervisor and its short-lived uid sweeper
         limit = self._file("memory.limit_in_bytes")
         if limit:
-            usage = _read_int(self._file("memory.usage_in_bytes") or "/nonexistent") or 0
-            if usage > RECLAIM_ABOVE and not self.shares("memory.limit_in_bytes"):
-                write_best_effort(self._file("memory.force_empty") or limit, "0")
+            if not self.shares("memory.limit_in_bytes"):
+                # the program's own group: what it still holds from earlier requests (page
+                # cache, this supervisor's zygote) is reclaimed past RECLAIM_ABOVE, and the
+                # rest is on top of memory_mb (peak_memory_mb leaves it out too)
+                usage = self.usage_bytes() or 0
+                if usage > RECLAIM_ABOVE:
+                    write_best_effort(self._file("memory.force_empty") or limit, "0")
+                    usage = self.usage_bytes() or 0
+                memory_bytes += usage
             swap = self._file("memory.memsw.limit_in_bytes")
-            for name in ([limit, swap] if swap else [limit]) * 2:  # either order may be refused
-                write_best_effort(name, str(memory_bytes))
+            # memory+swap may never be below memory: raise it first, lower it last
+            raising = memory_bytes > (_read_int(limit) or 0)
+            for name in [swap, limit] if raising else [limit, swap]:
+                if name:
+                    write_best_effort(name, str(memory_bytes))
             if int(_read_text(limit) or 0) != memory_bytes:  # usage above it: reclaim, retry
                 _write_file(self._file("memory.force_empty") or limit, "0")
                 _write_file(limit, str(memory_bytes))
@@ -342,13 +395,13 @@ class Cgroups:
         return None
 
     def members(self):
-        """Processes in the cgroups, but this supervisor."""
+        """Processes in the cgroups, but this supervisor and its helpers."""
         pids = set()
         for d in self.dirs:
             for line in _read_text(os.path.join(d, "cgroup.procs")).split():
                 pids.add(int(line))
         pids.discard(self.me)
-        return pids
+        return pids - self.helpers
 
     def contain(self):
         """Before a kill sweep: no new process may start (``pids.max`` 0: a fork bomb cannot
@@ -444,8 +497,8 @@ class Meter:
     """Memory and CPU of one request's processes: start, sample, totals. The base reads only
     what the supervisor sees of its own children (reaped usage, live processes of ``uid``)."""
 
-    hard_memory = False  # the kernel itself holds the program to memory_mb
     samples_memory = False  # the supervisor must sample memory to hold the program to it
+    period = SAMPLE_S
 
     def __init__(self, run):
         self.run = run
@@ -498,15 +551,18 @@ class CgroupMeter(Meter):
     def __init__(self, run):
         super().__init__(run)
         self.cg = run.cgroups
-        self.hard_memory = self.cg.usage_bytes() is not None
         self.mem0 = 0
         self.cpu0 = None
         self.own0 = 0
+        self.shared = False
+        self.helper = None  # the zygote the program came from: in its group, not the program
+        self.helper0 = 0
 
     def start(self):
         self.mem0 = self.cg.usage_bytes() or 0
         self.cpu0 = self.cg.cpu_ns()
-        self.own0 = _own_cpu_ns()
+        self.shared = self.cg.shares("cpuacct.usage") or self.cg.shares("cpu.stat")
+        self.own0 = _own_cpu_ns() if self.shared else 0
 
     def memory_used(self):
         usage = self.cg.usage_bytes()
@@ -516,8 +572,10 @@ class CgroupMeter(Meter):
         now = self.cg.cpu_ns()
         if now is None or self.cpu0 is None:
             return None
-        if self.cg.shares("cpuacct.usage") or self.cg.shares("cpu.stat"):
+        if self.shared:
             now -= _own_cpu_ns() - self.own0
+        if self.helper is not None:
+            now -= self.helper.cpu_ns() - self.helper0
         return max(now - self.cpu0, 0) / 1e9
 
     def oom_killed(self):
@@ -530,6 +588,9 @@ class CgroupMeter(Meter):
         return max(peak - self.mem0, self.peak or 0)
 
 
+_MEMINFO = ("AnonPages", "Cached", "Shmem")
+
+
 class ContainerMeter(Meter):
     """A container's own counters, read-only: the whole container's memory (its cgroup's
     ``memory.usage_in_bytes``/``memory.current`` under runc; under gVisor, which has no cgroup
@@ -537,54 +598,62 @@ class ContainerMeter(Meter):
     ``cpu.stat`` less this supervisor's and init's own; under gVisor the live processes of the
     program's uid plus what was reaped). The program's share is the growth since the request
     began, less the output this supervisor buffered; ``memory_mb`` is held by sampling every
-    ``SAMPLE_S`` (the container's own cap stays the kernel's hard limit, and the program's
+    ``SAMPLE_S``, or less often where one sample costs more than ``SAMPLE_SHARE`` of that
+    (the container's own cap stays the kernel's hard limit, and the program's
     ``oom_score_adj`` makes it the OOM killer's choice there)."""
 
     samples_memory = True
     V1 = "/sys/fs/cgroup/memory/"
     V2 = "/sys/fs/cgroup/"
 
+    SOURCES = None  # what this container offers, found once per process
+
     def __init__(self, run):
         super().__init__(run)
-        self.mem_file = self.peak_file = self.events_file = self.cpu_file = None
-        for base, usage, peak, events in (
-            (self.V1, "memory.usage_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control"),
-            (self.V2, "memory.current", "memory.peak", "memory.events"),
-        ):
-            if _read_int(base + usage) is not None:
-                self.mem_file, self.peak_file, self.events_file = (
-                    base + usage,
-                    base + peak,
-                    base + events,
-                )
-                break
-        for path in ("/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu.stat"):
-            if os.path.exists(path):
-                self.cpu_file = path
-                break
-        self.meminfo = self.mem_file is None and "MemFree:" in _read_text("/proc/meminfo")
+        if ContainerMeter.SOURCES is None:
+            ContainerMeter.SOURCES = self._find_sources()
+        self.mem_file, self.peak_file, self.events_file, self.cpu_file, self.meminfo = (
+            ContainerMeter.SOURCES
+        )
         self.mem0 = self.peak0 = 0
         self.oom0 = 0
         self.cpu0 = None
         self.others0 = 0
 
+    @classmethod
+    def _find_sources(cls):
+        mem_file = peak_file = events_file = cpu_file = None
+        for base, usage, peak, events in (
+            (cls.V1, "memory.usage_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control"),
+            (cls.V2, "memory.current", "memory.peak", "memory.events"),
+        ):
+            if _read_int(base + usage) is not None:
+                mem_file, peak_file, events_file = base + usage, base + peak, base + events
+                break
+        for path in ("/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu.stat"):
+            if os.path.exists(path):
+                cpu_file = path
+                break
+        meminfo = mem_file is None and "AnonPages:" in _read_text("/proc/meminfo")
+        return mem_file, peak_file, events_file, cpu_file, meminfo
+
     def _usage(self):
         if self.mem_file:
             return _read_int(self.mem_file)
         if self.meminfo:
-            fields = {}
-            for line in _read_text("/proc/meminfo").splitlines():
-                key, _, value = line.partition(":")
-                fields[key] = int(value.split()[0]) if value.split() else 0
+            text = _read_text("/proc/meminfo")
             try:  # gVisor: AnonPages holds anonymous, tmpfs and memfd pages; Cached less
                 # Shmem is file cache (MemFree only falls: freed pages stay with the sandbox)
-                return (fields["AnonPages"] + fields["Cached"] - fields["Shmem"]) * 1024
-            except KeyError:
+                kb = {k: int(text.split("\n" + k + ":", 1)[1].split()[0]) for k in _MEMINFO}
+            except (IndexError, ValueError):
                 return None
+            return (kb["AnonPages"] + kb["Cached"] - kb["Shmem"]) * 1024
         return None
 
     def _oom(self):
-        for line in _read_text(self.events_file or "/nonexistent").splitlines():
+        if not self.events_file:
+            return 0
+        for line in _read_text(self.events_file).splitlines():
             if line.startswith("oom_kill "):
                 return int(line.split()[1])
         return 0
@@ -605,11 +674,15 @@ class ContainerMeter(Meter):
         return _own_cpu_ns() + (_schedstat_ns(1) or 0)
 
     def start(self):
+        began = time.perf_counter()
         self.mem0 = self._usage() or 0
-        self.peak0 = _read_int(self.peak_file or "/nonexistent") or 0
-        self.oom0 = self._oom()
-        self.cpu0 = self._cpu_ns()
-        self.others0 = self._others_ns()
+        self.period = max(SAMPLE_S, (time.perf_counter() - began) / SAMPLE_SHARE)
+        if self.mem_file:
+            self.peak0 = _read_int(self.peak_file) or 0
+            self.oom0 = self._oom()
+        if self.cpu_file:
+            self.cpu0 = self._cpu_ns()
+            self.others0 = self._others_ns()
 
     def memory_used(self):
         usage = self._usage()
@@ -628,46 +701,69 @@ class ContainerMeter(Meter):
         return self._oom() > self.oom0
 
     def peak_bytes(self):
-        peak = _read_int(self.peak_file or "/nonexistent")
+        peak = _read_int(self.peak_file) if self.peak_file else None
         if peak is not None and peak > self.peak0:  # a new high of the container: this request's
             return max(peak - self.mem0, self.peak or 0)
         return self.peak
 
 
-# -- the spare ---------------------------------------------------------------------------------
-class Spare:
-    """The next program's process, forked ahead by a warm supervisor and already moved into the
-    cgroups it must join (those this supervisor is not in): a request then starts without a
-    cgroup attach. It waits for one message (the plan and its fds over a socketpair), then does
-    exactly what a freshly forked child does. It dies with this supervisor (parent-death
-    SIGKILL, EOF on its socket)."""
+# -- the zygote --------------------------------------------------------------------------------
+def _children_but_helpers():
+    """Whether this process has children (zombies too) besides its helpers."""
+    if not Cgroups.helpers:
+        return True
+    text = _read_text(f"/proc/self/task/{os.getpid()}/children")
+    return bool({int(pid) for pid in text.split()} - Cgroups.helpers)
 
-    def __init__(self, dirs, wake_fd):
+
+def can_have_helpers():
+    """Helpers need /proc/PID/task/TID/children to tell the program's children from theirs."""
+    return os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+class Zygote:
+    """A helper of a warm supervisor that lives in the cgroups its programs must join (those the
+    supervisor is not in), moved there once: each program's process is made by it, born there,
+    so no request waits for a cgroup attach (an RCU grace period). Per request it gets the plan
+    and its fds over a socketpair and clones the program's process with CLONE_PARENT: a child
+    of the supervisor, which waits for it as for any child; its pid comes back on the socket.
+    The zygote asks for ``oom_score_adj`` -1000 (below the program's 1000 where a host refuses
+    that), is excluded from its groups' members (``Cgroups.helpers``) and its CPU time from the
+    program's, and dies with the supervisor (parent-death SIGKILL, EOF)."""
+
+    def __init__(self, dirs):
+        import socket  # only a warm supervisor with cgroups to join needs it
+
         self.dirs = tuple(dirs)
         self.pid = None
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         me = os.getpid()
         pid = os.fork()
-        if pid == 0:  # the spare: nothing here may return
+        if pid == 0:  # the zygote: nothing here may return
             try:
                 parent.close()
                 _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
                 if os.getppid() != me:
                     os._exit(0)
-                _spare_main(child)
+                _zygote_main(child, me)
             finally:
                 os._exit(127)
         child.close()
         self.pid = pid
         self.sock = parent
         try:
+            write_best_effort(f"/proc/{pid}/oom_score_adj", "-1000")
             Cgroups(self.dirs).join(pid)
         except OSError:
             self.discard()
             raise
+        Cgroups.helpers.add(pid)
 
     def launch(self, plan, fds):
-        """Hand the plan over: the spare becomes the program; its pid, or None if it is gone."""
+        """Have the zygote start the program; False if the zygote is gone (it is then
+        discarded: the caller forks the program itself). ``pid`` tells the program's pid."""
+        import socket
+
         data = json.dumps(plan).encode()
         message = struct.pack("=I", len(data)) + data
         try:
@@ -675,48 +771,112 @@ class Spare:
             self.sock.sendall(message[sent:])
         except OSError:
             self.discard()
+            return False
+        return True
+
+    def pid_of_launched(self):
+        """The pid of the program ``launch`` started (it comes while the program starts), or
+        None if the zygote failed (it is then discarded)."""
+        try:
+            answer = b""
+            while len(answer) < 4:
+                chunk = self.sock.recv(4 - len(answer))
+                if not chunk:
+                    raise OSError("the zygote went away")
+                answer += chunk
+        except OSError:
+            self.discard()
             return None
-        self.sock.close()
-        pid, self.pid = self.pid, None  # the program's now
+        pid = struct.unpack("=i", answer)[0]
+        if pid <= 0:
+            self.discard()
+            return None
         return pid
 
+    def alive(self):
+        return self.pid is not None and self.pid in Cgroups.helpers  # not reaped as dead
+
+    def cpu_ns(self):
+        return (_schedstat_ns(self.pid) or 0) if self.alive() else 0
+
     def discard(self):
-        if self.pid is not None:
+        if self.alive():
+            Cgroups.helpers.discard(self.pid)
             try:
                 os.kill(self.pid, signal.SIGKILL)
                 os.waitpid(self.pid, 0)
             except OSError:
                 pass
-            self.pid = None
+        self.pid = None
         try:
             self.sock.close()
         except OSError:
             pass
 
 
-def _spare_main(sock):
-    """In the spare: receive the plan and its fds, then become the program."""
+def _recv_plan(sock):
+    """One plan and its fds from the socket, or (None, []) at EOF."""
+    import socket
+
     head = b""
     fds = []
     while len(head) < 4:
-        data, got, _, _ = socket.recv_fds(sock, 1 << 20, 64)
-        if not data:
-            os._exit(0)  # the supervisor went away or discarded us
-        head += data
+        data, got, _, _ = socket.recv_fds(sock, 1 << 16, 64)
         fds += got
+        if not data:
+            return None, fds
+        head += data
     size = struct.unpack("=I", head[:4])[0]
     data = head[4:]
     while len(data) < size:
         chunk = sock.recv(size - len(data))
         if not chunk:
-            os._exit(0)
+            return None, fds
         data += chunk
-    sock.close()
-    plan = json.loads(data)
-    roles = plan["fd_roles"]  # the fd number each received fd had in the supervisor
-    if len(fds) != len(roles):
-        os._exit(127)
-    # move the received fds above every number they must end up at, then put each in place
+    return json.loads(data), fds
+
+
+_CLONE_NR = {"x86_64": 56, "aarch64": 220, "i686": 120, "i386": 120}
+_CLONE_PARENT = 0x8000
+
+
+def _clone_sibling():
+    """clone(2) with CLONE_PARENT: a copy of this process (as fork makes) whose parent is this
+    process's parent. 0 in the copy, its pid here, -1 if refused. Raw: neither glibc's nor
+    Python's fork handlers run, so the copy must only call ``os``/``ctypes`` and exec or
+    ``_exit`` (``_child_main`` does)."""
+    nr = _CLONE_NR.get(os.uname().machine)
+    libc = _libc_handle()
+    if nr is None or not libc:
+        return -1
+    return libc.syscall(nr, _CLONE_PARENT | signal.SIGCHLD, None, None, None, None)
+
+
+def _zygote_main(sock, supervisor):
+    """In the zygote: for each plan, start the program's process as a child of the supervisor
+    (``_clone_sibling``), born in the zygote's cgroups; its pid goes back on the socket."""
+    while True:
+        plan, fds = _recv_plan(sock)
+        if plan is None or len(fds) != len(plan["fd_roles"]):
+            os._exit(0)
+        program = _clone_sibling()
+        if program == 0:  # the program's process
+            try:
+                sock.close()
+                if os.getppid() != supervisor:
+                    os._exit(127)
+                _place_fds(fds, plan["fd_roles"])
+                _child_main(plan, join=None)
+            finally:
+                os._exit(127)
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(struct.pack("=i", program))
+
+
+def _place_fds(fds, roles):
+    """Put each received fd at the number it had in the supervisor (the plan names those):
+    first above all of them, then in place."""
     import fcntl
 
     floor = max([2, *roles]) + 1
@@ -727,7 +887,6 @@ def _spare_main(sock):
     for i, fd in enumerate(moved):
         os.dup2(fd, roles[i], inheritable=False)
         os.close(fd)
-    _child_main(plan, join=None)
 
 
 def _child_main(plan, join):
@@ -766,13 +925,14 @@ def _child_main(plan, join):
             os.setgroups([])
             os.setresgid(plan["gid"], plan["gid"], plan["gid"])
             os.setresuid(plan["uid"], plan["uid"], plan["uid"])
-        stage = "keyring"
-        join_fresh_session_keyring()
+        if plan.get("keyring", True):
+            stage = "keyring"
+            join_fresh_session_keyring()
         _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
         _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (after setuid, which clears it)
         if plan["seccomp"]:
             stage = "seccomp"
-            install_seccomp(bytes.fromhex(plan["seccomp"]))
+            install_seccomp(bytes.fromhex(plan["seccomp"]))  # cached: built before the fork
         stage = "exec"
         os.chdir(plan["cwd"])
         os.execvpe(plan["argv"][0], plan["argv"], plan["env"])
@@ -842,7 +1002,6 @@ class Run:
         self.out = {1: bytearray(), 2: bytearray()}
         self.truncated = {1: False, 2: False}
         self.rundir = None
-        self.mounts = []  # tmpfs mounts made for the sandbox (unmounted by cleanup)
         self.notes = []
         self.fds = {}
         self.stdin_fd = None
@@ -858,58 +1017,24 @@ class Run:
             self.meter = Meter(self)
 
     # -- setup ---------------------------------------------------------------------------------
-    def _make_rundir(self):
+    def _make_scratch(self):
+        """Fresh ``rundir`` (root, 0711) with ``work/`` (the program's, 0700) holding the files."""
         import tempfile
 
         root = self.job.get("scratch_root") or tempfile.gettempdir()
         self.rundir = tempfile.mkdtemp(prefix="agentrl-", dir=root)
         os.chmod(self.rundir, 0o711)
-        return self.rundir
-
-    def _make_scratch(self):
-        """Fresh ``rundir`` (root, 0711) with ``work/`` (the program's, 0700) holding the files."""
-        work = os.path.join(self._make_rundir(), "work")
+        work = os.path.join(self.rundir, "work")
         os.mkdir(work, 0o700)
         if self.uid is not None:
             os.chown(work, self.uid, self.gid)
-        self._write_files(work)
-        return work
-
-    def _write_files(self, work):
         top = os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for path, text in self.files.items():
                 self._write_into(top, path, text)
         finally:
             os.close(top)
-
-    def _tmpfs_mounts(self, argv, workdir):
-        """The sandbox's writable dirs (``bwrap["tmpfs"]``: path, size_mb, size_option). As
-        root, each is a tmpfs made here, in this supervisor's private mount namespace, capped in
-        bytes and in inodes (``BYTES_PER_INODE``), owned by the program's uid, and bound into the
-        sandbox; it goes away with the request. Otherwise bubblewrap makes them (``--size``
-        caps bytes only). Returns the host path of the work dir's mount, or None."""
-        specs = self.bwrap.get("tmpfs") or []
-        if specs and self.uid is not None and _private_mount_namespace():
-            rundir = self._make_rundir()
-            work = None
-            for i, spec in enumerate(specs):
-                source = os.path.join(rundir, f"tmpfs{i}")
-                os.mkdir(source, 0o700)
-                size = int(spec["size_mb"]) * MB
-                inodes = max(size // BYTES_PER_INODE, 64)
-                options = f"size={size},nr_inodes={inodes},mode=0755,uid={self.uid},gid={self.gid}"
-                _mount_tmpfs(source, options)
-                self.mounts.append(source)
-                argv += ["--bind", source, spec["path"]]
-                if spec["path"] == workdir:
-                    work = source
-            return work
-        for spec in specs:
-            if spec.get("size_option"):
-                argv += ["--size", str(int(spec["size_mb"]) * MB)]
-            argv += ["--tmpfs", spec["path"]]
-        return None
+        return work
 
     def _write_into(self, top, path, text):
         parts = _split_path(path)
@@ -967,11 +1092,8 @@ class Run:
         if self.bwrap:
             workdir = self.bwrap.get("workdir") or "/work"
             argv = list(self.bwrap["argv"])
-            work = self._tmpfs_mounts(argv, workdir)
-            if work is not None:  # a mount of ours: the files go straight in
-                self._write_files(work)
             made = set()
-            for path, text in self.files.items() if work is None else ():
+            for path, text in self.files.items():
                 parts = _split_path(path)
                 for i in range(1, len(parts)):
                     d = "/".join(parts[:i])
@@ -1038,9 +1160,9 @@ class Run:
         return limits
 
     # -- spawn ---------------------------------------------------------------------------------
-    def spawn(self, spare=None):
-        """Start the program: through ``spare`` (forked ahead, already in the cgroups) when it
-        was made for this request's cgroups, else a freshly forked child."""
+    def spawn(self, zygote=None):
+        """Start the program: through ``zygote`` (already in the cgroups) when it was made for
+        this request's cgroups, else as a freshly forked child."""
         keep = self.keep_fds
         argv, cwd, env = self._command(keep)
         self.cgroups.prepare(self.memory_mb * MB, self.max_processes)
@@ -1058,6 +1180,7 @@ class Run:
             "uid": self.uid,
             "gid": self.gid,
             "itimer": self.timeout + BACKSTOP_S if self.bwrap else None,
+            "keyring": keyrings_work(),
             "seccomp": None if self.bwrap or not self.seccomp else self.seccomp.hex(),
             "keep": list(keep),
             "stdin_fd": in_r,
@@ -1066,18 +1189,25 @@ class Run:
             "fail_fd": fail_w,
         }
         self.t0 = time.monotonic()
-        pid = None
-        if spare is not None and spare.pid is not None:
-            if spare.dirs == tuple(self.cgroups.to_join):
-                plan["fd_roles"] = [in_r, out_w, err_w, fail_w, *keep]
-                pid = spare.launch(plan, plan["fd_roles"])
-            else:
-                spare.discard()
-        if pid is None:
-            pid = os.fork()
-            if pid == 0:  # child: nothing here may return
+        if zygote is not None and zygote.alive() and zygote.dirs == tuple(self.cgroups.to_join):
+            self.meter.helper = zygote
+            self.meter.helper0 = zygote.cpu_ns()
+            plan["fd_roles"] = [in_r, out_w, err_w, fail_w, *keep]
+            if zygote.launch(plan, plan["fd_roles"]):
+                # the pid comes right after the clone, while the program starts; a zygote that
+                # died (its fds never reached a program) leaves the fork below to start it
+                self.pid = zygote.pid_of_launched()
+            if self.pid is None:  # a program it may have cloned before dying must not run too
+                for pid in self.cgroups.members():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        if self.pid is None:
+            self.meter.helper = None
+            self.pid = os.fork()
+            if self.pid == 0:  # child: nothing here may return
                 _child_main(plan, join=self.cgroups)
-        self.pid = pid
         for fd in (in_r, out_w, err_w, fail_w, *keep):
             os.close(fd)
         keep.clear()
@@ -1108,7 +1238,8 @@ class Run:
         else:
             self._close_stdin(poller)
         deadline = self.t0 + self.timeout
-        next_memory = self.t0 + SAMPLE_S if self.meter.samples_memory else math.inf
+        period = self.meter.period
+        next_memory = self.t0 + period if self.meter.samples_memory else math.inf
         next_cpu = self.t0 + CPU_SAMPLE_S if self.cpu_explicit else math.inf
         while self.status is None and self.reason is None:
             now = time.monotonic()
@@ -1119,7 +1250,7 @@ class Run:
                 break
             if now >= next_memory:
                 self._check_memory()
-                next_memory = now + SAMPLE_S
+                next_memory = now + period
             if now >= next_cpu:
                 self._check_cpu()
                 next_cpu = now + CPU_SAMPLE_S
@@ -1205,14 +1336,18 @@ class Run:
             buf += data
 
     def reap(self):
-        """Reap every exited child (orphans come to us as subreaper), summing their usage."""
+        """Reap every exited child (orphans come to us as subreaper), summing their usage;
+        whether children (this supervisor's helpers aside) are left."""
         while True:
             try:
                 pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return False  # no children left
             if pid == 0:
-                return True  # children alive
+                return _children_but_helpers()
+            if pid in Cgroups.helpers:  # a helper died (killed from outside): not the program
+                Cgroups.helpers.discard(pid)
+                continue
             self.cpu_s += usage.ru_utime + usage.ru_stime
             self.maxrss_kb = max(self.maxrss_kb, usage.ru_maxrss)
             if pid == self.pid:
@@ -1432,9 +1567,6 @@ class Run:
             os.close(self.status_fd)
             self.status_fd = None
             self.status_text = text.decode(errors="replace")
-        for path in self.mounts:
-            _umount(path)
-        self.mounts = []
         if self.rundir:
             import shutil
 
@@ -1442,39 +1574,6 @@ class Run:
             if os.path.exists(self.rundir):
                 self.notes.append(f"scratch dir {self.rundir} could not be removed")
             self.rundir = None
-
-
-_MOUNT_NS = None
-
-
-def _private_mount_namespace():
-    """Move this process into a mount namespace of its own with private propagation (once),
-    so the tmpfs mounts it makes for sandboxes are invisible to the host and die with it.
-    False where that is refused (not root, no ctypes)."""
-    global _MOUNT_NS
-    if _MOUNT_NS is None:
-        _MOUNT_NS = False
-        libc = _libc_handle()
-        if libc and os.geteuid() == 0 and libc.unshare(0x20000) == 0:  # CLONE_NEWNS
-            # MS_REC | MS_PRIVATE on /: only then may mounts be made (none propagates out)
-            _MOUNT_NS = libc.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0
-    return _MOUNT_NS
-
-
-def _mount_tmpfs(target, options):
-    import ctypes
-
-    libc = _libc_handle()
-    flags = 0x2 | 0x4  # MS_NOSUID | MS_NODEV
-    if libc.mount(b"tmpfs", target.encode(), b"tmpfs", flags, options.encode()) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount tmpfs on {target}: {os.strerror(errno)}")
-
-
-def _umount(target):
-    libc = _libc_handle()
-    if libc:
-        libc.umount2(target.encode(), 2)  # MNT_DETACH
 
 
 def _close_fds_but(keep):
@@ -1521,17 +1620,19 @@ def _seccomp_for(deny):
         raise Invalid("deny_syscalls: must be a list of syscall names")
     key = tuple(sorted(set(deny)))
     if key and key not in _SECCOMP_CACHE:
-        _SECCOMP_CACHE[key] = seccomp_program(key)
+        _SECCOMP_CACHE[key] = program = seccomp_program(key)
+        if _libc_handle():
+            _fprog(program)  # ready before the fork
     return _SECCOMP_CACHE.get(key)
 
 
-def run_job(job, wake_fd, spare=None):
-    """One request from a decoded envelope to a result dict; never raises. ``spare``: a
-    process forked ahead for it (see ``Spare``), used when it joined the request's cgroups."""
+def run_job(job, wake_fd, zygote=None):
+    """One request from a decoded envelope to a result dict; never raises. ``zygote``: the
+    warm supervisor's (see ``Zygote``), used when it joined the request's cgroups."""
     run = None
     try:
         run = Run(job, wake_fd)
-        run.spawn(spare)
+        run.spawn(zygote)
         if run.reason is None:
             run.watch()
         run.kill_everything()
@@ -1578,29 +1679,29 @@ def _parse(line):
     return job, None
 
 
-def _one(line, wake_fd, spare=None):
+def _one(line, wake_fd):
     job, error = _parse(line)
-    return error or run_job(job, wake_fd, spare)
+    return error or run_job(job, wake_fd)
 
 
-def next_spare(job, spare, wake_fd):
-    """After a request: the spare for the next one (the same cgroups as ``job``), keeping
-    ``spare`` when it is unused and fits; None when the program joins no cgroup of its own."""
+def zygote_for(job, zygote):
+    """The zygote for ``job``'s cgroups: ``zygote`` when it fits and lives, else a new one
+    (None when the program joins no cgroup of its own, or a new one cannot be made)."""
     dirs = job.get("cgroup") if isinstance(job, dict) else None
     try:
         to_join = tuple(Cgroups([dirs] if isinstance(dirs, str) else list(dirs or [])).to_join)
     except Exception:
         to_join = ()
-    if spare is not None and spare.pid is not None and spare.dirs == to_join:
-        return spare
-    if spare is not None:
-        spare.discard()
-    if not to_join:
+    if zygote is not None and zygote.alive() and zygote.dirs == to_join:
+        return zygote
+    if zygote is not None:
+        zygote.discard()
+    if not to_join or not can_have_helpers():
         return None
     try:
-        return Spare(to_join, wake_fd)
+        return Zygote(to_join)
     except OSError:
-        return None  # the next request forks its own child
+        return None  # each request forks its own child
 
 
 def selftest(uid):
@@ -1633,14 +1734,15 @@ def main(argv):
     wake = _install_wakeup()
     out = sys.stdout.buffer
     if "--serve" in argv:
-        spare = None
+        zygote = None
         for line in sys.stdin.buffer:
             if line.strip():
                 job, error = _parse(line)
-                _emit(error or run_job(job, wake, spare), out)
-                spare = next_spare(job, spare, wake)
-        if spare is not None:
-            spare.discard()
+                if job is not None:
+                    zygote = zygote_for(job, zygote)
+                _emit(error or run_job(job, wake, zygote), out)
+        if zygote is not None:
+            zygote.discard()
         return 0
     _emit(_one(sys.stdin.buffer.read(), wake), out)
     return 0
