@@ -51,7 +51,8 @@ PROBE_DIRS = [SCRATCH_ROOT, "/tmp", "/dev/shm", "/dev/mqueue"]
 GVISOR_PROBE_DIRS = [SCRATCH_ROOT, "/tmp", "/dev/shm"]
 KEYRING_SYSCALLS = ["add_key", "request_key", "keyctl"]
 MQUEUE_SYSCALLS = ["mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify"]
-BYTES_PER_INODE = 4096  # each tmpfs gets one inode per this many bytes of its size
+BYTES_PER_INODE = 4096  # each tmpfs gets one inode per this many bytes of its size,
+MIN_ENTRIES = 1024  # and room for this many (what request validation allows in files and dirs)
 SYSV_MSG_QUEUES = 32  # kernel.msgmni: 32 queues of at most 16 KB each
 CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"]
 # PID 1: drops root, then reaps orphans (double-forked daemons the supervisor killed) so no
@@ -106,7 +107,7 @@ def _owner_alive(owner: str) -> bool:
 
 
 def _tmpfs_options(size_mb: int, mode: str) -> str:
-    inodes = max((size_mb << 20) // BYTES_PER_INODE, 64)
+    inodes = max((size_mb << 20) // BYTES_PER_INODE, MIN_ENTRIES + 1)  # + its root dir
     return f"rw,nosuid,nodev,size={size_mb}m,nr_inodes={inodes},mode={mode}"
 
 
@@ -414,7 +415,7 @@ class ContainerBackend:
             g(
                 "tmpfs_inodes",
                 not gvisor,
-                "nr_inodes = size / 4 KiB on each tmpfs"
+                "nr_inodes = size / 4 KiB (at least 1024) on each tmpfs"
                 if not gvisor
                 else "runsc ignores nr_inodes: empty files are bounded only by the container's "
                 "memory cap",

@@ -792,3 +792,42 @@ async def test_empty_files_cannot_pile_up(sandbox_backend):
         made, errno = result.stdout.split()
         assert errno == "28" and int(made) <= 16 * 256, result  # ENOSPC: shm_mb 16 / 4 KiB
 
+
+async def test_each_tmpfs_holds_at_least_1024_entries(sandbox_backend):
+    """The inode caps never refuse what request validation allows (1024 files and dirs), even
+    on the smallest tmpfs a config may ask for."""
+    code = (
+        "import os\n"
+        "made = []\n"
+        "for d in ('.', '/tmp', '/dev/shm'):\n"
+        "    n = 0\n"
+        "    try:\n"
+        "        while n < 1024:\n"
+        "            os.close(os.open(f'{d}/e{n}', os.O_CREAT | os.O_WRONLY))\n"
+        "            n += 1\n"
+        "    except OSError as exc:\n"
+        "        print(d, n, exc)\n"
+        "    made.append(n)\n"
+        "print(made)\n"
+    )
+    smallest = {"scratch_mb": 8, "tmp_mb": 8, "shm_mb": 1}
+    result = await run_case(sandbox_backend, py(code, timeout_s=20.0), {"ok"}, backend=smallest)
+    assert result.stdout == "[1024, 1024, 1024]\n", result
+
+
+# -- the request's own files -----------------------------------------------------------------------
+@pytest.mark.parametrize("size_mb", [16, 30])
+async def test_files_up_to_half_of_memory_mb_are_the_programs(sandbox_backend, size_mb):
+    """Files count against memory_mb (they live in a tmpfs): up to half of it (what request
+    validation allows) they reach the program, and copying them in is never charged to anything
+    but the program's own limit (no sandbox_error, no lost sandbox)."""
+    code = "import os\nprint(os.path.getsize('big.bin'), open('big.bin').read(3))\n"
+    files = {"big.bin": "abc" + "x" * ((size_mb << 20) - 3)}
+    with anyio.fail_after(CASE_TIMEOUT_S):
+        async with sandbox_backend.open(size=1) as pool:
+            for _ in range(2):  # and again on the same warm sandbox
+                result = await pool.run(py(code, files=files, memory_mb=64, timeout_s=10.0))
+                assert result.status == "ok", result
+                assert result.stdout == f"{size_mb << 20} abc\n", result
+            assert "sandbox_error" not in pool.statistics().failures
+            await serves(pool)
