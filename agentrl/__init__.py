@@ -3,8 +3,14 @@
 Layering (each layer imports only those above it):
 errors and wire types → environment contract, registry, tools → chat formats → engines →
 rollout runtime → composition roots (``agentrl.loop``, ``agentrl.cli``).
+
+Everything here is imported eagerly and is cheap (no torch, no transformers: the rollout runtime
+loads them when it opens an engine), so ``dir(agentrl)``, IDEs and type checkers see the whole
+API. Re-exports use ``from ._x import y as y``, the form type checkers treat as public.
 """
 
+from ._checker import acheck_env as acheck_env
+from ._checker import check_env as check_env
 from ._config import RolloutConfig as RolloutConfig
 from ._env import Env as Env
 from ._env import Episode as Episode
@@ -30,7 +36,11 @@ from ._registry import make as make
 from ._registry import register as register
 from ._registry import registered as registered
 from ._registry import spec as spec
+from ._runner import RolloutResult as RolloutResult
+from ._runner import arollout as arollout
+from ._runner import rollout as rollout
 from ._tools import tool as tool
+from ._types import GenerateResult as GenerateResult
 from ._types import Message as Message
 from ._types import SamplingParams as SamplingParams
 from ._types import Span as Span
@@ -40,14 +50,43 @@ from ._types import read_trajectories as read_trajectories
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):  # heavy parts (torch, transformers) load on first use
-    if name in ("rollout", "arollout", "RolloutResult"):
-        from . import _runner
-
-        return getattr(_runner, name)
-    if name in ("check_env", "acheck_env"):
-        from . import _checker
-
-        return getattr(_checker, name)
-    raise AttributeError(f"module 'agentrl' has no attribute {name!r}")
+__all__ = [
+    "AgentRLError",
+    "BadEnvSpec",
+    "BoundaryError",
+    "ConfigError",
+    "DuplicateEnv",
+    "EngineError",
+    "Env",
+    "EnvError",
+    "EnvSpec",
+    "Episode",
+    "FormatError",
+    "GenerateResult",
+    "Message",
+    "ModelError",
+    "NameNotFound",
+    "Reward",
+    "RolloutConfig",
+    "RolloutResult",
+    "SamplingParams",
+    "SandboxError",
+    "Span",
+    "Task",
+    "ToolCallRecord",
+    "ToolError",
+    "Trajectory",
+    "UnregisteredEnv",
+    "VersionNotFound",
+    "acheck_env",
+    "arollout",
+    "check_env",
+    "env",
+    "make",
+    "read_trajectories",
+    "register",
+    "registered",
+    "rollout",
+    "spec",
+    "tool",
+]

@@ -12,7 +12,7 @@ from ._errors import ConfigError
 class RolloutConfig(pydantic.BaseModel):
     """How trajectories are generated. ``None`` means "the environment's default"."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     max_turns: int | None = pydantic.Field(None, ge=1)
     """Assistant turns per trajectory (default: the env spec's ``max_turns``)."""
@@ -23,19 +23,24 @@ class RolloutConfig(pydantic.BaseModel):
     temperature: float = pydantic.Field(1.0, ge=0.0)
     """Sampling temperature. RL default 1.0: the sampling distribution is the trained one."""
     top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this (1: off).
+    Logprobs are recorded before any filtering."""
     top_k: int = -1
-    """-1 disables top-k."""
+    """Keep the k most likely tokens (-1: off)."""
     min_p: float = pydantic.Field(0.0, ge=0.0, le=1.0)
+    """Drop tokens below this fraction of the most likely token's probability (0: off)."""
     seed: int = 0
     """Base seed; each trajectory derives its own from (seed, task id, sample index)."""
     group_size: int = pydantic.Field(1, ge=1)
-    """Samples per task (G for GRPO); a group shares one prompt."""
+    """Samples per task (G of the group estimators); a group shares one prompt. Training with a
+    group estimator needs >= 2 and defaults to 4 when the config names none."""
     concurrency: int = pydantic.Field(16, ge=1)
     """Trajectories in flight at once."""
     turn_timeout_s: float = pydantic.Field(300.0, gt=0)
     """Deadline for one generate call."""
     tool_timeout_s: float = pydantic.Field(10.0, gt=0)
-    """Deadline for one tool call (a tool's own ``timeout_s`` wins)."""
+    """Deadline for one tool call, unless the tool's own ``timeout_s`` or the environment's
+    ``tool_timeout_s`` attribute sets one (the tool's wins over the environment's)."""
     trajectory_timeout_s: float = pydantic.Field(1800.0, gt=0)
     """Wall-clock deadline for a whole trajectory."""
     tool_error_budget: int = pydantic.Field(3, ge=0)
@@ -47,7 +52,7 @@ class RolloutConfig(pydantic.BaseModel):
     use_sessions: bool = True
     """Open an engine session per trajectory so KV survives tool waits."""
     env_kwargs: dict[str, Any] = pydantic.Field(default_factory=dict)
-    """Keyword arguments for the environment factory."""
+    """Keyword arguments for the environment factory (e.g. calc-v0's ``levels``)."""
 
     @pydantic.model_validator(mode="after")
     def _check_top_k(self) -> RolloutConfig:
@@ -56,13 +61,24 @@ class RolloutConfig(pydantic.BaseModel):
         return self
 
 
-def validate_config(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
-    """Validate ``data``; raise ConfigError naming each offending field and value."""
+def describe_errors(exc: pydantic.ValidationError, where: str = "") -> str:
+    """Each error of ``exc`` as ``dotted.field: message (got value)``, ``where`` prefixed."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in (*([where] if where else []), *err["loc"]))
+        message = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = isinstance(value, dict) or repr(value) in message
+        got = "" if shown else f" (got {value!r})"
+        named = not loc or message.startswith(f"{loc} ")  # "device must be ...": named already
+        parts.append(f"{message}{got}" if named else f"{loc}: {message}{got}")
+    return "; ".join(parts)
+
+
+def validate_config(model: type[pydantic.BaseModel], data: Any, *, where: str = "") -> Any:
+    """Validate ``data``; raise ConfigError naming each offending field (dotted, under ``where``)
+    and value."""
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("invalid config: " + "; ".join(parts)) from None
+        raise ConfigError("invalid config: " + describe_errors(exc, where)) from None

@@ -34,8 +34,8 @@ def checks() -> list[tuple[str, bool, str]]:
         rows.append(("torch", False, f"import failed: {exc}"))
     for dist, why in (
         ("transformers", "required"),
-        ("triton", "Triton kernels (issue E) need it; CPU runs use the torch path"),
-        ("deepspeed", "the learner (issue D) needs it: pip install 'agentrl[train]'"),
+        ("triton", "the Triton kernels need it; CPU runs use the torch path"),
+        ("deepspeed", "the learner needs it: pip install 'agentrl[train]'"),
         ("aiohttp", "agentrl serve / sandbox serve need it: pip install 'agentrl[serve]'"),
         ("gguf", "converting SmolLM2 from its GGUF needs it: pip install 'agentrl[gguf]'"),
     ):

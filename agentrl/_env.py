@@ -27,28 +27,42 @@ class Task(msgspec.Struct, frozen=True):
     """A unit of work an environment hands out. ``id`` is unique within (env, split)."""
 
     id: str
+    """Unique within (env, split); trajectories record it as ``task_id``."""
     prompt: str
+    """What the user asks (the env's ``reset`` turns it into messages)."""
     answer: str = ""
+    """The reference answer the verifier compares against ('' when there is none)."""
     level: int = 0
+    """Difficulty level (envs with a curriculum filter tasks by it)."""
     meta: dict[str, str] = msgspec.field(default_factory=dict)
+    """Anything else the env wants to carry to its verifier."""
 
 
 class Reward(msgspec.Struct):
     """A verifier's verdict: the scalar the learner uses plus named parts for logging."""
 
     total: float
+    """The trajectory's reward: what the learner uses."""
     breakdown: dict[str, float] = msgspec.field(default_factory=dict)
+    """Named parts (e.g. correctness, format), saved on the trajectory as
+    ``reward_breakdown`` for logging; they need not sum to ``total``."""
 
 
 class Episode(msgspec.Struct):
     """What the verifier (``reward``) and per-turn hooks see: the conversation so far."""
 
     task: Any
+    """The task being solved (what ``tasks()`` returned)."""
     messages: list[Message]
+    """The whole conversation: the prompt messages, then assistant turns and observations."""
     tool_calls: list[ToolCallRecord]
+    """Every tool call so far, in order."""
     num_turns: int
+    """Assistant turns so far."""
     termination_reason: TerminationReason | None = None
+    """Why the episode ended (None while it runs)."""
     truncated: bool = False
+    """The episode was cut by a budget (turns, tokens, context, deadline), not finished."""
     prompt_messages: int = 0
     """How many leading ``messages`` came from ``reset`` (few-shot turns are not the model's)."""
 

@@ -2,7 +2,15 @@
 
 A failure inside one rollout is recorded on that trajectory (``Trajectory.error``) and never
 cancels its siblings; these exceptions are what crosses API boundaries when the *caller* is wrong
-(bad id, bad config, bad arguments).
+(bad id, bad config, bad arguments) or a service agentrl depends on fails.
+
+``except agentrl.AgentRLError`` catches every error agentrl raises on purpose. The one package
+outside this tree is ``agentrl.sandboxes``: it imports nothing else of agentrl (it runs alone as
+a service), so its errors have their own root, ``agentrl.sandboxes.SandboxError``. Where agentrl
+uses a sandbox (the environments' sandbox lease, the rollout's sandbox runner, the CLI) those
+errors are translated into ``SandboxError`` below, the original kept as ``__cause__``.
+Registering the sandboxes classes as virtual subclasses (``ABCMeta.register``) would not do:
+``isinstance`` would agree, but an ``except`` clause matches on the real class hierarchy only.
 """
 
 from __future__ import annotations
@@ -60,7 +68,9 @@ class EngineError(AgentRLError):
 
 
 class SandboxError(AgentRLError):
-    """A sandbox backend failed (not the user's program)."""
+    """A sandbox failed or refused work (not the user's program): the backend is unavailable,
+    the pool stayed over capacity, the service is unreachable or answered an error. When it
+    comes from ``agentrl.sandboxes`` that package's exception is the ``__cause__``."""
 
 
 class ModelError(AgentRLError):

@@ -13,8 +13,9 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from ._env import Env
 from ._errors import BadEnvSpec, DuplicateEnv, EnvError, NameNotFound, VersionNotFound
 
 ENTRY_POINT_GROUP = "agentrl.envs"
@@ -30,22 +31,29 @@ class EnvSpec:
     id: str
     """``name-vN``."""
     name: str
+    """The id without its version."""
     version: int
+    """N of ``-vN``."""
     entry_point: Callable[..., Any]
     """A class or a factory; called with ``kwargs`` (merged with ``make`` kwargs) per trajectory."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """Factory arguments fixed at registration (``make`` kwargs override them)."""
     description: str = ""
+    """One line for ``agentrl envs list`` (default: the first paragraph of the docstring)."""
     max_turns: int = 8
     """Default turn budget for a trajectory (overridable per rollout)."""
     max_new_tokens: int = 256
     """Default per-turn token budget."""
     tags: tuple[str, ...] = ()
+    """Free-form labels."""
     module: str = ""
+    """The module that registered it."""
 
-    def make(self, **kwargs: Any) -> Any:
+    def make(self, **kwargs: Any) -> Env:
+        """A fresh instance: ``entry_point(**{**self.kwargs, **kwargs})``."""
         merged = {**self.kwargs, **kwargs}
         try:
-            return self.entry_point(**merged)
+            return cast(Env, self.entry_point(**merged))
         except TypeError as exc:
             raise EnvError(f"{self.id}: cannot construct with {sorted(merged)}: {exc}") from exc
         except EnvError:
@@ -213,7 +221,7 @@ def spec(env_id: str) -> EnvSpec:
     raise NameNotFound(f"no environment named {name!r}.{hint}{known}{broken}")
 
 
-def make(env_id: str, **kwargs: Any) -> Any:
+def make(env_id: str, **kwargs: Any) -> Env:
     """Construct a fresh environment instance for ``env_id``."""
     return spec(env_id).make(**kwargs)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ import anyio
 from ._config import RolloutConfig
 from ._env import Episode, Responder, Reward, TurnRewarder
 from ._registry import EnvSpec
-from ._tools import BoundTool, collect_tools, invoke_tool
+from ._tools import BoundTool, collect_tools, env_tool_timeout, invoke_tool
 from ._types import (
     GenerateResult,
     Message,
@@ -160,6 +161,8 @@ class _Run:
         self.policy_version: int | None = None
         self.session: str | None = None
         self.tools: dict[str, BoundTool] = {}
+        self.tool_timeout_s = ctx.config.tool_timeout_s
+        self.abandoned_threads = 0
         self.state = State.PROMPT
         self.prompt_messages = 0
 
@@ -209,6 +212,7 @@ async def run_trajectory(
     try:
         env = ctx.spec.make(**ctx.config.env_kwargs, **ctx.env_resources)
         run.tools = collect_tools(env)
+        run.tool_timeout_s = env_tool_timeout(env) or ctx.config.tool_timeout_s
         with anyio.move_on_after(ctx.config.trajectory_timeout_s) as deadline:
             while state not in TERMINAL:
                 run.state = state
@@ -218,9 +222,7 @@ async def run_trajectory(
     except Exception as exc:  # a bad rollout is data
         state = State.ERROR
         run.status, run.reason = "error", "error"
-        run.error = TrajectoryError(
-            type=type(exc).__name__, message=str(exc), where=_where(run.state, exc), turn=run.turn
-        )
+        run.error = trajectory_error(exc, _where(run.state, exc), run.turn)
     finally:
         with anyio.CancelScope(shield=True):
             if run.session is not None:
@@ -240,7 +242,7 @@ async def run_trajectory(
                 reward = float(value)
         except Exception as exc:
             run.status, run.reason = "error", "error"
-            run.error = TrajectoryError(type(exc).__name__, str(exc), "reward", run.turn)
+            run.error = trajectory_error(exc, "reward", run.turn)
         run.timing.reward_s = time.perf_counter() - t0
     if env is not None:
         with anyio.CancelScope(shield=True):
@@ -248,7 +250,7 @@ async def run_trajectory(
                 await env.close()
             except Exception as exc:
                 if run.error is None:
-                    run.error = TrajectoryError(type(exc).__name__, str(exc), "env", run.turn)
+                    run.error = trajectory_error(exc, "env", run.turn)
     run.timing.wall_s = time.perf_counter() - started
     while len(run.turn_rewards) < run.turn:
         run.turn_rewards.append(0.0)
@@ -279,7 +281,28 @@ async def run_trajectory(
         prompt_messages=run.prompt_messages,
         format=ctx.fmt.name,
         timing=run.timing,
+        info=_info(run),
     )
+
+
+TRACEBACK_FRAMES = 6
+"""Frames kept on a ``TrajectoryError`` (the innermost: where the env or tool failed)."""
+TRACEBACK_CHARS = 4000
+
+
+def trajectory_error(exc: BaseException, where: str, turn: int | None) -> TrajectoryError:
+    """The record of an exception that ended a trajectory, with a short traceback."""
+    text = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES)).rstrip()
+    if len(text) > TRACEBACK_CHARS:
+        text = "…" + text[-TRACEBACK_CHARS:]
+    return TrajectoryError(type(exc).__name__, str(exc), where, turn, traceback=text)
+
+
+def _info(run: _Run) -> dict[str, str]:
+    if not run.abandoned_threads:
+        return {}
+    # sync tools past their deadline: their threads could not be stopped and run on
+    return {"abandoned_tool_threads": str(run.abandoned_threads)}
 
 
 def _where(state: State, exc: Exception) -> str:
@@ -377,11 +400,14 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                         call.name,
                         call.arguments,
                         turn=run.turn - 1,
-                        timeout_s=ctx.config.tool_timeout_s,
+                        timeout_s=run.tool_timeout_s,
                         max_argument_bytes=ctx.config.max_tool_argument_bytes,
                         limiter=ctx.tool_limiter,
                     )
                     run.timing.tool_s += time.perf_counter() - t0
+                    bound = run.tools.get(call.name)
+                    if record.error_kind == "tool_timeout" and bound and not bound.spec.is_async:
+                        run.abandoned_threads += 1  # a thread cannot be stopped: it runs on
                 run.tool_calls.append(record)
                 observations.append(Message("tool", record.output, name=call.name or None))
             await _turn_reward(run, env)

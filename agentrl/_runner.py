@@ -1,32 +1,62 @@
 """Run many trajectories: groups of G samples per task, bounded concurrency, JSONL as they finish.
 
-``rollout()`` / ``arollout()`` are the Python API behind ``agentrl rollout``.
+``rollout()`` / ``arollout()`` are the Python API behind ``agentrl rollout``. A run directory is
+never written over by accident: one that already holds a rollout is refused unless the caller
+asks to ``overwrite`` it or to ``append`` to it (appended samples continue each group's sample
+indices, so trajectory ids stay unique); one that holds a training run is always refused.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
 from ._config import RolloutConfig
+from ._errors import ConfigError
 from ._registry import spec as env_spec
 from ._rollout import RolloutContext, derive_seed, run_trajectory
-from ._types import Trajectory, TrajectoryWriter
+from ._types import Trajectory, TrajectoryWriter, read_trajectories
+
+IfExists = Literal["error", "overwrite", "append"]
+ROLLOUT_FILES = ("config.json", "trajectories.jsonl", "summary.json", "report.html")
+"""What ``agentrl rollout --out DIR`` writes (``--overwrite`` removes exactly these)."""
+TRAINING_FILES = ("ledger.jsonl", "checkpoints")
+"""Any of these (or a ``config.json`` saying ``"train": true``) marks a training run, which a
+rollout never writes into."""
+_APPEND_FREE = ("concurrency", "tool_threads")
+"""Rollout settings that do not change what is sampled: an append may change them."""
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .engine import Engine, EngineOptions
 
 
 @dataclass
 class RolloutResult:
+    """What ``rollout`` / ``arollout`` return."""
+
     trajectories: list[Trajectory]
+    """This call's finished trajectories, in (task, sample) order."""
     elapsed_s: float
+    """Wall-clock seconds of the rollout (engine start excluded)."""
     out_dir: Path | None
+    """The run directory, when ``out`` was given."""
     model_path: str
+    """The model folder the engine loaded (or the ``model`` name an engine was passed with)."""
+    planned: int = 0
+    """Trajectories this call set out to run (tasks × group size)."""
+    interrupted: bool = False
+    """``stop`` was set: the trajectories in flight were cancelled (none of them is written)."""
+    appended_to: int = 0
+    """Trajectories the run directory held before this call (``if_exists="append"``)."""
 
 
 async def run_groups(
@@ -34,10 +64,14 @@ async def run_groups(
     tasks: Sequence[Any],
     *,
     on_trajectory: Callable[[Trajectory], None] | None = None,
+    first_sample: Mapping[str, int] | None = None,
+    stop: anyio.Event | None = None,
 ) -> list[Trajectory]:
     """Run ``group_size`` samples of every task, at most ``concurrency`` at once.
 
-    One failing trajectory never cancels its siblings (failures are recorded on it)."""
+    One failing trajectory never cancels its siblings (failures are recorded on it). Sample
+    indices of a group start at ``first_sample[group_id]`` (default 0). When ``stop`` is set the
+    trajectories still running are cancelled and the finished ones are returned."""
     cfg = ctx.config
     limiter = anyio.CapacityLimiter(cfg.concurrency)
     if ctx.tool_limiter is None:
@@ -55,15 +89,52 @@ async def run_groups(
         if on_trajectory is not None:
             on_trajectory(traj)
 
-    async with anyio.create_task_group() as tg:
-        for ti, task in enumerate(tasks):
-            for sample in range(cfg.group_size):
-                tg.start_soon(one, ti, task, sample)
+    async def cancel_on_stop(scope: anyio.CancelScope) -> None:
+        assert stop is not None
+        await stop.wait()
+        scope.cancel()
+
+    if stop is not None and stop.is_set():
+        return []
+    async with anyio.create_task_group() as watch:
+        if stop is not None:
+            watch.start_soon(cancel_on_stop, watch.cancel_scope)
+        async with anyio.create_task_group() as tg:
+            for ti, task in enumerate(tasks):
+                start = (first_sample or {}).get(f"{ctx.spec.id}/{task.id}", 0)
+                for sample in range(start, start + cfg.group_size):
+                    tg.start_soon(one, ti, task, sample)
+        watch.cancel_scope.cancel()
     return [results[k] for k in sorted(results)]
 
 
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``["rollout.temperature: 1.0 → 0.7", ...]``: every leaf where two JSON-like values
+    differ (a key only one side has shows as ``<absent>``)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old:
+                out.append(f"{name}: <absent> → {json.dumps(new[key])}")
+            elif key not in new:
+                out.append(f"{name}: {json.dumps(old[key])} → <absent>")
+            else:
+                out += config_diff(old[key], new[key], name)
+        return out
+    if old == new:
+        return []
+    return [f"{prefix or '(value)'}: {json.dumps(old)} → {json.dumps(new)}"]
+
+
 def _resolved_config(
-    env_id: str, model: str, model_path: str, n: int, split: str, cfg: RolloutConfig
+    env_id: str,
+    model: str,
+    model_path: str,
+    n: int,
+    split: str,
+    task_offset: int,
+    cfg: RolloutConfig,
 ) -> dict[str, Any]:
     return {
         "env": env_id,
@@ -71,8 +142,97 @@ def _resolved_config(
         "model_path": model_path,
         "n": n,
         "split": split,
+        "task_offset": task_offset,
         "rollout": cfg.model_dump(mode="json"),
     }
+
+
+def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
+    """What must match for an append: env, model, split and what decides the samples."""
+    rollout = {k: v for k, v in dict(config.get("rollout") or {}).items() if k not in _APPEND_FREE}
+    keys = ("env", "model", "split")
+    return {**{k: config.get(k) for k in keys}, "rollout": rollout}
+
+
+def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
+    """``(training-run markers, rollout files)`` found in ``out``."""
+    training = [name for name in TRAINING_FILES if (out / name).exists()]
+    try:
+        if json.loads((out / "config.json").read_text()).get("train") is True:
+            training.append("config.json of a training run")
+    except (OSError, ValueError, AttributeError):
+        pass
+    rollout = [name for name in ROLLOUT_FILES if (out / name).exists()]
+    return training, rollout
+
+
+def check_run_dir(out: Path, if_exists: IfExists) -> list[str]:
+    """Refuse ``out`` early (before a model is loaded) when it holds a training run, or a
+    rollout and ``if_exists="error"``; return the rollout files it holds."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    training, held = describe_run_dir(out)
+    if training:
+        raise ConfigError(
+            f"--out {out} holds a training run ({', '.join(training)}); a rollout never writes "
+            "into one: choose another directory"
+        )
+    if held and if_exists == "error":
+        count = _count_lines(out / "trajectories.jsonl")
+        raise ConfigError(
+            f"--out {out} already holds a rollout ({', '.join(held)}; {count} trajectories): "
+            "choose another directory, or pass --overwrite to replace it or --append to add to it"
+        )
+    return held
+
+
+def prepare_run_dir(
+    out: Path, resolved: dict[str, Any], if_exists: IfExists
+) -> tuple[dict[str, int], int]:
+    """Check ``out`` against ``if_exists`` (``check_run_dir``) and write its ``config.json``;
+    return the first free sample index per group and the number of trajectories already there
+    (both empty/0 unless appending). An append whose env, model, split or sampling settings
+    differ from the run's raises ``ConfigError`` naming each difference."""
+    held = check_run_dir(out, if_exists)
+    first_sample: dict[str, int] = {}
+    previous: list[Trajectory] = []
+    config = resolved
+    if held and if_exists == "overwrite":
+        for name in held:
+            (out / name).unlink()
+    elif held and if_exists == "append":
+        if not (out / "config.json").is_file():
+            raise ConfigError(f"--append: {out} has no config.json (not an agentrl rollout)")
+        try:
+            old = json.loads((out / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--append: {out / 'config.json'} is not JSON: {exc}") from None
+        differ = config_diff(_sampling_part(old), _sampling_part(resolved))
+        if differ:
+            raise ConfigError(
+                f"--append: this rollout differs from the one in {out}: " + "; ".join(differ)
+            )
+        existing = out / "trajectories.jsonl"
+        try:
+            previous = read_trajectories(str(existing)) if existing.is_file() else []
+        except ValueError as exc:
+            raise ConfigError(f"--append: {exc}") from None
+        for traj in previous:
+            first_sample[traj.group_id] = max(
+                first_sample.get(traj.group_id, 0), traj.sample_index + 1
+            )
+        call = {k: resolved[k] for k in ("n", "task_offset", "rollout")}
+        config = {**old, "appended": [*old.get("appended", []), call]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return first_sample, len(previous)
+
+
+def _count_lines(path: Path) -> int:
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 async def arollout(
@@ -84,18 +244,23 @@ async def arollout(
     task_offset: int = 0,
     config: RolloutConfig | None = None,
     out: str | Path | None = None,
-    engine: Any = None,
-    engine_options: Any = None,
-    tokenizer: Any = None,
+    engine: Engine | None = None,
+    engine_options: EngineOptions | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     on_trajectory: Callable[[Trajectory], None] | None = None,
     env_resources: dict[str, Any] | None = None,
+    if_exists: IfExists = "error",
+    stop: anyio.Event | None = None,
 ) -> RolloutResult:
     """Roll out ``n`` tasks × ``config.group_size`` samples of ``env`` on ``model``.
 
     ``model`` is a registered model name or a local HF folder; ``engine`` (any ``Engine``)
     overrides the embedded engine, otherwise opened with ``engine_options`` (``EngineOptions``:
     device, dtype, batch size...). With ``out`` the run directory gets ``config.json`` and
-    ``trajectories.jsonl`` (appended as each trajectory finishes)."""
+    ``trajectories.jsonl`` (written as each trajectory finishes); a directory that already
+    holds a rollout is refused unless ``if_exists`` is ``"overwrite"`` or ``"append"``. Setting
+    ``stop`` cancels the trajectories in flight and returns the finished ones
+    (``interrupted=True``)."""
     from ._models import resolve_model, tokenizer_fingerprint
     from .engine import open_embedded_engine
     from .formats import get_format
@@ -113,17 +278,18 @@ async def arollout(
     tasks = tasks[task_offset : task_offset + n]
     out_dir: Path | None = None
     writer: TrajectoryWriter | None = None
+    first_sample: dict[str, int] = {}
+    previous = 0
+    if out is not None:  # refused before a model is loaded
+        out_dir = Path(out)
+        resolved = _resolved_config(spec.id, model, model_path, n, split, task_offset, cfg)
+        first_sample, previous = prepare_run_dir(out_dir, resolved, if_exists)
     async with AsyncExitStack() as stack:
         if engine is None:
             engine = await stack.enter_async_context(
                 open_embedded_engine(model_path, engine_options)
             )
-        if out is not None:
-            out_dir = Path(out)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.json").write_text(
-                json.dumps(_resolved_config(spec.id, model, model_path, n, split, cfg), indent=2)
-            )
+        if out_dir is not None:
             writer = stack.enter_context(TrajectoryWriter(str(out_dir / "trajectories.jsonl")))
         ctx = RolloutContext(
             spec=spec,
@@ -142,11 +308,56 @@ async def arollout(
                 on_trajectory(traj)
 
         started = time.perf_counter()
-        trajectories = await run_groups(ctx, tasks, on_trajectory=sink)
+        trajectories = await run_groups(
+            ctx, tasks, on_trajectory=sink, first_sample=first_sample, stop=stop
+        )
         elapsed = time.perf_counter() - started
-    return RolloutResult(trajectories, elapsed, out_dir, model_path)
+    return RolloutResult(
+        trajectories,
+        elapsed,
+        out_dir,
+        model_path,
+        planned=len(tasks) * cfg.group_size,
+        interrupted=stop is not None and stop.is_set(),
+        appended_to=previous,
+    )
 
 
-def rollout(env: str, *, backend: str = "trio", **kwargs: Any) -> RolloutResult:
-    """Synchronous ``arollout`` on its own event loop (trio by default)."""
-    return anyio.run(lambda: arollout(env, **kwargs), backend=backend)
+def rollout(
+    env: str,
+    *,
+    model: str = "tiny-random",
+    n: int = 8,
+    split: str = "train",
+    task_offset: int = 0,
+    config: RolloutConfig | None = None,
+    out: str | Path | None = None,
+    engine: Engine | None = None,
+    engine_options: EngineOptions | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+    env_resources: dict[str, Any] | None = None,
+    if_exists: IfExists = "error",
+    backend: Literal["trio", "asyncio"] = "trio",
+) -> RolloutResult:
+    """Synchronous ``arollout`` (same parameters but ``stop``, an event of the loop this call
+    creates: Ctrl-C ends a synchronous rollout instead) on its own event loop, trio by
+    default."""
+    return anyio.run(
+        lambda: arollout(
+            env,
+            model=model,
+            n=n,
+            split=split,
+            task_offset=task_offset,
+            config=config,
+            out=out,
+            engine=engine,
+            engine_options=engine_options,
+            tokenizer=tokenizer,
+            on_trajectory=on_trajectory,
+            env_resources=env_resources,
+            if_exists=if_exists,
+        ),
+        backend=backend,
+    )

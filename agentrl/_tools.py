@@ -4,19 +4,31 @@
 JSON schema comes from pydantic. At rollout time ``invoke_tool`` validates the model's argument
 text and runs the tool under a deadline. Nothing a model writes can raise out of here: a bad call
 becomes a ``ToolCallRecord`` with ``ok=False`` and a clear observation for the model.
+
+Every call has a deadline: the tool's own ``timeout_s``, else its environment's
+``tool_timeout_s`` attribute, else the caller's default (``RolloutConfig.tool_timeout_s``). An
+async tool past its deadline is cancelled. A sync tool runs in a daemon thread, which Python
+cannot stop: past its deadline the call is recorded as ``tool_timeout`` and the thread is left
+to finish on its own (it never keeps the process from exiting).
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
+import numbers
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
 import pydantic
 
 from ._errors import ToolError
@@ -181,6 +193,47 @@ def collect_tools(env: Any) -> dict[str, BoundTool]:
     return found
 
 
+def env_tool_timeout(env: Any) -> float | None:
+    """The environment's default tool deadline (its ``tool_timeout_s`` attribute), if any."""
+    value = getattr(env, "tool_timeout_s", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ToolError(f"{type(env).__name__}.tool_timeout_s must be a number > 0, got {value!r}")
+    return float(value)
+
+
+async def _run_in_daemon_thread(
+    fn: Callable[[], Any], limiter: anyio.CapacityLimiter | None, name: str
+) -> Any:
+    """``fn()`` in a new daemon thread, at most ``limiter``'s capacity at once. Cancelling the
+    caller abandons the thread (its slot is released; it runs on and never blocks exit: anyio's
+    own worker threads are not daemons, so a tool that never returns would hang the process at
+    exit on asyncio)."""
+    limiter = limiter or anyio.to_thread.current_default_thread_limiter()
+    async with limiter:
+        done = anyio.Event()
+        outcome: dict[str, Any] = {}
+        token = anyio.lowlevel.current_token()
+        context = contextvars.copy_context()
+
+        def target() -> None:
+            try:
+                outcome["value"] = context.run(fn)
+            except BaseException as exc:  # delivered to the caller (SystemExit included)
+                outcome["error"] = exc
+            try:
+                anyio.from_thread.run_sync(done.set, token=token)
+            except Exception:  # the event loop is gone: nobody waits for this call any more
+                pass
+
+        threading.Thread(target=target, name=f"agentrl tool {name}", daemon=True).start()
+        await done.wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def _observation_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -215,8 +268,9 @@ async def invoke_tool(
 ) -> ToolCallRecord:
     """Validate and run one call. Never raises for anything the model wrote.
 
-    Sync tools run in a worker thread under ``limiter`` (anyio's default limiter, 40 threads,
-    when None); on timeout the thread is abandoned, not killed."""
+    The deadline is the tool's own ``timeout_s``, else ``timeout_s``, else 10 s. Sync tools run
+    in a daemon thread under ``limiter`` (anyio's default limiter, 40 threads, when None); past
+    the deadline the thread is abandoned, not killed (Python cannot stop a thread)."""
     started = time.perf_counter()
     raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
 
@@ -265,13 +319,11 @@ async def invoke_tool(
             if bound.spec.is_async:
                 value = await bound.call(**kwargs)
             else:
-                value = await anyio.to_thread.run_sync(
-                    lambda: bound.call(**kwargs), abandon_on_cancel=True, limiter=limiter
-                )
-    except Exception as exc:
+                value = await _run_in_daemon_thread(lambda: bound.call(**kwargs), limiter, name)
+    except (Exception, SystemExit) as exc:
         return fail("tool_exception", f"{type(exc).__name__}: {exc}")
     if scope.cancelled_caught:
-        return fail("timeout", f"tool {name!r} did not finish within {deadline:g} s")
+        return fail("tool_timeout", f"tool {name!r} did not finish within {deadline:g} s")
     return ToolCallRecord(
         turn=turn,
         name=name,

@@ -29,7 +29,9 @@ class Message(msgspec.Struct, omit_defaults=True):
     """One chat message. Environments see and produce these; they never see tokens."""
 
     role: Role
+    """Who speaks: system, user, assistant or tool."""
     content: str
+    """The text (for an assistant message: what the model wrote, tool calls included)."""
     name: str | None = None
     """For ``tool`` messages: the tool that produced the content."""
 
@@ -43,67 +45,101 @@ class SamplingParams(msgspec.Struct, omit_defaults=False):
     """
 
     max_new_tokens: int = 256
+    """Most tokens to sample."""
     temperature: float = 1.0
+    """Softmax temperature (0: greedy; the logprob is then at temperature 1)."""
     top_p: float = 1.0
+    """Nucleus filter (1: off)."""
     top_k: int = -1
+    """Top-k filter (-1: off)."""
     min_p: float = 0.0
+    """Min-p filter (0: off)."""
     stop: list[str] = msgspec.field(default_factory=list)
+    """Stop strings, matched on the decoded text; the tokens up to the match are returned."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    """Stop tokens; a sampled stop token is returned as the last token."""
     seed: int | None = None
+    """Seed of the request's own generator (None: unseeded)."""
 
 
 class GenerateResult(msgspec.Struct):
     """What an engine returns for one request: exactly the sampled ids and their logprobs."""
 
     token_ids: list[int]
+    """The sampled ids, exactly (the stop token included when one ended the turn)."""
     logprobs: list[float]
+    """``log_softmax(logits / temperature)`` of each sampled id over the full vocabulary."""
     finish_reason: FinishReason
+    """stop (a stop id or string), length (``max_new_tokens``) or abort."""
     matched_stop: int | str | None = None
     """The stop token id or stop string that ended generation (None for length/abort)."""
     prompt_tokens: int = 0
+    """Tokens of the context sent."""
     cached_tokens: int = 0
+    """Context tokens whose KV was reused instead of computed."""
     weight_version: int = 0
+    """The policy version that sampled these tokens."""
 
 
 class Span(msgspec.Struct, array_like=False):
     """Half-open token range ``[start, end)`` with the source that produced it."""
 
     start: int
+    """First token of the span."""
     end: int
+    """One past its last token."""
     source: SpanSource
+    """Who produced the tokens: prompt, model (sampled: loss mask 1), tool or template."""
     turn: int
+    """The assistant turn the span belongs to (0-based)."""
 
 
 class ToolCallRecord(msgspec.Struct, omit_defaults=True):
     """One tool call as the runtime saw it (after parsing the model's text)."""
 
     turn: int
+    """The assistant turn that made the call (0-based)."""
     name: str
+    """The tool the model named ('' when the call could not be parsed)."""
     arguments: str
     """The raw argument text the model wrote (JSON expected)."""
     ok: bool
+    """The tool ran and returned."""
     output: str
+    """What the model sees: the tool's result, or the error explained."""
     error_kind: str | None = None
     """None when ok; otherwise one of: parse_error, unknown_tool, invalid_arguments,
-    oversize_arguments, tool_exception, timeout."""
+    oversize_arguments, tool_exception, tool_timeout."""
     latency_s: float = 0.0
+    """Wall-clock time of the call."""
 
 
 class TrajectoryError(msgspec.Struct, omit_defaults=True):
     """Why a trajectory ended in ``status == "error"``: a bad rollout is data."""
 
     type: str
+    """The exception's class name."""
     message: str
+    """The exception's message."""
     where: str = "runtime"
     """One of env, engine, runtime, reward."""
     turn: int | None = None
+    """The turn it happened in (None: before the first)."""
+    traceback: str | None = None
+    """The innermost frames of the exception (Python's traceback format, bounded in size)."""
 
 
 class Timing(msgspec.Struct):
+    """Where a trajectory's time went."""
+
     wall_s: float = 0.0
+    """From start to the end of ``close``."""
     generate_s: float = 0.0
+    """Waiting for the engine."""
     tool_s: float = 0.0
+    """Running tools."""
     reward_s: float = 0.0
+    """Running the verifier."""
 
 
 class Trajectory(msgspec.Struct, omit_defaults=False):
@@ -115,33 +151,59 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
     """
 
     id: str
+    """``group_id/sample_index``: unique within a run."""
     env: str
+    """The environment id."""
     task_id: str
+    """The task's id."""
     group_id: str
+    """``env/task_id``: the samples of one task share it (a GRPO group)."""
     policy_version: int
+    """The weights that sampled the first turn."""
     status: TrajectoryStatus
+    """done, truncated (a budget ended it) or error (see ``error``)."""
     termination_reason: TerminationReason
+    """Why it ended."""
     reward: float | None
+    """The verifier's total (None when the trajectory failed before or in ``reward``)."""
     turn_rewards: list[float]
+    """One per assistant turn (``turn_reward``; 0 when the env has none)."""
     error: TrajectoryError | None
+    """What failed, when ``status`` is error."""
     sampling: SamplingParams
+    """Every sampling setting and the trajectory's seed (each turn derives its own from it)."""
     tokenizer_fingerprint: str
+    """Which tokenizer produced ``token_ids`` (checked against the trainer's)."""
     token_ids: list[int]
+    """The whole conversation as the model saw and produced it, token by token."""
     loss_mask: list[int]
+    """1 exactly where the engine sampled the token."""
     logprobs: list[float | None]
+    """The engine's logprob of each sampled token; None elsewhere."""
     spans: list[Span]
+    """Tile the tokens in order: who produced each range."""
     model: str = ""
+    """The model name or folder it was sampled from."""
     sample_index: int = 0
+    """Which sample of its group (0 .. group_size - 1)."""
     messages: list[Message] = msgspec.field(default_factory=list)
+    """The conversation as messages (prompt, assistant turns, observations)."""
     tool_calls: list[ToolCallRecord] = msgspec.field(default_factory=list)
+    """Every tool call, in order."""
     reward_breakdown: dict[str, float] = msgspec.field(default_factory=dict)
+    """The verifier's named parts (``Reward.breakdown``)."""
     num_turns: int = 0
+    """Assistant turns."""
     prompt_len: int = 0
+    """Tokens of the initial prompt."""
     prompt_messages: int = 0
     """How many of ``messages`` were rendered into the prompt (few-shot turns included)."""
     format: str = ""
+    """The chat format that rendered it (e.g. chatml-hermes)."""
     timing: Timing = msgspec.field(default_factory=Timing)
+    """Where its time went."""
     info: dict[str, str] = msgspec.field(default_factory=dict)
+    """Free-form strings an engine or env attaches."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first broken invariant."""

@@ -39,10 +39,30 @@ def _parser() -> argparse.ArgumentParser:
         help="YAML/JSON file with a 'rollout' (and optional 'engine') section",
     )
     r.add_argument("--out", default=None, help="run directory (default runs/<env>-<time>)")
+    exists = r.add_mutually_exclusive_group()
+    exists.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the rollout already in --out (its trajectories, config and summary)",
+    )
+    exists.add_argument(
+        "--append",
+        action="store_true",
+        help="add trajectories to the rollout already in --out (same env, model and sampling "
+        "settings; sample indices continue, so ids stay unique)",
+    )
     r.add_argument("--dry-run", action="store_true", help="render masks, write report.html")
     r.add_argument("--check", action="store_true", help="boundary-check every trajectory")
     r.add_argument("--show", type=int, default=2, help="trajectories to render with --dry-run")
     r.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
+    r.add_argument(
+        "--engine",
+        default="embedded",
+        metavar="ENGINE",
+        help="embedded (the model, in this process; default) or scripted:FILE (replay a YAML or "
+        "JSONL file of assistant turns with the model's tokenizer, to exercise an env's tools "
+        "without a model that calls them; logprobs are synthetic 0.0)",
+    )
     r.add_argument(
         "--sandbox",
         default=None,
@@ -51,17 +71,21 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     i = sub.add_parser("inspect", help="re-render saved trajectories")
-    i.add_argument("path", help="trajectories.jsonl")
+    i.add_argument("path", help="a run directory or its trajectories.jsonl")
     i.add_argument("--html", default=None, help="write the HTML mask report here")
     i.add_argument("--model", default=None, help="tokenizer source (default: from config.json)")
     i.add_argument("--show", type=int, default=2)
     i.add_argument("--check", action="store_true", help="boundary-check every trajectory")
 
-    e = sub.add_parser("envs", help="list or show registered environments")
+    e = sub.add_parser("envs", help="list, show or check registered environments")
     esub = e.add_subparsers(dest="envs_command", required=True)
     esub.add_parser("list")
     es = esub.add_parser("show")
     es.add_argument("env_id")
+    ec = esub.add_parser("check", help="run the environment checker (check_env)")
+    ec.add_argument("env_ids", nargs="*", metavar="ENV_ID", help="environment ids to check")
+    ec.add_argument("--all", action="store_true", help="check every registered environment")
+    ec.add_argument("--env-kwargs", default=None, help="JSON object passed to each factory")
 
     m = sub.add_parser("models", help="list or pull models")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -73,13 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "serve", help="serve a model over SGLang's HTTP API subset (agentrl serve --help)"
     )
-    sb = sub.add_parser(
+    sub.add_parser(  # its options live with the sandboxes package (main() hands it argv)
         "sandbox",
         help="sandbox images and service: 'image build', 'serve --backend docker --port 8090'",
-        add_help=False,
     )
-    sb.add_argument("sandbox_args", nargs=argparse.REMAINDER)
-    from .loop import add_train_commands  # train, eval, export (issue D)
+    from .loop import add_train_commands  # train, eval, export
 
     p.set_defaults(train_handlers=add_train_commands(sub))
     return p
@@ -109,6 +131,23 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _refuse_moved_settings(loaded: dict[str, Any], path: str) -> None:
+    """A setting written at its old place is refused naming its home, as ``train`` does (the
+    rollout would otherwise ignore it)."""
+    from ._errors import ConfigError
+    from .loop._config import MOVED_SETTINGS
+
+    for old, home in MOVED_SETTINGS.items():
+        node: Any = loaded
+        for part in old:
+            node = node.get(part, None) if isinstance(node, dict) else None
+        if node is not None:
+            where = ".".join(old)
+            raise ConfigError(
+                f"{path}: {where}: moved to {home} (every setting has one home): write it there"
+            )
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
     import time
 
@@ -116,6 +155,14 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     from ._config import RolloutConfig, validate_config
     from ._errors import ConfigError
+    from ._interrupt import run_until_interrupted
+    from ._runner import check_run_dir
+    from ._types import read_trajectories
+
+    out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
+    check_run_dir(out, if_exists)  # refused before anything heavy is imported or loaded
+
     from .engine import engine_options
 
     console = _console()
@@ -123,6 +170,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     engine_data: dict[str, Any] = {}
     if args.config:
         loaded = _load_config_file(args.config)
+        _refuse_moved_settings(loaded, args.config)
         data = dict(loaded.get("rollout", {}))
         engine_data = dict(loaded.get("engine", {}))
     args.engine_options = engine_options(engine_data)
@@ -145,10 +193,9 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     cfg = validate_config(RolloutConfig, data)
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
-    out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
     console.print(
         f"[bold]rollout[/] {args.env} on {args.model}: {args.num_tasks} tasks × "
-        f"{cfg.group_size} samples → {out}"
+        f"{cfg.group_size} samples → {out}" + (" (appending)" if args.append else "")
     )
     done = [0]
     total = args.num_tasks * cfg.group_size
@@ -158,25 +205,72 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         console.print(
             f"  [{done[0]}/{total}] {traj.id}: {traj.status}/{traj.termination_reason} "
             f"reward={traj.reward} turns={traj.num_turns} tokens={len(traj.token_ids)}"
-            + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else "")
+            + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else ""),
+            markup=False,
         )
 
-    result = anyio.run(
-        lambda: _rollout_with_resources(args, cfg, out, progress), backend=args.backend
+    def stopping() -> None:
+        console.print(
+            "\nstopping: cancelling the trajectories in flight (Ctrl-C again to abort now)"
+        )
+
+    result, _ = anyio.run(
+        lambda: run_until_interrupted(
+            lambda stop: _rollout_with_resources(args, cfg, out, progress, if_exists, stop),
+            on_interrupt=stopping,
+        ),
+        backend=args.backend,
     )
-    return _present(
-        result.trajectories,
+    trajectories = result.trajectories
+    elapsed_s: float | None = result.elapsed_s
+    if result.appended_to:  # the summary covers the whole run directory
+        trajectories = read_trajectories(str(out / "trajectories.jsonl"))
+        elapsed_s = _previous_elapsed(out, result.elapsed_s)
+    code = _present(
+        trajectories,
         result.model_path,
         out,
         console,
-        elapsed_s=result.elapsed_s,
-        dry_run=args.dry_run,
-        check=args.check,
+        elapsed_s=elapsed_s,
+        dry_run=args.dry_run and not result.interrupted,
+        check=args.check and not result.interrupted,
         show=args.show,
     )
+    if result.interrupted:
+        console.print(
+            f"interrupted: {len(result.trajectories)}/{result.planned} trajectories saved "
+            f"({out / 'trajectories.jsonl'}; summary: {out / 'summary.json'})",
+            markup=False,
+        )
+        return 130
+    failed = [t for t in result.trajectories if t.status == "error"]
+    if result.trajectories and len(failed) == len(result.trajectories):
+        first = failed[0].error
+        where = f"{first.where} {first.type}: {first.message}" if first else "unknown"
+        console.print(
+            f"every trajectory failed ({len(failed)}); first: {failed[0].id}: {where}",
+            style="red",
+            markup=False,
+        )
+        if first is not None and first.traceback:
+            console.print(first.traceback, markup=False, highlight=False)
+        return 1
+    return code
 
 
-async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, progress):
+def _previous_elapsed(out: Path, elapsed_s: float) -> float | None:
+    """This call's time plus the time the earlier calls' summary recorded (None if unknown:
+    the summary's rate then falls back to the trajectories' own generate times)."""
+    try:
+        before = json.loads((out / "summary.json").read_text()).get("elapsed_s")
+    except (OSError, ValueError):
+        return None
+    return before + elapsed_s if isinstance(before, int | float) else None
+
+
+async def _rollout_with_resources(
+    args: argparse.Namespace, cfg, out: Path, progress, if_exists: str, stop
+):
     """Open what the env needs for this rollout (a shared sandbox pool or client), then run."""
     from contextlib import AsyncExitStack
 
@@ -199,6 +293,7 @@ async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, prog
                 raise ConfigError(f"--sandbox {args.sandbox!r}: {exc}") from None
         return await arollout(
             args.env,
+            engine=_rollout_engine(args),
             model=args.model,
             n=args.num_tasks,
             split=args.split,
@@ -208,7 +303,23 @@ async def _rollout_with_resources(args: argparse.Namespace, cfg, out: Path, prog
             engine_options=args.engine_options,
             on_trajectory=progress,
             env_resources=resources,
+            if_exists=if_exists,
+            stop=stop,
         )
+
+
+def _rollout_engine(args: argparse.Namespace):
+    """``--engine``: None for the embedded engine (``arollout`` opens it), or a scripted one."""
+    from ._errors import ConfigError
+
+    kind, _, path = args.engine.partition(":")
+    if kind == "embedded" and not path:
+        return None
+    if kind == "scripted" and path:
+        from .engine import ScriptedEngine
+
+        return ScriptedEngine.from_file(path, args.model)
+    raise ConfigError(f"--engine {args.engine!r}: expected 'embedded' or 'scripted:FILE'")
 
 
 def _present(
@@ -265,15 +376,53 @@ def _present(
     return 0
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
+def _trajectories_file(path: Path) -> Path:
+    """``path`` itself, or a run directory's ``trajectories.jsonl``; ConfigError (one line)
+    for anything that is not a trajectories file."""
     from ._errors import ConfigError
-    from ._models import resolve_model
+
+    if path.is_dir():
+        found = path / "trajectories.jsonl"
+        if not found.is_file():
+            raise ConfigError(f"{path} is a directory without trajectories.jsonl (not a run)")
+        return found
+    if not path.exists():
+        raise ConfigError(f"no such file or directory: {path}")
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file")
+    return path
+
+
+def _read_for_inspect(path: Path) -> list:
+    """The trajectories in ``path``, or a one-line ConfigError saying what the file is."""
+    from ._errors import ConfigError
     from ._types import read_trajectories
 
-    path = Path(args.path)
-    if not path.is_file():
-        raise ConfigError(f"no such file: {path}")
-    trajectories = read_trajectories(str(path))
+    with open(path, "rb") as fh:
+        first = next((line for line in fh if line.strip()), None)
+    if first is None:
+        raise ConfigError(f"{path} holds no trajectories (empty)")
+    try:
+        head = json.loads(first)
+    except ValueError:
+        raise ConfigError(f"{path} is not JSON lines (its first line is not JSON)") from None
+    if isinstance(head, dict) and "step" in head and "token_ids" not in head:
+        raise ConfigError(
+            f"{path} is a training ledger (one record per step), not trajectories: inspect "
+            f"{path.parent} or {path.parent / 'trajectories.jsonl'}"
+        )
+    try:
+        return read_trajectories(str(path))
+    except (ValueError, UnicodeDecodeError) as exc:
+        message = " ".join(str(exc).split())  # one line
+        raise ConfigError(f"cannot inspect {message}") from None
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ._models import resolve_model
+
+    path = _trajectories_file(Path(args.path))
+    trajectories = _read_for_inspect(path)
     model = args.model
     config = path.parent / "config.json"
     if model is None and config.is_file():
@@ -308,6 +457,8 @@ def _cmd_envs(args: argparse.Namespace) -> int:
             table.add_row(s.id, s.description, str(s.max_turns), str(s.max_new_tokens), s.module)
         console.print(table)
         return 0
+    if args.envs_command == "check":
+        return _check_envs(args, console)
     from ._tools import collect_tools
 
     s = spec(args.env_id)
@@ -323,6 +474,47 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_envs(args: argparse.Namespace, console) -> int:
+    """``agentrl envs check``: the contract checker on each id, one line per id; exit 1 if any
+    fails (the others are still checked)."""
+    from ._checker import check_env
+    from ._errors import ConfigError
+    from ._registry import load_entry_points, registered
+
+    kwargs: dict[str, Any] = {}
+    if args.env_kwargs:
+        try:
+            kwargs = json.loads(args.env_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"--env-kwargs must be a JSON object, got {args.env_kwargs}")
+    ids = list(args.env_ids)
+    failed = passed = 0
+    if args.all:
+        for err in load_entry_points():  # an env that cannot even load fails the check
+            failed += 1
+            console.print(f"[red]FAIL[/] {err}")
+        ids += [s.id for s in registered() if s.id not in ids]
+    if not ids and not failed:
+        raise ConfigError("agentrl envs check: give environment ids, or --all")
+    for env_id in ids:
+        try:
+            check_env(env_id, env_kwargs=kwargs)
+        except Exception as exc:
+            failed += 1
+            message = str(exc) if isinstance(exc, AgentRLError) else f"{type(exc).__name__}: {exc}"
+            console.print(f"[red]FAIL[/] {env_id}: {message}")
+        else:
+            passed += 1
+            console.print(f"[green]ok[/]   {env_id}")
+    if failed:
+        console.print(f"[red]{failed} failed[/], {passed} passed")
+        return 1
+    console.print(f"all {passed} environment(s) pass the contract checks")
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from ._models import list_models, pull_model
 
@@ -335,12 +527,6 @@ def _cmd_models(args: argparse.Namespace) -> int:
         state = f"cached ({info.size_bytes / 1e6:.0f} MB) at {info.path}" if info.cached else "-"
         console.print(f"{info.name:16} {state}  {info.description}")
     return 0
-
-
-def _cmd_sandbox(args: argparse.Namespace) -> int:
-    from .sandboxes.__main__ import main as sandbox_main
-
-    return sandbox_main(args.sandbox_args, prog="agentrl sandbox")
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -372,12 +558,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # its options live with the server (importing it loads torch)
-        from .engine._server import serve_main
+def _serve(argv: list[str]) -> int:
+    from .engine._server import serve_main
 
-        return serve_main(argv[1:])
+    return serve_main(argv)
+
+
+def _sandbox(argv: list[str]) -> int:
+    from .sandboxes.__main__ import main as sandbox_main
+
+    return sandbox_main(argv, prog="agentrl sandbox")
+
+
+DELEGATED = {"serve": _serve, "sandbox": _sandbox}
+"""Commands whose options live with their package (the server's import loads torch and aiohttp;
+the sandboxes package runs on its own): they get the rest of argv as it is."""
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv[:1] and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
     # like `python -m`, let `--env mymodule:name-v0` import modules from the working directory
     if "" not in sys.path and "." not in sys.path:
@@ -388,22 +588,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         "envs": _cmd_envs,
         "models": _cmd_models,
         "doctor": _cmd_doctor,
-        "sandbox": _cmd_sandbox,
         **args.train_handlers,
     }
+    return handlers[args.command](args)
+
+
+def _single(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) single-member exception groups; else ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ._extras import missing_dependency_message
+    from ._interrupt import is_interrupt
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
-        return handlers[args.command](args)
-    except AgentRLError as exc:
-        print(f"agentrl: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        # sandbox errors come from agentrl.sandboxes, which has its own root (it runs alone)
-        if type(exc).__module__.startswith("agentrl.sandboxes"):
+        return _dispatch(argv)
+    except BaseException as caught:
+        if is_interrupt(caught):
+            print("agentrl: interrupted", file=sys.stderr)
+            return 130
+        exc = _single(caught)
+        if isinstance(
+            exc, AgentRLError
+        ):  # every error agentrl raises on purpose (sandbox ones too)
             print(f"agentrl: error: {exc}", file=sys.stderr)
-            return 2
+            return int(getattr(exc, "exit_code", 2))
+        if isinstance(exc, ModuleNotFoundError):
+            hint = missing_dependency_message(exc, command)
+            if hint is not None:
+                print(f"agentrl: error: {hint}", file=sys.stderr)
+                return 2
         raise
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

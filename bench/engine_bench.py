@@ -1,4 +1,4 @@
-"""Embedded engine benchmark (issue C), every ratio measured in the same run, on the CPU or
+"""Embedded engine benchmark, every ratio measured in the same run, on the CPU or
 (``--device cuda``) on a GPU: the engine with ``EngineOptions(device=...)`` and HF ``generate``
 with the model on the same device.
 

@@ -1,4 +1,4 @@
-"""Embedded engine v1 throughput on CPU: batch 1 and batch 8, ~100-token prompts, 64 new tokens.
+"""Embedded engine throughput on CPU: batch 1 and batch 8, ~100-token prompts, 64 new tokens.
 
 Compares against a plain transformers greedy loop (KV cache, no engine) measured in the same run.
 Tokens/s counts generated tokens over wall time, prefill included. Usage (repo root):

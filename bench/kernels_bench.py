@@ -1,4 +1,4 @@
-"""Kernel benchmarks (issue E): fused linear + log-prob + entropy against the naive path.
+"""Kernel benchmarks: fused linear + log-prob + entropy against the naive path.
 
 For each shape, forward + backward (``Σ logprob·g1 + entropy·g2`` with random upstream
 gradients, so both outputs' gradients flow) of three paths, each in the same run:

@@ -1,4 +1,4 @@
-"""Paged decode attention benchmark (issue E): the Triton kernel against the engine's SDPA path.
+"""Paged decode attention benchmark: the Triton kernel against the engine's SDPA path.
 
 One decode step of one layer, bf16, blocks of 16 tokens drawn from a shuffled pool, for each
 head layout, batch size and context length, both paths timed in the same run:

@@ -1,4 +1,4 @@
-"""Learner benchmarks (issue D): packed vs padded training throughput, and the loop's step time.
+"""Learner benchmarks: packed vs padded training throughput, and the loop's step time.
 
 1. ``layouts``: forward + backward (chunked log-prob, a policy-gradient loss) of one optimizer
    step's worth of GRPO-shaped trajectories (groups sharing a prompt; prompt and response

@@ -8,6 +8,10 @@ environment instance (one per trajectory) wraps it in a ``SandboxLease``: the tr
 which waits and retries when the pool is over capacity (nothing ran, so retrying is safe) and
 refuses use after ``close()``.
 
+This is where agentrl meets ``agentrl.sandboxes``, whose errors have their own root (the package
+runs alone): ``sandbox_errors`` translates them into ``agentrl.SandboxError`` (the original as
+``__cause__``), so ``except agentrl.AgentRLError`` sees every failure that crosses it.
+
 This module lives in ``agentrl.envs`` (which may import ``agentrl.sandboxes``) so that the core
 never imports sandboxes; the composition root (``agentrl.cli``) imports it.
 """
@@ -17,13 +21,14 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
 
-from agentrl import SandboxError as CoreSandboxError
+from agentrl import ConfigError, SandboxError
+from agentrl import sandboxes as _sandboxes
 from agentrl.sandboxes import (
     PoolBusy,
     PoolConfig,
@@ -46,33 +51,58 @@ def wants_sandbox(factory: Callable[..., Any]) -> bool:
         return False
 
 
+@contextmanager
+def sandbox_errors(where: str) -> Iterator[None]:
+    """Raise ``agentrl.SandboxError`` (message prefixed with ``where``, the original as
+    ``__cause__``) for any ``agentrl.sandboxes`` error raised inside the block, a refused
+    request (``InvalidRequest``, which names the field and value; nothing ran) included."""
+    try:
+        yield
+    except _sandboxes.SandboxError as exc:
+        raise SandboxError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _pool_config(spec: str, size: int | None) -> PoolConfig:
+    if spec in BACKENDS:
+        data: dict[str, Any] = {"backend": {"type": spec}}
+    elif spec.endswith(".json") and os.path.isfile(spec):
+        try:
+            with open(spec) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"sandbox config {spec}: {exc}") from exc
+    else:
+        raise ConfigError(
+            f"unknown sandbox {spec!r}: expected one of {', '.join(BACKENDS)}, "
+            "http(s)://HOST:PORT, or a PoolConfig .json file"
+        )
+    if size is not None:
+        data["size"] = size
+    try:
+        return PoolConfig.model_validate(data)
+    except ValueError as exc:  # pydantic's ValidationError names the field
+        raise ConfigError(f"sandbox config {spec}: {exc}") from exc
+
+
 @asynccontextmanager
 async def open_sandbox_runner(
     spec: str, *, size: int | None = None, token: str | None = None
 ) -> AsyncIterator[SandboxRunner]:
     """Open the sandbox a rollout shares: ``local``/``docker``/``gvisor`` (an in-process pool of
     ``size`` warm sandboxes), ``http(s)://HOST:PORT`` (the service; bearer token from ``token``
-    or ``$AGENTRL_SANDBOX_TOKEN``), or a path to a ``PoolConfig`` JSON file."""
-    if spec.startswith(("http://", "https://")):
-        client = SandboxClient(spec, token=token or os.environ.get(TOKEN_ENV) or None)
-        async with client:
-            await client.health()  # fail now, clearly, if the service is not there
-            yield client
-        return
-    if spec in BACKENDS:
-        data: dict[str, Any] = {"backend": {"type": spec}}
-    elif spec.endswith(".json") and os.path.isfile(spec):
-        with open(spec) as f:
-            data = json.load(f)
-    else:
-        raise ValueError(
-            f"unknown sandbox {spec!r}: expected one of {', '.join(BACKENDS)}, "
-            "http(s)://HOST:PORT, or a PoolConfig .json file"
-        )
-    if size is not None:
-        data["size"] = size
-    async with open_sandbox_pool(PoolConfig.model_validate(data)) as pool:
-        yield pool
+    or ``$AGENTRL_SANDBOX_TOKEN``), or a path to a ``PoolConfig`` JSON file.
+
+    Raises ``agentrl.ConfigError`` for a bad ``spec`` and ``agentrl.SandboxError`` when the
+    sandbox cannot be opened (backend unavailable, service unreachable)."""
+    with sandbox_errors(f"sandbox {spec}"):
+        if spec.startswith(("http://", "https://")):
+            client = SandboxClient(spec, token=token or os.environ.get(TOKEN_ENV) or None)
+            async with client:
+                await client.health()  # fail now, clearly, if the service is not there
+                yield client
+            return
+        async with open_sandbox_pool(_pool_config(spec, size)) as pool:
+            yield pool
 
 
 class SandboxLease:
@@ -80,7 +110,8 @@ class SandboxLease:
 
     ``run``/``run_batch`` wait ``retry_after_s`` and retry when the runner is over capacity
     (``PoolBusy``: nothing ran), at most ``busy_retries`` times. Without a runner (e.g. under
-    ``check_env``) or after ``close()`` they raise ``agentrl.SandboxError`` with what to do."""
+    ``check_env``), after ``close()``, when the runner stays busy or fails, they raise
+    ``agentrl.SandboxError`` saying why."""
 
     def __init__(
         self,
@@ -105,9 +136,9 @@ class SandboxLease:
 
     def _get(self) -> SandboxRunner:
         if self._closed:
-            raise CoreSandboxError(f"{self._env_id}: the sandbox lease is closed")
+            raise SandboxError(f"{self._env_id}: the sandbox lease is closed")
         if self._runner is None:
-            raise CoreSandboxError(
+            raise SandboxError(
                 f"{self._env_id} needs a sandbox: run `agentrl rollout --sandbox "
                 "local|docker|gvisor|http://HOST:PORT`, or pass sandbox=<SandboxPool or "
                 "SandboxClient> to the environment"
@@ -117,15 +148,19 @@ class SandboxLease:
     async def _retrying(self, call: Callable[[SandboxRunner], Any]) -> Any:
         runner = self._get()
         attempt = 0
-        while True:
-            try:
-                return await call(runner)
-            except PoolBusy as exc:
-                if attempt >= self.busy_retries:
-                    raise
-                attempt += 1
-                self.busy_waits += 1
-                await anyio.sleep(min(max(exc.retry_after_s, 0.05), self.max_busy_wait_s))
+        with sandbox_errors(self._env_id or "sandbox"):
+            while True:
+                try:
+                    return await call(runner)
+                except PoolBusy as exc:
+                    if attempt >= self.busy_retries:
+                        raise SandboxError(
+                            f"{self._env_id or 'sandbox'}: still over capacity after "
+                            f"{attempt} retries: {exc}"
+                        ) from exc
+                    attempt += 1
+                    self.busy_waits += 1
+                    await anyio.sleep(min(max(exc.retry_after_s, 0.05), self.max_busy_wait_s))
 
     async def run(self, request: RunRequest) -> RunResult:
         result = await self._retrying(lambda r: r.run(request))

@@ -19,8 +19,11 @@ multiply zeros), and Triton's interpreter multiplies bf16 ``tl.dot`` operands as
 so the tests could not check that path. The launcher sizes ``TILE_N`` so that the
 ``[group, TILE_N, head_dim]`` products stay within ``_TILE_ELEMENTS`` fp32 values.
 
-Scores are computed in base 2 (``scale * log2(e)`` folded into one multiply, ``exp2``). Shapes
-need not be powers of two: head_dim, the GQA group, the KV block size and the sequence lengths
+Scores are computed in base 2 (``scale * log2(e)`` folded into one multiply, ``exp2``). For fp32
+inputs on a GPU, ``exp2`` and the final division are libdevice's full-precision ones rather
+than the hardware approximations (on an H100 the fast path's fp32 errors grew with the score
+magnitude, far past fp32 rounding; bf16/fp16 rounding hides them). Shapes need not be powers of
+two: head_dim, the GQA group, the KV block size and the sequence lengths
 are padded up to power-of-two tiles and masked on every load and store.
 
 The kernels live in ``_paged_attention_triton``, imported on first use: this module imports

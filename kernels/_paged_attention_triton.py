@@ -9,12 +9,31 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _LOG2E = math.log2(math.e)
 _MAX_SPLITS = 64
 _TILE_ELEMENTS = 8192
 """Largest ``[BLOCK_GROUP, TILE_N, BLOCK_D]`` product a program materializes (fp32): 64 values
 per thread at 4 warps."""
+
+
+@triton.jit
+def _exp2(x, PRECISE: tl.constexpr):
+    """2^x. ``tl.exp2`` is the GPU's fast approximation (fine under bf16/fp16 rounding);
+    ``PRECISE`` (fp32 inputs) takes libdevice's full-precision ``exp2f``."""
+    if PRECISE:
+        return libdevice.exp2(x)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _div(a, b, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.div_rn(a, b)
+    else:
+        return a / b
 
 
 @triton.jit
@@ -57,6 +76,7 @@ def _paged_decode_fwd_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     """One (sequence, kv_head, split): online softmax over the split's keys for the
     ``GROUP`` query heads of this KV head. ``qk_scale`` = softmax scale * log2(e)."""
@@ -105,8 +125,8 @@ def _paged_decode_fwd_kernel(
         scores = tl.where(mask_n[None, :], scores, float("-inf"))  # [BLOCK_GROUP, TILE_N]
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the tile has a key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        alpha = _exp2(m_i - m_new, PRECISE)
+        p = _exp2(scores - m_new[:, None], PRECISE)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptrs = (
             v_head
@@ -120,7 +140,7 @@ def _paged_decode_fwd_kernel(
 
     # an empty split (a sequence shorter than this split's start) has l = 0: write 0 there
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = _div(acc, tl.where(has_keys, l_i, 1.0)[:, None], PRECISE)
     if NUM_SPLITS == 1:
         o_ptrs = (
             OUT
@@ -160,6 +180,7 @@ def _paged_decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     """One (sequence, head): merge the splits, ``out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s
     - M)`` with ``M = max_s lse_s`` (base-2 log-sum-exps from the first kernel)."""
@@ -177,7 +198,7 @@ def _paged_decode_reduce_kernel(
     )
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights all 0
-    weight = tl.exp2(lse - top)  # [BLOCK_SPLITS], 0 for empty and padded splits
+    weight = _exp2(lse - top, PRECISE)  # [BLOCK_SPLITS], 0 for empty and padded splits
     p_ptrs = (
         PARTIAL_OUT
         + seq * stride_pb
@@ -187,7 +208,9 @@ def _paged_decode_reduce_kernel(
     )
     partial = tl.load(p_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     total = tl.sum(weight, axis=0)
-    out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    out = _div(
+        tl.sum(partial * weight[:, None], axis=0), tl.where(total > 0.0, total, 1.0), PRECISE
+    )
     o_ptrs = OUT + seq * stride_ob + head * stride_oh + offs_d * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_d)
 
@@ -232,6 +255,8 @@ def paged_decode_forward(
     if batch == 0:
         return out
     group = heads // kv_heads
+    # fp32 inputs: full-precision exp2 and division on the GPU (the interpreter is exact anyway)
+    precise = q.dtype == torch.float32 and not interpreted()
     block_group = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(dim)
     tile_n = _tile_tokens(block_group * block_d, max_seq_len)
@@ -274,6 +299,7 @@ def paged_decode_forward(
         KV_BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
+        PRECISE=precise,
         num_warps=4 if block_group * tile_n * block_d <= _TILE_ELEMENTS else 8,
     )
     if num_splits > 1:
@@ -287,6 +313,7 @@ def paged_decode_forward(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            PRECISE=precise,
             num_warps=4,
         )
     return out

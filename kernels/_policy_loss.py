@@ -24,8 +24,7 @@ import torch
 from ._triton import triton_available
 
 MAX_LOG_RATIO = 20.0
-_ALGOS = {"ppo": "clip", "grpo": "clip", "dr_grpo": "clip", "dapo": "clip", "gspo": "gspo"}
-_ALGOS["cispo"] = "cispo"
+_SURROGATES = ("clip", "gspo", "cispo")
 _AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -125,7 +124,7 @@ def fused_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    algo: str = "grpo",
+    surrogate: str = "clip",
     clip_low: float = 0.2,
     clip_high: float | None = None,
     agg: str = "token-mean",
@@ -155,8 +154,8 @@ def fused_policy_loss(
     for name, t in [*tensors.items(), *optional.items()]:
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs {tuple(logprobs.shape)}")
-    if algo not in _ALGOS:
-        raise ValueError(f"unknown algorithm {algo!r}; expected one of {sorted(_ALGOS)}")
+    if surrogate not in _SURROGATES:
+        raise ValueError(f"unknown surrogate {surrogate!r}; expected one of {_SURROGATES}")
     if agg not in _AGGS:
         raise ValueError(f"unknown aggregation {agg!r}; expected one of {_AGGS}")
     if kl_estimator not in ("k1", "k2", "k3"):
@@ -189,11 +188,11 @@ def fused_policy_loss(
     keep = mask.reshape(-1).bool()
     flat = {k: v.detach().reshape(-1).contiguous() for k, v in tensors.items() if k != "mask"}
     ids, num = (None, 0)
-    if agg != "token-mean" or algo == "gspo":
+    if agg != "token-mean" or surrogate == "gspo":
         ids, num = sequence_segments(shape, sequence_index, keep.device)
     weight = _weights(keep, ids, num, agg, denominator, norm_length)
     seq_log_ratio = None
-    if algo == "gspo":
+    if surrogate == "gspo":
         assert ids is not None
         log_ratio = (flat["logprobs"] - flat["old_logprobs"]).float()
         log_ratio = torch.where(keep, log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0.0)
@@ -214,7 +213,7 @@ def fused_policy_loss(
         rollout_logprobs.detach().reshape(-1).contiguous()
         if rollout_logprobs is not None
         else None,
-        algo=_ALGOS[algo],
+        algo=surrogate,
         kl_estimator=kl_estimator if ref_logprobs is not None else None,
         clip_low=clip_low,
         clip_high=high,

@@ -63,7 +63,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    algo: str = "grpo",
+    surrogate: str = "clip",
     clip_low: float = 0.2,
     clip_high: float | None = None,
     agg: str = "token-mean",
@@ -84,11 +84,11 @@ def policy_loss(
     For each kept token ``t`` of sequence ``i`` (``sequence_index``; -1 = none; default: one
     sequence) with ``r_t = exp(clamp(log π_θ - log π_old, ±max_log_ratio))``:
 
-    - PPO/GRPO/Dr.GRPO/DAPO: ``-min(r Â, clip(r, 1-ε_low, 1+ε_high) Â)`` (Schulman et al. 2017,
-      eq. 7; Shao et al. 2024, eq. 3; Yu et al. 2025 §3.1 for ``ε_high > ε_low``).
-    - GSPO: the same with ``r`` replaced by the sequence ratio ``s_i = exp(mean_t log r_t)``
+    - ``clip`` (PPO/GRPO/Dr.GRPO/DAPO): ``-min(r Â, clip(r, 1-ε_low, 1+ε_high) Â)`` (Schulman et
+      al. 2017, eq. 7; Shao et al. 2024, eq. 3; Yu et al. 2025 §3.1 for ``ε_high > ε_low``).
+    - ``gspo``: the same with ``r`` replaced by the sequence ratio ``s_i = exp(mean_t log r_t)``
       (Zheng et al. 2025, eq. 7), whose gradient flows through each token as ``s_i ∇ log π_θ``.
-    - CISPO: ``-sg[clip(r)] Â log π_θ`` (MiniMax-M1, 2025).
+    - ``cispo``: ``-sg[clip(r)] Â log π_θ`` (MiniMax-M1, 2025).
 
     times ``sg[min(π_old / π_rollout, C)]`` with ``tis_cap`` (Yao et al. 2025), plus
     ``β k(π_θ, π_ref)`` and minus ``c H``. Aggregation: token-mean ``Σ x / N``;
@@ -130,18 +130,18 @@ def policy_loss(
     for t in range(n):
         if seq[t] < 0:
             continue
-        if algo == "gspo":
+        if surrogate == "gspo":
             # value s_i, gradient s_i ∇ log π_θ(y_t): exp(lp - sg(lp)) is 1 with derivative 1
             ratio = math.exp(seq_log_ratio[seq[t]]) * torch.exp(lp[t] - lp[t].detach())
         else:
             ratio = torch.exp(log_ratio(t))
         clipped = torch.clamp(ratio, 1 - clip_low, 1 + high)
-        if algo == "cispo":
-            surrogate = -clipped.detach() * adv[t] * lp[t]
+        if surrogate == "cispo":
+            objective = -clipped.detach() * adv[t] * lp[t]
             low_hits += ratio.item() < 1 - clip_low
             high_hits += ratio.item() > 1 + high
         else:
-            surrogate = torch.maximum(-adv[t] * ratio, -adv[t] * clipped)
+            objective = torch.maximum(-adv[t] * ratio, -adv[t] * clipped)
             low_hits += float(adv[t]) < 0 and ratio.item() < 1 - clip_low
             high_hits += float(adv[t]) > 0 and ratio.item() > 1 + high
         if tis_cap is not None:
@@ -151,17 +151,17 @@ def policy_loss(
             )
             tis_weights.append(w)
             tis_clipped += w >= tis_cap
-            surrogate = surrogate * w
-        term = surrogate
+            objective = objective * w
+        term = objective
         if ref_logprobs is not None:
             kl = _kl(lp[t], ref_logprobs[t].detach().to(torch.float64), kl_estimator)
             kls[t] = kl.item()
             term = term + kl_coef * kl
         if entropy is not None:
             term = term - entropy_coef * entropy[t].to(torch.float64)
-        terms[t], surrogates[t] = term, surrogate.item()
+        terms[t], surrogates[t] = term, objective.item()
         ratios.append(ratio.item())
-        lr = seq_log_ratio[seq[t]] if algo == "gspo" else log_ratio(t).item()
+        lr = seq_log_ratio[seq[t]] if surrogate == "gspo" else log_ratio(t).item()
         approx_kl += math.expm1(lr) - lr
 
     def reduce(values: dict[int, torch.Tensor] | dict[int, float]) -> torch.Tensor:

@@ -8,12 +8,17 @@ works with the other. Retries are safe by construction:
   then raises ``SandboxUnreachable``;
 - **anything after the request may have been sent** — a read timeout, a dropped connection, a
   5xx — is never re-sent (the program may have run): ``SandboxNoAnswer`` / ``SandboxHTTPError``;
-- **429** means the pool refused the request before running it: ``SandboxBusy`` (a ``PoolBusy``
-  with ``retry_after_s``), or, with ``retry_busy=True``, a wait of ``Retry-After`` and a retry,
-  at most ``max_busy_retries`` times.
+- **429** (the pool is over capacity) and **503 ``overloaded``** (the service's memory budget
+  or connection cap is full) mean nothing ran: ``SandboxBusy`` (a ``PoolBusy`` with
+  ``retry_after_s``), or, with ``retry_busy=True``, a wait of ``Retry-After`` and a retry, at
+  most ``max_busy_retries`` times. Any other 503 (a proxy's) is not known to be safe: raised;
+- a batch refused for its size (413 ``answer_too_large`` / ``request_too_large``, 400 with too
+  many items; nothing ran) is split by the ``limit`` the service names and sent again in parts.
 
-A request the service finds invalid comes back as ``RunResult(status="invalid_request")``,
-exactly as from the pool.
+Invalid requests behave exactly as with the pool (one validation function): ``run`` raises
+``InvalidRequest`` naming the field and value (checked here before sending, and from the
+service's 400), and in ``run_batch`` such an item comes back as ``status="invalid_request"``
+while the others run.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import httpx
 import msgspec
 
 from ._errors import PoolBusy, SandboxError
-from ._types import BatchRequest, BatchResult, RunRequest, RunResult, encode
+from ._types import BatchRequest, BatchResult, InvalidRequest, RunRequest, RunResult, encode
+from ._validate import validate_request
 
 _result_decoder = msgspec.json.Decoder(RunResult)
 _batch_decoder = msgspec.json.Decoder(BatchResult)
@@ -58,12 +64,33 @@ class SandboxHTTPError(SandboxError):
         self.field = field
 
 
-def _error_of(response: httpx.Response) -> tuple[str, str, str | None]:
+class _Error(msgspec.Struct):
+    type: str
+    message: str
+    field: str | None = None
+    limit: int | None = None
+
+
+class _ErrorResponse(msgspec.Struct):
+    error: _Error
+
+
+_error_decoder = msgspec.json.Decoder(_ErrorResponse)
+
+
+def _error_of(response: httpx.Response) -> _Error:
+    """The service's structured error, or a stand-in for any other body (a proxy's page)."""
     try:
-        body = response.json()["error"]
-        return str(body["type"]), str(body["message"]), body.get("field")
-    except Exception:
-        return "http_error", response.text[:500] or response.reason_phrase, None
+        return _error_decoder.decode(response.content).error
+    except (msgspec.DecodeError, ValueError):
+        return _Error("http_error", response.text[:500] or response.reason_phrase)
+
+
+def _nothing_ran(response: httpx.Response) -> bool:
+    """429 from the pool, or 503 ``overloaded`` from the service: refused before running."""
+    if response.status_code == 429:
+        return True
+    return response.status_code == 503 and _error_of(response).type == "overloaded"
 
 
 class SandboxClient:
@@ -156,33 +183,54 @@ class SandboxClient:
                     f"{method} {path}: connection failed after sending "
                     f"({type(exc).__name__}: {exc}); the request may have run and is not re-sent"
                 ) from exc
-            if response.status_code == 429:
+            if _nothing_ran(response):
                 retry_after = _retry_after(response)
                 if self.retry_busy and busy_retries < self.max_busy_retries:
                     busy_retries += 1
                     await anyio.sleep(min(retry_after, self.max_busy_wait_s))
                     continue
-                kind, message, _ = _error_of(response)
-                raise SandboxBusy(message, retry_after)
+                raise SandboxBusy(_error_of(response).message, retry_after)
             return response
 
     async def run(self, request: RunRequest) -> RunResult:
-        """Run one program on the service."""
+        """Run one program on the service. Raises ``InvalidRequest`` for a request that breaks
+        a rule (nothing ran), ``SandboxBusy`` when over capacity (nothing ran)."""
+        validate_request(request)
         response = await self._send("POST", "/v1/run", encode(request), request.timeout_s)
         if response.status_code == 400:
-            kind, message, field = _error_of(response)
-            if kind == "invalid_request":
-                return RunResult(status="invalid_request", error=f"{field}: {message}")
+            error = _error_of(response)
+            if error.type == "invalid_request":
+                raise InvalidRequest(error.field or "request", error.message)
         _raise_for_status(response)
         return _result_decoder.decode(response.content)
 
     async def run_batch(self, requests: Sequence[RunRequest]) -> list[RunResult]:
-        """Run several programs in one HTTP request; results in order."""
-        if not requests:
-            return []
-        body = encode(BatchRequest(requests=list(requests)))
+        """Run several programs; results in order. An item that breaks a rule comes back as
+        ``status="invalid_request"`` without running; a batch too large for the service is
+        sent in parts (one after another)."""
+        results: list[RunResult | None] = [None] * len(requests)
+        valid: list[int] = []
+        for i, request in enumerate(requests):
+            try:
+                validate_request(request)
+            except InvalidRequest as exc:
+                results[i] = RunResult(status="invalid_request", error=f"requests[{i}].{exc}")
+            else:
+                valid.append(i)
+        if valid:
+            ran = await self._batch([requests[i] for i in valid])
+            for i, result in zip(valid, ran, strict=True):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    async def _batch(self, requests: list[RunRequest]) -> list[RunResult]:
+        body = encode(BatchRequest(requests=requests))
         total = sum(r.timeout_s for r in requests)
         response = await self._send("POST", "/v1/run_batch", body, total)
+        if response.status_code in (400, 413):
+            parts = _split(requests, _error_of(response))
+            if parts is not None:
+                return [result for part in parts for result in await self._batch(part)]
         _raise_for_status(response)
         results = _batch_decoder.decode(response.content).results
         if len(results) != len(requests):
@@ -213,7 +261,35 @@ def _retry_after(response: httpx.Response) -> float:
         return 1.0
 
 
+def _split(requests: list[RunRequest], error: _Error) -> list[list[RunRequest]] | None:
+    """Parts of a batch the service refused for its size (nothing ran), each within the limit
+    it named; ``None`` when the refusal is of another kind or one item alone is too large."""
+    if error.limit is None or len(requests) < 2:
+        return None
+    if error.type == "invalid_request" and error.field == "requests":  # too many items
+        n = max(1, error.limit)
+        return [requests[i : i + n] for i in range(0, len(requests), n)]
+    if error.type == "answer_too_large":
+        sizes = [2 * r.output_limit_bytes for r in requests]
+    elif error.type == "request_too_large":
+        sizes = [len(encode(r)) + 1 for r in requests]
+        error.limit -= len(b'{"requests":[]}')
+    else:
+        return None
+    if max(sizes) > error.limit:
+        return None
+    parts: list[list[RunRequest]] = [[]]
+    used = 0
+    for request, size in zip(requests, sizes, strict=True):
+        if parts[-1] and used + size > error.limit:
+            parts.append([])
+            used = 0
+        parts[-1].append(request)
+        used += size
+    return parts if len(parts) > 1 else None
+
+
 def _raise_for_status(response: httpx.Response) -> None:
     if response.status_code >= 400:
-        kind, message, field = _error_of(response)
-        raise SandboxHTTPError(response.status_code, kind, message, field)
+        error = _error_of(response)
+        raise SandboxHTTPError(response.status_code, error.type, error.message, error.field)

@@ -11,7 +11,7 @@ import os
 import socket
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_DOCKER_HOST = "unix:///run/agentrl-docker.sock"
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
@@ -148,3 +148,55 @@ class PoolConfig(_Model):
     """A waiting request gives up after this long with ``PoolBusy``."""
     recycle_after: int = Field(100, ge=1)
     """Execs per sandbox before it is replaced by a fresh one."""
+
+
+class ServiceConfig(_Model):
+    """Limits of ``agentrl sandbox serve`` itself: its memory, connections and clients' pace.
+
+    Every POST reserves its body (``Content-Length``, or ``max_request_bytes`` when chunked)
+    and, once parsed, its answer (2 × ``output_limit_bytes`` per item: stdout and stderr) from
+    one budget of ``max_inflight_bytes``, twice each (the service holds a body as bytes, then
+    text, then values; an answer as read from the sandbox, then as sent), and gives them back
+    once the answer is sent. A request that can never fit is refused with 413; one that does
+    not fit *now* with 503 and ``Retry-After`` (nothing ran). The memory the service holds for
+    requests thus stays near ``max_inflight_bytes``."""
+
+    max_request_bytes: int = Field(64 * 2**20, ge=64 * 2**10)
+    """Largest request body (413 ``request_too_large`` past it)."""
+    max_batch: int = Field(256, ge=1)
+    """Most items in one ``/v1/run_batch`` (400 past it)."""
+    max_answer_bytes: int = Field(64 * 2**20, ge=2**20)
+    """Largest answer a request may ask for: the sum over its items of 2 ×
+    ``output_limit_bytes`` (413 ``answer_too_large`` up front, before anything runs)."""
+    max_inflight_bytes: int = Field(256 * 2**20, ge=2**20)
+    """Memory for bodies and answers held at once, over all requests (503 ``overloaded`` past
+    it). At least 2 × (``max_request_bytes`` + ``max_answer_bytes``), so any acceptable request
+    fits alone."""
+    max_head_bytes: int = Field(32 * 2**10, ge=1024)
+    """Largest request head (request line and headers); past it the connection is closed."""
+    max_connections: int = Field(256, ge=2)
+    """Open client connections. At the cap, a new connection evicts the one that has waited
+    longest for a request head (idle keep-alive or a slow client); when every connection is
+    busy with a request, the new one gets 503 ``overloaded`` and is closed."""
+    idle_timeout_s: float = Field(30.0, gt=0)
+    """A connection with no request started (after it opened, or between requests) is closed
+    after this long."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A request head (request line and headers) must arrive whole within this long of its
+    first byte, else the connection is closed."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """A request body must arrive whole within this long (408 ``request_timeout``)."""
+    send_timeout_s: float = Field(60.0, gt=0)
+    """The client must take the whole answer within this long, else the connection is closed."""
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    """On SIGTERM/SIGINT, running requests get this long to finish."""
+
+    @model_validator(mode="after")
+    def _budget_fits_one_request(self) -> ServiceConfig:
+        if self.max_inflight_bytes < 2 * (self.max_request_bytes + self.max_answer_bytes):
+            raise ValueError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least 2 × "
+                f"(max_request_bytes + max_answer_bytes) = 2 × ({self.max_request_bytes} + "
+                f"{self.max_answer_bytes}): otherwise a valid request could never be served"
+            )
+        return self

@@ -1,8 +1,15 @@
 """Errors of the sandbox package: one root, one subclass per failure a caller handles.
 
-User input never raises: an invalid request comes back as ``RunResult(status="invalid_request")``
-and a sandbox that breaks during a run as ``status="sandbox_error"``. These exceptions are for the
-pool and the host: too many requests, or a backend the host cannot give.
+A request that breaks a rule raises ``_types.InvalidRequest`` (a ``ValueError`` naming the field
+and value; nothing ran) from ``run`` (in a batch, that item comes back as
+``status="invalid_request"``); a sandbox that breaks during a run comes back as
+``status="sandbox_error"``. These exceptions are for the pool and the host: too many requests,
+or a backend the host cannot give.
+
+``SandboxError`` is this package's own root, not a subclass of ``agentrl.AgentRLError``: the
+package imports nothing else of agentrl, so that it runs alone as a service. Code that calls it
+directly catches ``agentrl.sandboxes.SandboxError``; where agentrl itself uses a sandbox, these
+errors are translated into ``agentrl.SandboxError`` (see ``agentrl/_errors.py``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from anyio.abc import TaskGroup
 from ._backend import Backend, Guarantee, Sandbox
 from ._config import BackendConfig, DockerConfig, GVisorConfig, LocalConfig, PoolConfig
 from ._errors import PoolBusy
-from ._types import InvalidRequest, RunRequest, RunResult, validate_request
+from ._types import InvalidRequest, RunRequest, RunResult
+from ._validate import RequestLimits, request_limits, validate_request
 
 _log = logging.getLogger(__name__)
 _CREATE_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -72,6 +73,7 @@ class SandboxPool:
     def __init__(self, config: PoolConfig, backend: Backend) -> None:
         self._config = config
         self._backend = backend
+        self._limits = request_limits(config.backend)
         self._tg: TaskGroup | None = None  # background replacements; set by open_sandbox_pool
         self._idle: deque[Sandbox] = deque()
         self._waiters: deque[_Waiter] = deque()
@@ -116,26 +118,42 @@ class SandboxPool:
             create_failures=self._create_failures,
         )
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What this pool's backend can give a request (checked by ``validate_request``)."""
+        return self._limits
+
     async def run(self, request: RunRequest) -> RunResult:
-        """Run one request. User input never raises (an invalid request comes back as
-        ``status="invalid_request"``); raises ``PoolBusy`` when over capacity (nothing ran)."""
-        try:
-            validate_request(request)
-        except InvalidRequest as exc:
-            return self._count(
-                RunResult(status="invalid_request", error=str(exc), backend=self.backend_name)
-            )
+        """Run one request. Raises ``InvalidRequest`` (naming the field and value) for a request
+        that breaks a rule: nothing ran, no sandbox was touched; ``PoolBusy`` when over capacity
+        (nothing ran). What the program does comes back as the result's status."""
+        validate_request(request, self._limits)
+        return await self._run_valid(request)
+
+    async def _run_valid(self, request: RunRequest) -> RunResult:
         sandbox = await self._acquire()
         return await self._run_on(sandbox, request)
 
     async def run_batch(self, requests: list[RunRequest]) -> list[RunResult]:
         """Run requests concurrently (at most ``size`` at once); results in request order.
 
-        Raises ``PoolBusy`` (nothing ran) when not even one request can be admitted now; an item
-        that later cannot get a sandbox in time comes back as ``sandbox_error`` ("pool busy")."""
+        An item that breaks a rule comes back as ``status="invalid_request"`` (the field named
+        in ``error``) without running; the others run. Raises ``PoolBusy`` (nothing ran) when
+        not even one request can be admitted now; an item that later cannot get a sandbox in
+        time comes back as ``sandbox_error`` ("pool busy")."""
         results: list[RunResult | None] = [None] * len(requests)
-        if not requests:
-            return []
+        valid: list[int] = []
+        for i, request in enumerate(requests):
+            try:
+                validate_request(request, self._limits)
+            except InvalidRequest as exc:
+                results[i] = self._count(
+                    RunResult(status="invalid_request", error=str(exc), backend=self.backend_name)
+                )
+            else:
+                valid.append(i)
+        if not valid:
+            return [r for r in results if r is not None]
         if not self._idle and len(self._waiters) >= self._config.max_queue:
             raise PoolBusy(self._busy_message(), self._retry_after())
         limit = anyio.Semaphore(self._config.size)
@@ -143,7 +161,7 @@ class SandboxPool:
         async def one(i: int, request: RunRequest) -> None:
             async with limit:
                 try:
-                    results[i] = await self.run(request)
+                    results[i] = await self._run_valid(request)
                 except PoolBusy as exc:
                     results[i] = self._count(
                         RunResult(
@@ -154,8 +172,8 @@ class SandboxPool:
                     )
 
         async with anyio.create_task_group() as tg:
-            for i, request in enumerate(requests):
-                tg.start_soon(one, i, request)
+            for i in valid:
+                tg.start_soon(one, i, requests[i])
         return [r for r in results if r is not None]
 
     # -- leasing ---------------------------------------------------------------------------------

@@ -16,10 +16,12 @@ from ._types import RunRequest, RunResult
 @runtime_checkable
 class SandboxRunner(Protocol):
     async def run(self, request: RunRequest) -> RunResult:
-        """Run one program. An invalid request comes back as ``status="invalid_request"``;
-        over capacity raises ``PoolBusy`` (``SandboxBusy`` from the client is a subclass)."""
+        """Run one program. A request that breaks a rule raises ``InvalidRequest`` (naming the
+        field and value; nothing ran); over capacity raises ``PoolBusy`` (``SandboxBusy`` from
+        the client is a subclass). What the program does is the result's ``status``."""
         ...
 
     async def run_batch(self, requests: Sequence[RunRequest]) -> list[RunResult]:
-        """Run several programs; one result per request, in order."""
+        """Run several programs; one result per request, in order. An item that breaks a rule
+        comes back as ``status="invalid_request"`` without running; the others run."""
         ...

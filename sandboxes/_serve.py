@@ -1,9 +1,13 @@
 """``python -m agentrl.sandboxes serve`` / ``agentrl sandbox serve``: one pool behind the HTTP app.
 
 Loopback by default; a non-loopback ``--host`` requires a bearer token (``--token`` or
-``$AGENTRL_SANDBOX_TOKEN``). Prints ``… listening on http://HOST:PORT`` once ready (``--port 0``
-picks a free port). SIGTERM/SIGINT: stop accepting, let running requests finish (bounded), close
-the pool (every container and temp dir it made goes), exit 0. Exit codes: 2 bad arguments or
+``$AGENTRL_SANDBOX_TOKEN``; printable ASCII). Prints ``… listening on http://HOST:PORT`` once
+ready (``--port 0`` picks a free port). The service's own limits (``ServiceConfig``) come from
+the ``"service"`` object of ``--config`` and the flags, which win. The listening socket sits
+behind a ``ConnectionGuard`` (connection cap, idle and header deadlines); at start the
+file-descriptor limit is raised to fit ``max_connections`` or the service refuses to start.
+SIGTERM/SIGINT: stop accepting, let running requests finish (``shutdown_timeout_s``), close the
+pool (every container and temp dir it made goes), exit 0. Exit codes: 2 bad arguments or
 configuration, 3 the backend is unavailable on this host, 1 any other sandbox error.
 """
 
@@ -15,19 +19,28 @@ import ipaddress
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from ._config import PoolConfig
+from ._config import PoolConfig, ServiceConfig
+from ._connections import MAX_LINGERING, ConnectionGuard
 from ._errors import BackendUnavailable, SandboxError
 from ._pool import open_sandbox_pool
-from ._service import DEFAULT_MAX_BATCH, DEFAULT_MAX_REQUEST_BYTES, make_app
+from ._service import make_app
 
 DEFAULT_PORT = 8090
 TOKEN_ENV = "AGENTRL_SANDBOX_TOKEN"
+FDS_PER_SANDBOX = 8  # pipes of a local supervisor, a container's exec socket, their spares
+FDS_RESERVED = 64  # the interpreter, logs, the docker client, the listening sockets
+LISTEN_BACKLOG = 64
+# asyncio accepts up to a backlog of sockets per wake-up and hands them to the guard a loop
+# iteration later: under a connection flood a few backlogs are open beyond the cap for a moment
+ACCEPT_BURSTS = 4
 
 
 def is_loopback(host: str) -> bool:
@@ -39,11 +52,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _pool_config(args: argparse.Namespace) -> PoolConfig:
-    data: dict[str, Any] = {}
-    if args.config:
-        with open(args.config) as f:
-            data = json.load(f)
+_SERVICE_FLAGS = {  # flag attribute → ServiceConfig field (and the unit it is given in)
+    "max_request_mb": ("max_request_bytes", 2**20),
+    "max_batch": ("max_batch", 1),
+    "max_answer_mb": ("max_answer_bytes", 2**20),
+    "max_inflight_mb": ("max_inflight_bytes", 2**20),
+    "max_connections": ("max_connections", 1),
+    "idle_timeout_s": ("idle_timeout_s", 1),
+    "header_timeout_s": ("header_timeout_s", 1),
+    "body_timeout_s": ("body_timeout_s", 1),
+    "send_timeout_s": ("send_timeout_s", 1),
+}
+
+
+def _read_config(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.config:
+        return {}
+    with open(args.config) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{args.config}: must hold a JSON object")
+    return data
+
+
+def _service_config(args: argparse.Namespace, data: dict[str, Any]) -> ServiceConfig:
+    service = dict(data.get("service") or {})
+    for flag, (field, unit) in _SERVICE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            service[field] = int(value * unit) if unit != 1 else value
+    return ServiceConfig.model_validate(service)
+
+
+def _pool_config(args: argparse.Namespace, data: dict[str, Any] | None = None) -> PoolConfig:
+    data = {k: v for k, v in (data or {}).items() if k != "service"}
     backend = dict(data.get("backend") or {})
     if args.backend:
         if backend.get("type") not in (None, args.backend):
@@ -60,33 +102,86 @@ def _pool_config(args: argparse.Namespace) -> PoolConfig:
     return PoolConfig.model_validate(data)
 
 
+class _OneLineClientErrors(logging.Filter):
+    """aiohttp logs a traceback for every malformed request it refuses (400): bad input from a
+    client is not a fault of the service, so it becomes one line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            where = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "refused a malformed request from %s with %s: %s"
+            record.args = (where, exc.code, str(exc.message).strip()[:200])
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def fds_needed(service: ServiceConfig, pool: PoolConfig) -> int:
+    """File descriptors the service may hold at once: its connections (with the ones being
+    turned away and those accepted in a burst before the guard sees them) and the pool's."""
+    connections = service.max_connections + MAX_LINGERING + ACCEPT_BURSTS * LISTEN_BACKLOG
+    return connections + FDS_RESERVED + FDS_PER_SANDBOX * pool.size
+
+
+def fit_fd_limit(service: ServiceConfig, pool: PoolConfig) -> int:
+    """Raise the soft RLIMIT_NOFILE (up to the hard one) to ``fds_needed``; ``ValueError`` when
+    even the hard limit is too low. The file descriptors needed."""
+    need = fds_needed(service, pool)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ValueError(
+                f"max_connections={service.max_connections} with size={pool.size} needs about "
+                f"{need} file descriptors; RLIMIT_NOFILE allows {hard}: raise it (ulimit -n) "
+                "or lower max_connections"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
+
+
 async def serve(
     config: PoolConfig,
     host: str,
     port: int,
     *,
     token: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_batch: int = DEFAULT_MAX_BATCH,
-    shutdown_timeout_s: float = 30.0,
+    service: ServiceConfig | None = None,
     ready: Any = None,
 ) -> None:
     """Open the pool, serve until SIGTERM/SIGINT, then stop accepting, drain, close the pool."""
+    service = service or ServiceConfig()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         async with open_sandbox_pool(config) as pool:
-            app = make_app(
-                pool, token=token, max_request_bytes=max_request_bytes, max_batch=max_batch
+            guard = ConnectionGuard(
+                max_connections=service.max_connections,
+                idle_timeout_s=service.idle_timeout_s,
+                header_timeout_s=service.header_timeout_s,
+                max_head_bytes=service.max_head_bytes,
             )
-            runner = web.AppRunner(app, handle_signals=False, access_log=None)
+            app = make_app(pool, token=token, config=service, guard=guard)
+            runner = web.AppRunner(
+                app,
+                handle_signals=False,
+                access_log=None,
+                keepalive_timeout=service.idle_timeout_s,
+                shutdown_timeout=service.shutdown_timeout_s,
+            )
             await runner.setup()
+            assert runner.server is not None
+            listener = await loop.create_server(
+                guard.protocol_factory(runner.server),
+                host,
+                port,
+                backlog=LISTEN_BACKLOG,
+                reuse_address=True,
+            )
             try:
-                site = web.TCPSite(runner, host, port, shutdown_timeout=shutdown_timeout_s)
-                await site.start()
-                bound = runner.addresses[0]
+                bound = listener.sockets[0].getsockname()
                 url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
                 print(
                     f"agentrl sandbox service: backend={pool.backend_name} size="
@@ -98,7 +193,9 @@ async def serve(
                 await stop.wait()
                 print("agentrl sandbox service: stopping", flush=True)
             finally:
-                await runner.cleanup()
+                listener.close()  # stop accepting
+                guard.close_all()  # connections with no request running
+                await runner.cleanup()  # running requests get shutdown_timeout_s
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -124,8 +221,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-queue", type=int, default=None, help="waiting requests (64)")
     parser.add_argument("--queue-timeout-s", type=float, default=None, help="(default 30)")
     parser.add_argument("--recycle-after", type=int, default=None, help="(default 100)")
-    parser.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_BYTES / 2**20)
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
+    limits = parser.add_argument_group(
+        "service limits", "ServiceConfig; also the 'service' object of --config (flags win)"
+    )
+    limits.add_argument("--max-request-mb", type=float, help="largest request body (64)")
+    limits.add_argument("--max-batch", type=int, help="most items in one batch (256)")
+    limits.add_argument(
+        "--max-answer-mb", type=float, help="largest answer: items x 2 x output_limit_bytes (64)"
+    )
+    limits.add_argument(
+        "--max-inflight-mb", type=float, help="bodies and answers held at once (256)"
+    )
+    limits.add_argument("--max-connections", type=int, help="open connections (256)")
+    limits.add_argument("--idle-timeout-s", type=float, help="idle connection lifetime (30)")
+    limits.add_argument("--header-timeout-s", type=float, help="time for a request head (10)")
+    limits.add_argument("--body-timeout-s", type=float, help="time for a request body (60)")
+    limits.add_argument("--send-timeout-s", type=float, help="time to take an answer (60)")
     return parser
 
 
@@ -151,6 +262,7 @@ def _run_unwrapped(coro: Any) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_OneLineClientErrors())
     token = args.token or os.environ.get(TOKEN_ENV) or None
     if not is_loopback(args.host) and not token:
         print(
@@ -159,22 +271,23 @@ def run_from_args(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        config = _pool_config(args)
-    except (OSError, ValueError) as exc:
-        print(f"error: invalid pool configuration: {exc}", file=sys.stderr)
+    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+        print("error: the bearer token must be printable ASCII without spaces", file=sys.stderr)
         return 2
     try:
-        _run_unwrapped(
-            serve(
-                config,
-                args.host,
-                args.port,
-                token=token,
-                max_request_bytes=int(args.max_request_mb * 2**20),
-                max_batch=args.max_batch,
-            )
-        )
+        data = _read_config(args)
+        config = _pool_config(args, data)
+        service = _service_config(args, data)
+    except (OSError, ValueError) as exc:
+        print(f"error: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    try:
+        fit_fd_limit(service, config)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _run_unwrapped(serve(config, args.host, args.port, token=token, service=service))
     except BackendUnavailable as exc:
         print(f"error: backend {config.backend.type} unavailable: {exc}", file=sys.stderr)
         return 3

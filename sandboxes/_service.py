@@ -1,90 +1,115 @@
-"""The sandbox service's HTTP application (aiohttp): ``make_app(pool)``.
+"""The sandbox service's HTTP application (aiohttp): ``make_app(pool, config=ServiceConfig())``.
 
-``_serve.py`` runs it as ``python -m agentrl.sandboxes serve`` (one pool per process).
+``_serve.py`` runs it as ``agentrl sandbox serve`` (one pool per process, behind a
+``ConnectionGuard``). ``docs/sandbox-service.md`` is the user's page.
 
 Routes (JSON bodies; the wire types are ``_types.RunRequest`` / ``RunResult``):
 
 - ``POST /v1/run``: one ``RunRequest`` → ``RunResult``.
 - ``POST /v1/run_batch``: ``{"requests": [...]}`` → ``{"results": [...]}``, one result per item
-  in order; an invalid item gets ``status="invalid_request"`` (the field named in ``error``)
-  and the others still run.
-- ``GET /health``: backend, pool statistics, limits and the guarantees this host gives.
+  in order; an item that breaks a rule gets ``status="invalid_request"`` (the field named in
+  ``error``) and does not run; the others run.
+- ``GET /health``: backend, pool and service statistics, limits, the guarantees this host gives.
 - ``GET /metrics``: Prometheus text.
 
-Errors are structured, ``{"error": {"type", "message", "field"}}``: 400 ``malformed_json`` /
-``invalid_request`` (naming the field), 401 ``unauthorized``, 404/405, 413
-``request_too_large``, 429 ``busy`` with ``Retry-After`` (the pool is over capacity: nothing
-ran, retrying is safe), 500 ``internal_error``. With a token, every route requires
-``Authorization: Bearer <token>`` (compared in constant time).
+**Request errors vs run outcomes.** A request the service will not run is answered with a 4xx
+(or 503) and a structured body ``{"error": {"type", "message", "field", "limit"}}``: nothing ran
+and no sandbox was touched, whatever the cause — 400 ``malformed_json`` / ``invalid_request``
+(naming the field and value: a NUL in ``code``, files larger than half of ``memory_mb``,
+``network: true``, …), 401 ``unauthorized``, 404/405, 408 ``request_timeout`` (body too slow),
+413 ``request_too_large`` / ``answer_too_large`` (with ``limit``), 429 ``busy`` (pool over
+capacity) and 503 ``overloaded`` (service memory or connections over their budget), both with
+``Retry-After``. Everything a program does once it runs is a 200 with its ``status``. 500
+``internal_error`` is a bug of the service. With a token, every route requires ``Authorization:
+Bearer <token>`` (one such header, compared as bytes in constant time).
+
+**The service's own memory.** Each POST reserves its body (``Content-Length``; chunked bodies
+reserve ``max_request_bytes``) before reading it, and its answer (2 × ``output_limit_bytes`` per
+item) before running it, each ``COPIES`` times, from one ``ByteBudget`` of
+``max_inflight_bytes``; the answer is streamed by the middleware (within ``send_timeout_s``) and
+only then is the reservation released. So the memory the service holds for requests stays near
+``max_inflight_bytes``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
-import re
 import time
-from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from ._budget import Reservation
+from ._config import ServiceConfig
+from ._connections import ConnectionGuard
 from ._errors import PoolBusy
-from ._metrics import Exposition, Histogram
 from ._pool import SandboxPool
+from ._service_state import STATE, ServiceState
+from ._service_status import handle_health, handle_metrics
 from ._types import (
-    BatchResult,
     ErrorBody,
     ErrorResponse,
     InvalidRequest,
     RunRequest,
     RunResult,
-    decode_request,
     encode,
-    validate_request,
 )
+from ._validate import DuplicateKeys, MalformedJSON, parse_json, request_from_json, show
 
 log = logging.getLogger("agentrl.sandboxes.service")
-
-DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_BATCH = 256
-
-
-class _RawBatch(msgspec.Struct, forbid_unknown_fields=True):
-    requests: list[msgspec.Raw]
+COPIES = 2
+"""Each byte of a body or answer is reserved this many times: that is how many copies the
+service holds at once (a body as bytes then text, text then values; an answer as the output
+read from the sandbox, then as the text being sent)."""
+_INVALID_ITEM_BYTES = 4096  # what an invalid batch item's result may take in the answer
 
 
-_raw_batch_decoder = msgspec.json.Decoder(_RawBatch)
+class _Refusal(Exception):
+    """A request error found while handling: answered as is (see ``error_response``)."""
 
-
-class _State:
-    """What the handlers share: the pool, the limits and the service's own metrics."""
-
-    def __init__(
-        self, pool: SandboxPool, token: str | None, max_batch: int, max_request_bytes: int
-    ) -> None:
-        self.pool = pool
-        self.token = token
-        self.max_batch = max_batch
-        self.max_request_bytes = max_request_bytes
-        self.http_requests: Counter[tuple[str, int]] = Counter()
-        self.results: Counter[str] = Counter()
-        self.busy_rejections = 0
-        self.exec_seconds = Histogram()
-        self.request_seconds = Histogram()
-        self.started = time.time()
-
-
-STATE = web.AppKey("agentrl_sandbox_state", _State)
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
 
 
 def error_response(
-    status: int, kind: str, message: str, field: str | None = None, headers: Any = None
+    status: int,
+    kind: str,
+    message: str,
+    field: str | None = None,
+    *,
+    limit: int | None = None,
+    headers: Any = None,
+    close: bool = False,
 ) -> web.Response:
-    body = encode(ErrorResponse(ErrorBody(type=kind, message=message, field=field)))
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    """A structured error; ``close`` ends the connection after it (the body was not read)."""
+    body = encode(ErrorResponse(ErrorBody(type=kind, message=message, field=field, limit=limit)))
+    response = web.Response(
+        status=status, body=body, content_type="application/json", headers=headers
+    )
+    if close:
+        response.force_close()
+    return response
+
+
+def _overloaded(state: ServiceState, what: str, need: int) -> _Refusal:
+    return _Refusal(
+        error_response(
+            503,
+            "overloaded",
+            f"the service holds {state.budget.held} of max_inflight_bytes="
+            f"{state.budget.capacity} for other requests; {what} needs {need} more: nothing "
+            "ran, retry later",
+            limit=state.budget.capacity,
+            headers={"Retry-After": "1"},
+            close=True,
+        )
+    )
 
 
 def _json(obj: Any) -> web.Response:
@@ -92,17 +117,27 @@ def _json(obj: Any) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-_FIELD_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
-_FIELD_NAME_RE = re.compile(r"(?:unknown|required) field `([^`]+)`")
+_SLICE = 256 * 1024
 
 
-def validation_field(exc: msgspec.ValidationError, prefix: str = "") -> str | None:
-    """The field a msgspec validation error is about (``code``, ``files[...]``, ``foo``)."""
-    message = str(exc)
-    path = _FIELD_PATH_RE.search(message)
-    name = _FIELD_NAME_RE.search(message)
-    parts = [p for p in (prefix, path.group(1) if path else "", name.group(1) if name else "") if p]
-    return ".".join(parts) if parts else (prefix or None)
+class _StreamedAnswer(web.StreamResponse):
+    """A batch's JSON answer written piece by piece (``_send``; chunked): each result is encoded
+    only when its turn comes and dropped once written, and the transport never holds more than
+    a slice, so a large answer is not held three times over (results, text, send buffer)."""
+
+    def __init__(self, results: list[RunResult | None]) -> None:
+        super().__init__(headers={"Content-Type": "application/json"})
+        self.results = results
+
+    def pieces(self) -> Iterator[bytes | memoryview]:
+        yield b'{"results":['
+        for i, result in enumerate(self.results):
+            data = (b"," if i else b"") + encode(result)  # type: ignore[arg-type]
+            self.results[i] = None
+            view = memoryview(data)
+            for start in range(0, len(view), _SLICE):
+                yield view[start : start + _SLICE]
+        yield b"]}"
 
 
 def _route_name(request: web.Request) -> str:
@@ -112,50 +147,170 @@ def _route_name(request: web.Request) -> str:
 
 @web.middleware
 async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Bearer auth, structured errors for everything, per-route counters and latency."""
+    """Connection phase, bearer auth, admission to the byte budget, structured errors, sending
+    the answer within ``send_timeout_s``, per-route counters and latency."""
     state = request.app[STATE]
+    conn = state.guard.connection_of(request.transport) if state.guard is not None else None
+    if conn is not None:
+        conn.begin()
     started = time.perf_counter()
     route = _route_name(request)
-    response: web.StreamResponse
+    reservation = state.reservations[id(request)] = Reservation(state.budget)
+    response: web.StreamResponse | None = None
+    try:
+        response = await _answer(request, handler, state, reservation)
+        state.http_requests[(route, response.status)] += 1
+        await _send(request, response, state)
+    finally:
+        reservation.close()
+        del state.reservations[id(request)]
+        if conn is not None:
+            conn.end(closing=response is None or not response.keep_alive)
+        state.request_seconds.observe(time.perf_counter() - started, route=route)
+    return response
+
+
+async def _answer(
+    request: web.Request, handler: Any, state: ServiceState, reservation: Reservation
+) -> web.StreamResponse:
     try:
         if state.token is not None and not _authorized(request, state.token):
-            response = error_response(
+            return error_response(
                 401,
                 "unauthorized",
                 "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
                 headers={"WWW-Authenticate": "Bearer"},
+                close=request.body_exists,
             )
-        else:
-            response = await handler(request)
+        if request.method == "POST":
+            _admit(request, state, reservation)
+        return await handler(request)
+    except _Refusal as refusal:
+        return refusal.response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = {
-            404: "not_found",
-            405: "method_not_allowed",
-            413: "request_too_large",
-        }.get(exc.status, "http_error")
-        message = exc.text or exc.reason
-        if exc.status == 413:
-            message = f"request body exceeds the limit of {state.max_request_bytes} bytes"
-        response = error_response(exc.status, kind, message)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        return error_response(exc.status, kind, exc.text or exc.reason, close=request.body_exists)
     except Exception as exc:  # a bug of ours: answer, log, keep serving
         log.exception("internal error on %s", request.path)
-        response = error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
-    state.http_requests[(route, response.status)] += 1
-    state.request_seconds.observe(time.perf_counter() - started, route=route)
-    return response
+        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}", close=True)
 
 
-def _authorized(request: web.Request, token: str) -> bool:
-    header = request.headers.get("Authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() != "bearer":
+def _admit(request: web.Request, state: ServiceState, reservation: Reservation) -> None:
+    """Reserve the body before reading a byte of it: 413 if it can never fit, 503 if not now."""
+    limit = state.config.max_request_bytes
+    try:
+        length = request.content_length
+    except ValueError:  # aiohttp's parser refuses these first; never a 500 here
+        raise _Refusal(
+            error_response(400, "invalid_request", "Content-Length is not a number", close=True)
+        ) from None
+    if length is not None and length > limit:
+        raise _Refusal(
+            error_response(
+                413,
+                "request_too_large",
+                f"the body is {length} bytes; max_request_bytes is {limit}",
+                limit=limit,
+                close=True,
+            )
+        )
+    need = COPIES * (limit if length is None else length)
+    if not reservation.grow(need):
+        raise _overloaded(state, "this body", need)
+
+
+async def _send(request: web.Request, response: web.StreamResponse, state: ServiceState) -> None:
+    """Write the whole answer now (its bytes stay reserved until then); a client that does not
+    take it within ``send_timeout_s`` loses the connection."""
+    try:
+        async with asyncio.timeout(state.config.send_timeout_s):
+            await response.prepare(request)
+            if isinstance(response, _StreamedAnswer):
+                for piece in response.pieces():
+                    await response.write(piece)
+            await response.write_eof()
+    except TimeoutError:
+        state.send_timeouts += 1
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionError:
+        pass  # the client went away; aiohttp notices the closed transport
+
+
+def _authorized(request: web.Request, token: bytes) -> bool:
+    """Exactly one ``Authorization: Bearer <token>`` header, compared as raw bytes (a header
+    that is not UTF-8 is simply wrong, never an error)."""
+    values = [v for k, v in request.raw_headers if k.lower() == b"authorization"]
+    if len(values) != 1:
         return False
-    return hmac.compare_digest(value.strip().encode(), token.encode())
+    scheme, _, credentials = values[0].strip(b" \t").partition(b" ")
+    if scheme.lower() != b"bearer":
+        return False
+    return hmac.compare_digest(credentials.strip(b" \t"), token)
 
 
-def _busy(state: _State, exc: PoolBusy) -> web.Response:
+async def _read_body(request: web.Request, state: ServiceState) -> bytearray:
+    """The body (at most ``max_request_bytes``; 408 past ``body_timeout_s``, 413 past the size).
+    A chunked body gives back what it reserved beyond its real size."""
+    limit = state.config.max_request_bytes
+    body = bytearray()
+    try:
+        async with asyncio.timeout(state.config.body_timeout_s):
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise _Refusal(
+                        error_response(
+                            413,
+                            "request_too_large",
+                            f"the body exceeds max_request_bytes={limit}",
+                            limit=limit,
+                            close=True,
+                        )
+                    )
+    except TimeoutError:
+        state.body_timeouts += 1
+        raise _Refusal(
+            error_response(
+                408,
+                "request_timeout",
+                f"the body did not arrive within body_timeout_s={state.config.body_timeout_s:g}",
+                close=True,
+            )
+        ) from None
+    state.reservation(request).shrink_to(COPIES * len(body))
+    return body
+
+
+def _invalid(exc: InvalidRequest | MalformedJSON, state: ServiceState) -> _Refusal:
+    state.results["invalid_request"] += 1
+    if isinstance(exc, MalformedJSON):
+        return _Refusal(error_response(400, "malformed_json", str(exc)))
+    return _Refusal(error_response(400, "invalid_request", exc.message, exc.field))
+
+
+def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what: str) -> None:
+    """Refuse up front an answer that could exceed ``max_answer_bytes`` (413) or that does not
+    fit the budget now (503); otherwise hold its bytes until it is sent."""
+    limit = state.config.max_answer_bytes
+    if answer > limit:
+        raise _Refusal(
+            error_response(
+                413,
+                "answer_too_large",
+                f"{what} may answer {answer} bytes (2 × output_limit_bytes per item); "
+                f"max_answer_bytes is {limit}: lower output_limit_bytes or split the batch",
+                "requests" if what.startswith("the batch") else "output_limit_bytes",
+                limit=limit,
+            )
+        )
+    if not state.reservation(request).grow(COPIES * answer):
+        raise _overloaded(state, "its answer", COPIES * answer)
+
+
+def _busy(state: ServiceState, exc: PoolBusy) -> web.Response:
     state.busy_rejections += 1
     retry_after = max(1, math.ceil(exc.retry_after_s))
     return error_response(
@@ -166,76 +321,78 @@ def _busy(state: _State, exc: PoolBusy) -> web.Response:
     )
 
 
-def _record(state: _State, result: RunResult) -> None:
+def _record(state: ServiceState, result: RunResult) -> None:
     state.results[result.status] += 1
     if result.status != "invalid_request":
         state.exec_seconds.observe(result.wall_s)
 
 
-class _Invalid(msgspec.Struct):
-    kind: str
-    """malformed_json or invalid_request."""
-    field: str | None
-    message: str
-
-
-def _decode_one(raw: bytes, prefix: str = "") -> RunRequest | _Invalid:
-    """A validated request, or what is wrong with it, naming the field (never raises)."""
-    try:
-        req = decode_request(raw)
-    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: caught first)
-        return _Invalid("invalid_request", validation_field(exc, prefix) or "request", str(exc))
-    except msgspec.DecodeError as exc:
-        return _Invalid("malformed_json", prefix or None, str(exc))
-    try:
-        validate_request(req)
-    except InvalidRequest as exc:
-        field = f"{prefix}.{exc.field}" if prefix else exc.field
-        return _Invalid("invalid_request", field, str(exc).split(": ", 1)[-1])
-    return req
-
-
 async def handle_run(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    decoded = _decode_one(await request.read())  # past client_max_size: 413
-    if isinstance(decoded, _Invalid):
-        state.results["invalid_request"] += 1
-        return error_response(400, decoded.kind, decoded.message, decoded.field)
+    body = await _read_body(request, state)
     try:
-        result = await state.pool.run(decoded)
+        req = request_from_json(parse_json(body), state.pool.request_limits)  # (empties body)
+    except (InvalidRequest, MalformedJSON) as exc:
+        raise _invalid(exc, state) from None
+    _reserve_answer(request, state, 2 * req.output_limit_bytes, "this request")
+    try:
+        result = await state.pool.run(req)
     except PoolBusy as exc:
         return _busy(state, exc)
+    except InvalidRequest as exc:  # validated above with the same function and limits
+        raise _invalid(exc, state) from None
     _record(state, result)
-    return _json(result)
+    return _json(result)  # one result: its text and the transport's copy are what is reserved
+
+
+def _batch_items(obj: Any, state: ServiceState) -> list[Any]:
+    if isinstance(obj, DuplicateKeys):
+        message = f"{show(obj.duplicates[0])} is given more than once"
+        raise _Refusal(error_response(400, "invalid_request", message, obj.duplicates[0]))
+    if not isinstance(obj, dict) or set(obj) != {"requests"}:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        message = f"must be an object with one field, 'requests'; got {show(got)}"
+        raise _Refusal(error_response(400, "invalid_request", message, "requests"))
+    items = obj["requests"]
+    if not isinstance(items, list):
+        message = f"must be a list of requests, got {show(items)}"
+        raise _Refusal(error_response(400, "invalid_request", message, "requests"))
+    if len(items) > state.config.max_batch:
+        message = f"{len(items)} requests; the limit is {state.config.max_batch} per batch"
+        raise _Refusal(
+            error_response(
+                400, "invalid_request", message, "requests", limit=state.config.max_batch
+            )
+        )
+    return items
 
 
 async def handle_run_batch(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    body = await _read_body(request, state)
     try:
-        batch = _raw_batch_decoder.decode(await request.read())
-    except msgspec.ValidationError as exc:
-        return error_response(400, "invalid_request", str(exc), validation_field(exc))
-    except msgspec.DecodeError as exc:
-        return error_response(400, "malformed_json", str(exc))
-    if len(batch.requests) > state.max_batch:
-        return error_response(
-            400,
-            "invalid_request",
-            f"{len(batch.requests)} requests; the limit is {state.max_batch} per batch",
-            "requests",
-        )
-    results: list[RunResult | None] = [None] * len(batch.requests)
+        items = _batch_items(parse_json(body), state)  # (empties body)
+    except MalformedJSON as exc:
+        raise _invalid(exc, state) from None
+    limits = state.pool.request_limits
+    results: list[RunResult | None] = [None] * len(items)
     valid: list[tuple[int, RunRequest]] = []
-    for i, raw in enumerate(batch.requests):
-        decoded = _decode_one(bytes(raw), f"requests[{i}]")
-        if isinstance(decoded, _Invalid):
+    answer = 0
+    for i, item in enumerate(items):
+        try:
+            req = request_from_json(item, limits)
+        except InvalidRequest as exc:
             results[i] = RunResult(
                 status="invalid_request",
-                error=f"{decoded.field}: {decoded.message}",
+                error=f"requests[{i}].{exc.field}: {exc.message}",
                 backend=state.pool.backend_name,
             )
+            answer += _INVALID_ITEM_BYTES
         else:
-            valid.append((i, decoded))
+            valid.append((i, req))
+            answer += 2 * req.output_limit_bytes
+    del items
+    _reserve_answer(request, state, answer, f"the batch of {len(results)}")
     if valid:
         try:
             ran = await state.pool.run_batch([req for _, req in valid])
@@ -243,100 +400,27 @@ async def handle_run_batch(request: web.Request) -> web.Response:
             return _busy(state, exc)
         for (i, _), result in zip(valid, ran, strict=True):
             results[i] = result
-    final = [r for r in results if r is not None]
-    for result in final:
+    for result in results:
+        assert result is not None
         _record(state, result)
-    return _json(BatchResult(results=final))
-
-
-async def handle_health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    pool = state.pool
-    config = pool.config
-    return _json(
-        {
-            "status": "ok",
-            "backend": pool.backend_name,
-            "statistics": msgspec.to_builtins(pool.statistics()),
-            "guarantees": msgspec.to_builtins(pool.guarantees()),
-            "limits": {
-                "size": config.size,
-                "max_queue": config.max_queue,
-                "queue_timeout_s": config.queue_timeout_s,
-                "recycle_after": config.recycle_after,
-                "max_batch": state.max_batch,
-                "max_request_bytes": state.max_request_bytes,
-            },
-            "uptime_s": round(time.time() - state.started, 3),
-        }
-    )
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    stats = state.pool.statistics()
-    backend = {"backend": stats.backend}
-    m = Exposition()
-    m.add("agentrl_sandbox_execs_total", "counter", "Requests that ran.", [(backend, stats.execs)])
-    m.add(
-        "agentrl_sandbox_failures_total",
-        "counter",
-        "Pool results by non-ok status.",
-        [({**backend, "status": s}, n) for s, n in sorted(stats.failures.items())],
-    )
-    m.add(
-        "agentrl_sandbox_results_total",
-        "counter",
-        "Results the service returned, by status.",
-        [({**backend, "status": s}, n) for s, n in sorted(state.results.items())],
-    )
-    for name, value, help_text in (
-        ("in_use", stats.in_use, "Sandboxes running a request."),
-        ("idle", stats.idle, "Warm sandboxes ready."),
-        ("queued", stats.queued, "Requests waiting for a sandbox."),
-        ("creating", stats.creating, "Sandboxes being created."),
-    ):
-        m.add(f"agentrl_sandbox_{name}", "gauge", help_text, [(backend, value)])
-    for name, value, help_text in (
-        ("recycles", stats.recycles, "Sandboxes replaced."),
-        ("created", stats.created, "Sandboxes created."),
-        ("destroyed", stats.destroyed, "Sandboxes destroyed."),
-        ("create_failures", stats.create_failures, "Sandbox creates that failed."),
-    ):
-        m.add(f"agentrl_sandbox_{name}_total", "counter", help_text, [(backend, value)])
-    m.add(
-        "agentrl_sandbox_busy_rejections_total",
-        "counter",
-        "Requests answered 429 (over capacity).",
-        [(backend, state.busy_rejections)],
-    )
-    m.add(
-        "agentrl_sandbox_http_requests_total",
-        "counter",
-        "HTTP requests by route and status code.",
-        [({"route": r, "code": str(c)}, n) for (r, c), n in sorted(state.http_requests.items())],
-    )
-    m.add_histogram(
-        "agentrl_sandbox_exec_seconds", "Wall time of each program run.", state.exec_seconds
-    )
-    m.add_histogram(
-        "agentrl_sandbox_http_request_seconds",
-        "Time to answer an HTTP request, by route.",
-        state.request_seconds,
-    )
-    return web.Response(text=m.text(), content_type="text/plain", charset="utf-8")
+    return _StreamedAnswer(results)
 
 
 def make_app(
     pool: SandboxPool,
     *,
     token: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_batch: int = DEFAULT_MAX_BATCH,
+    config: ServiceConfig | None = None,
+    guard: ConnectionGuard | None = None,
 ) -> web.Application:
-    """The aiohttp application serving ``pool`` (which the caller opens and closes)."""
-    app = web.Application(client_max_size=max_request_bytes, middlewares=[_middleware])
-    app[STATE] = _State(pool, token or None, max_batch, max_request_bytes)
+    """The aiohttp application serving ``pool`` (which the caller opens and closes).
+
+    ``guard`` is the ``ConnectionGuard`` in front of the listening socket (``_serve.py``); the
+    application tells it when a connection starts and ends a request."""
+    config = config or ServiceConfig()
+    # the body is read by _read_body against max_request_bytes; aiohttp's own cap is a backstop
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_middleware])
+    app[STATE] = ServiceState(pool, token or None, config, guard)
     app.router.add_post("/v1/run", handle_run)
     app.router.add_post("/v1/run_batch", handle_run_batch)
     app.router.add_get("/health", handle_health)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from ._protocol import SandboxRunner
-from ._types import MAX_OUTPUT_LIMIT_BYTES, RunRequest, RunResult
+from ._types import MAX_OUTPUT_LIMIT_BYTES, InvalidRequest, RunRequest, RunResult
 
 MARKER = "AGENTRL-HARNESS-RESULT"
 ReportStatus = Literal["ok", "no_result", "harness_error", "sandbox_error"]
@@ -265,7 +265,11 @@ async def run_unit_tests(
         memory_mb=memory_mb,
         files=files,
     )
-    return parse_output(await runner.run(request), tests, nonce)
+    try:
+        result = await runner.run(request)
+    except InvalidRequest as exc:  # e.g. the code and files do not fit memory_mb: nothing ran
+        result = RunResult(status="invalid_request", error=str(exc))
+    return parse_output(result, tests, nonce)
 
 
 def render_report(report: UnitTestReport, *, limit: int = 2000) -> str:

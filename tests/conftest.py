@@ -1,4 +1,15 @@
-"""Shared fixtures: the real SmolLM2 tokenizer (via the tiny-random model folder)."""
+"""Rules and fixtures shared by every test.
+
+- ``anyio_backend``: async tests run on trio (the rollout runtime's default); a module or test
+  that must also (or only) run on asyncio says so with ``@pytest.mark.anyio_backends("trio",
+  "asyncio")`` (or ``("asyncio")``, e.g. for aiohttp).
+- ``gpu``-marked tests are skipped where CUDA is not available, so a plain run needs no GPU and
+  ``pytest -m gpu`` on a GPU machine runs them.
+- The real SmolLM2 tokenizer (via the tiny-random model folder), a seeded ``rng``.
+
+Helper modules beside this file (``fakes``, ``trajectories``, ``serve_helpers``, …) are
+importable by name: pyproject's pytest ``pythonpath`` puts ``tests/`` on the path.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +19,52 @@ import shutil
 import sys
 
 import pytest
+import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/fakes.py
+CUDA = torch.cuda.is_available()
+DEFAULT_ANYIO_BACKEND = "trio"
 
 # Triton decides at decoration time whether a kernel is compiled or interpreted, so the switch
 # must be set before anything imports agentrl.kernels: without a GPU, kernels run in Triton's
 # interpreter (numpy on CPU) when a test asks for the Triton backend explicitly.
-if "TRITON_INTERPRET" not in os.environ:
-    import torch
+if "TRITON_INTERPRET" not in os.environ and not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("anyio_backends")
+    if marker is None or "anyio_backend" not in metafunc.fixturenames:
+        return
+    if _parametrizes(metafunc, "anyio_backend"):  # e.g. trio with a fake clock: the test decides
+        return
+    if not marker.args or set(marker.args) - {"trio", "asyncio"}:
+        raise pytest.UsageError(f"anyio_backends takes 'trio' and/or 'asyncio', not {marker.args}")
+    metafunc.parametrize("anyio_backend", marker.args, indirect=True, scope="module")
+
+
+def _parametrizes(metafunc: pytest.Metafunc, name: str) -> bool:
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if name in names:
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The event loop of async tests: ``anyio_backends`` marker's choice, else trio."""
+    return getattr(request, "param", DEFAULT_ANYIO_BACKEND)
 
 
 def _tiny_path():

@@ -4,7 +4,6 @@ tests/conftest.py when there is no GPU; small shapes) and on a CUDA GPU (``gpu``
 from __future__ import annotations
 
 import pytest
-import torch
 
 from agentrl.kernels import interpreting, triton_installed
 
@@ -21,13 +20,7 @@ DEVICES = [
     ),
     pytest.param(
         "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not (torch.cuda.is_available() and triton_installed()),
-                reason="no CUDA GPU with Triton here",
-            ),
-        ],
+        marks=[pytest.mark.gpu, needs_triton],
         id="cuda",
     ),
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -45,6 +46,21 @@ class ServiceProcess:
     url: str
     lines: list[str] = field(default_factory=list)
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def status(self, key: str) -> int:
+        """A ``/proc/PID/status`` value of the service process in kB (``VmRSS``, ``VmHWM``)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        raise KeyError(key)
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         """Signal the service and wait for it to exit; its exit code."""
         if self.proc.poll() is None:
@@ -73,15 +89,25 @@ def _pump(proc: subprocess.Popen, lines: list[str], found: queue.Queue) -> None:
 
 @contextmanager
 def running_service(
-    *args: str, env: dict[str, str] | None = None, start_timeout_s: float = 120.0
+    *args: str,
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = 120.0,
+    nofile: tuple[int, int] | None = None,
 ) -> Iterator[ServiceProcess]:
-    """A running service (``--port 0`` is added); stopped with SIGTERM afterwards."""
+    """A running service (``--port 0`` is added); stopped with SIGTERM afterwards.
+    ``nofile`` sets its RLIMIT_NOFILE (soft, hard), as a host's defaults would."""
+
+    def limit_fds() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
     proc = subprocess.Popen(
         [*SERVE_CMD, "--port", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {})},
+        preexec_fn=limit_fds if nofile is not None else None,
     )
     lines: list[str] = []
     found: queue.Queue = queue.Queue()

@@ -3,7 +3,6 @@ make perturbed model copies to load into it."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import socket
 import subprocess
@@ -22,19 +21,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve_command() -> list[str]:
-    """``agentrl serve`` once the CLI has it, else the module entry point."""
-    from agentrl import cli
-
-    for action in cli._parser()._actions:
-        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
-            return [sys.executable, "-m", "agentrl.cli", "serve"]
-    return [sys.executable, "-m", "agentrl.engine._server"]
-
-
 def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [*_serve_command(), "--model", str(model), "--port", str(port), "--num-threads", "1"]
+    serve = [sys.executable, "-m", "agentrl.cli", "serve"]  # as a user runs it
+    cmd = [*serve, "--model", str(model), "--port", str(port), "--num-threads", "1"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +16,18 @@ from agentrl import read_trajectories
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "120"}
+# faulty_envs (slow-v0, broken-reward-v0) lives next to the trainer tests
+FAULTY = {**ENV, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "trainer"),
+                                                  os.environ.get("PYTHONPATH", "")])}  # fmt: skip
 
 
-def agentrl(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+def agentrl(
+    *args: str, cwd: Path = REPO, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "agentrl.cli", *args],
         cwd=cwd,
-        env=ENV,
+        env=env or ENV,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -121,11 +128,12 @@ def test_bad_input_gets_a_clear_error(args, needle, tmp_path):
         base[key] = value
     flat = [x for kv in base.items() for x in kv]
     proc = agentrl("rollout", *flat)
-    # a broken env constructor is data (an error trajectory), everything else exits 2
+    # a broken env constructor is data (an error trajectory: every one failed, exit 1),
+    # everything else exits 2
     text = proc.stderr + proc.stdout
     assert needle in text, text
-    assert proc.returncode in (0, 2)
-    if proc.returncode == 0:
+    assert proc.returncode in (1, 2)
+    if proc.returncode == 1:
         (traj,) = read_trajectories(str(tmp_path / "trajectories.jsonl"))
         assert traj.status == "error" and needle in traj.error.message
 
@@ -216,7 +224,7 @@ def test_bad_sandbox_spec_is_a_clear_error(tmp_path, tiny_model_path):
     [
         ({"max_batch_size": 2, "device": "cpu"}, None, 0),
         ({"device": "tpu"}, "device must be", 2),
-        ({"max_batch": 2}, "engine:", 2),
+        ({"max_batch": 2}, "engine.max_batch: Extra inputs are not permitted", 2),
     ],
 )
 def test_rollout_reads_the_engine_section_of_the_config(engine, needle, code, tmp_path):
@@ -232,3 +240,270 @@ def test_rollout_reads_the_engine_section_of_the_config(engine, needle, code, tm
         assert needle in text, text
     else:
         assert len(read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))) >= 1
+
+
+# -- run directories are never overwritten by accident ------------------------------------------
+
+
+def _rollout(out: Path, *extra: str, n: int = 1) -> subprocess.CompletedProcess:
+    return agentrl("rollout", "--env", "calc-v0", "--model", "tiny-random", "-n", str(n),
+                   "--group", "2", "--max-turns", "1", "--max-new-tokens", "6",
+                   "--out", str(out), *extra)  # fmt: skip
+
+
+def test_rollout_refuses_a_run_directory_unless_told_to_overwrite_or_append(
+    tmp_path, tiny_model_path
+):
+    out = tmp_path / "run"
+    assert _rollout(out).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    again = _rollout(out)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"--out {out} already holds a rollout" in again.stderr
+    assert "--overwrite" in again.stderr and "--append" in again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "a refused run wrote"
+
+    # --append: one more task and the first task's group grows; ids stay unique and the
+    # summary covers every trajectory in the directory
+    appended = _rollout(out, "--append", "--concurrency", "3", n=2)
+    assert appended.returncode == 0, appended.stdout + appended.stderr
+    trajs = read_trajectories(str(out / "trajectories.jsonl"))
+    ids = [t.id for t in trajs]
+    assert len(ids) == 6 == len(set(ids)), ids
+    first_task = trajs[0].group_id
+    assert sorted(t.sample_index for t in trajs if t.group_id == first_task) == [0, 1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trajectories"] == 6
+    assert summary["model_tokens"] == sum(sum(t.loss_mask) for t in trajs)
+    config = json.loads((out / "config.json").read_text())
+    assert config["n"] == 1 and [a["n"] for a in config["appended"]] == [2]
+
+    # an append that would sample differently is refused, naming what differs
+    other = _rollout(out, "--append", "--temperature", "0.5")
+    assert other.returncode == 2
+    assert "rollout.temperature: 1.0 → 0.5" in other.stderr, other.stderr
+    assert len(read_trajectories(str(out / "trajectories.jsonl"))) == 6
+
+    # --overwrite replaces the rollout
+    fresh = _rollout(out, "--overwrite")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert len(read_trajectories(str(out / "trajectories.jsonl"))) == 2
+    assert "appended" not in json.loads((out / "config.json").read_text())
+    assert json.loads((out / "summary.json").read_text())["trajectories"] == 2
+
+    both = _rollout(out, "--overwrite", "--append")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+@pytest.mark.parametrize(
+    ("marker", "text", "named"),
+    [
+        ("ledger.jsonl", '{"step": 1}\n', "ledger.jsonl"),
+        ("config.json", '{"env": "calc-v0", "train": true}', "config.json of a training run"),
+    ],
+)
+def test_rollout_never_writes_into_a_training_run(marker, text, named, tmp_path):
+    run = tmp_path / "train"
+    run.mkdir()
+    (run / marker).write_text(text)
+    for flag in ([], ["--overwrite"], ["--append"]):
+        proc = _rollout(run, *flag)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"holds a training run ({named})" in proc.stderr
+    assert [p.name for p in run.iterdir()] == [marker]
+    assert (run / marker).read_text() == text
+
+
+def test_a_config_file_next_to_the_run_is_not_a_run(tmp_path, tiny_model_path):
+    """``--config DIR/config.yaml --out DIR``: a rollout config is not a training run."""
+    (tmp_path / "config.yaml").write_text("rollout: {max_new_tokens: 4}\n")
+    proc = _rollout(tmp_path, "--config", str(tmp_path / "config.yaml"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(read_trajectories(str(tmp_path / "trajectories.jsonl"))) == 2
+
+
+# -- Ctrl-C and failures are reported, not buried ------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_ctrl_c_during_a_rollout_saves_what_finished(backend, tmp_path, tiny_model_path):
+    """SIGINT to a real ``agentrl rollout``: a one-line notice (no exception group), the
+    finished trajectories kept, the summary written, exit 130."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "rollout", "--env", "faulty_envs:slow-v0",
+         "--model", "tiny-random", "-n", "300", "--concurrency", "4", "--out", str(out),
+         "--backend", backend],
+        cwd=REPO, env=FAULTY, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    file = out / "trajectories.jsonl"
+    deadline = time.monotonic() + 300
+    while not (file.exists() and file.read_text().count("\n") >= 5):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no trajectory finished in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout[-3000:] + stderr[-3000:]
+    saved = read_trajectories(str(file))
+    assert 5 <= len(saved) < 300
+    assert f"interrupted: {len(saved)}/300 trajectories saved" in stdout
+    assert "Traceback" not in stderr and "ExceptionGroup" not in stderr, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trajectories"] == len(saved) == sum(summary["statuses"].values())
+    assert "error" not in summary["statuses"]  # cancelled trajectories are not written
+
+
+def test_a_rollout_where_every_trajectory_fails_exits_nonzero(tmp_path, tiny_model_path):
+    out = tmp_path / "run"
+    proc = agentrl("rollout", "--env", "faulty_envs:broken-reward-v0", "--model", "tiny-random",
+                   "-n", "2", "--out", str(out), env=FAULTY)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "every trajectory failed (2)" in proc.stdout
+    assert "in score" in proc.stdout and "KeyError" in proc.stdout  # the traceback is shown
+    (first, *_) = read_trajectories(str(out / "trajectories.jsonl"))
+    assert first.error.where == "reward" and "in score" in first.error.traceback
+
+
+# -- every command's help, and what a missing optional dependency says --------------------------
+
+
+def _command_paths() -> list[list[str]]:
+    """Every command and sub-command of ``agentrl``: the top-level commands from its parser,
+    then, recursively, the sub-commands each one's help lists (``{a,b} ...`` in its usage), so
+    commands whose options live in their own package are walked too."""
+    import argparse
+    import re
+
+    from agentrl import cli
+
+    (commands,) = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    paths: list[list[str]] = []
+    pending = [[name] for name in commands.choices]
+    while pending:
+        path = pending.pop(0)
+        paths.append(path)
+        usage = _help(path).split("\n\n")[0]
+        choices = re.search(r"\{([\w,-]+)\}\s+\.\.\.", usage)  # a sub-command, then its args
+        pending += [[*path, child] for child in (choices[1].split(",") if choices else [])]
+    return paths
+
+
+def _help(path: list[str]) -> str:
+    import contextlib
+    import io
+
+    from agentrl import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        cli.main([*path, "--help"])
+    assert exit_info.value.code == 0, f"agentrl {' '.join(path)} --help exited {exit_info.value}"
+    return out.getvalue()
+
+
+def test_every_command_and_subcommand_has_help():
+    paths = _command_paths()  # runs each one's --help (exit 0)
+    names = {" ".join(p) for p in paths}
+    assert {"rollout", "envs show", "sandbox", "sandbox image build", "sandbox serve", "serve",
+            "train", "models pull"} <= names, names  # fmt: skip
+    for path in paths:
+        text = _help(path)
+        assert text.startswith(f"usage: agentrl {' '.join(path)}"), (path, text[:200])
+
+
+def test_sandbox_help_as_a_user_runs_it():
+    proc = agentrl("sandbox", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: agentrl sandbox") and "image" in proc.stdout
+
+
+_BLOCK = """
+import os, sys
+for name in os.environ.get("AGENTRL_TEST_MISSING", "").split(","):
+    if name:
+        sys.modules[name] = None  # `import name` now raises ModuleNotFoundError
+"""
+
+
+@pytest.mark.parametrize(
+    ("missing", "args", "needle"),
+    [
+        ("aiohttp", ["serve", "--model", "tiny-random"], "pip install 'agentrl[serve]'"),
+        ("aiohttp", ["sandbox", "serve", "--backend", "local"], "pip install 'agentrl[sandbox]'"),
+        ("deepspeed", ["train", "--model", "tiny-random", "--max-steps", "1", "--out", "OUT",
+                       "--set", "rollout.group_size=2"], "pip install 'agentrl[train]'"),
+        ("docker", ["rollout", "--env", "python-math-v0", "--model", "tiny-random", "-n", "1",
+                    "--sandbox", "docker", "--out", "OUT"], "pip install 'agentrl[sandbox]'"),
+    ],
+)  # fmt: skip
+def test_a_missing_optional_dependency_names_the_extra(missing, args, needle, tmp_path):
+    """The module is made unimportable in the child (a sitecustomize puts None in
+    ``sys.modules``), as if its extra had not been installed."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK)
+    env = {**ENV, "PYTHONPATH": str(tmp_path), "AGENTRL_TEST_MISSING": missing}
+    args = [str(tmp_path / a) if a == "OUT" else a for a in args]
+    proc = agentrl(*args, env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"agentrl: error: agentrl {args[0]} needs {missing!r}")
+    assert needle in proc.stderr, proc.stderr
+
+
+def test_a_missing_core_dependency_or_an_unknown_module():
+    from agentrl._extras import missing_dependency_message
+
+    core = missing_dependency_message(ModuleNotFoundError("x", name="msgspec"), "rollout")
+    assert core == (
+        "agentrl rollout needs 'msgspec' (a dependency of agentrl), which is not installed: "
+        "reinstall agentrl (pip install agentrl)"
+    )
+    yaml = missing_dependency_message(ModuleNotFoundError("x", name="yaml"), "train")
+    assert yaml is not None and "'yaml' (a dependency of agentrl)" in yaml  # PyYAML
+    # in several extras: the command's own extra wins
+    assert "agentrl[serve]" in missing_dependency_message(
+        ModuleNotFoundError("x", name="aiohttp.web"), "serve"
+    )
+    assert "agentrl[sandbox]" in missing_dependency_message(
+        ModuleNotFoundError("x", name="aiohttp"), "sandbox"
+    )
+    # a module agentrl does not declare is a bug, not a missing extra: no advice
+    assert missing_dependency_message(ModuleNotFoundError("x", name="nope_mod"), "rollout") is None
+    assert missing_dependency_message(ModuleNotFoundError("x", name="agentrl.x"), "rollout") is None
+
+
+# -- inspect: a run directory, or a clear error ---------------------------------------------------
+
+
+def test_inspect_accepts_a_run_directory(tiny_run):
+    _, out = tiny_run
+    proc = agentrl("inspect", str(out), "--check")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "boundary check: all 4 trajectories match the re-render" in proc.stdout
+
+
+@pytest.mark.parametrize("what", ["ledger", "missing", "not-jsonl", "empty", "empty-dir", "binary"])
+def test_inspect_gives_one_line_for_what_it_cannot_read(what, tmp_path):
+    path = tmp_path / "x.jsonl"
+    if what == "ledger":
+        path = tmp_path / "ledger.jsonl"
+        path.write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "reward_mean": 0.6}\n')
+        needle = "is a training ledger (one record per step), not trajectories"
+    elif what == "missing":
+        needle = "no such file or directory"
+    elif what == "not-jsonl":
+        path.write_text("model: tiny-random\nenv: calc-v0\n")
+        needle = "is not JSON lines"
+    elif what == "empty":
+        path.write_text("\n")
+        needle = "holds no trajectories"
+    elif what == "empty-dir":
+        path = tmp_path
+        needle = "is a directory without trajectories.jsonl"
+    else:
+        path.write_bytes(b'{"id": "x", "env": 3}\n\xff\xfe\n')
+        needle = "cannot inspect"
+    proc = agentrl("inspect", str(path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr

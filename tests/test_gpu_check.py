@@ -84,4 +84,4 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--sections", "sglang"],
         capture_output=True, text=True,
     )  # fmt: skip
-    assert proc.returncode == 2 and "needs --sglang BUNDLE" in proc.stderr
+    assert proc.returncode == 2 and "need --sglang BUNDLE" in proc.stderr

@@ -80,7 +80,9 @@ def imports(module: str, source: str, *, is_package: bool = False) -> Iterator[E
                         yield Edge(module, f"{base}.{alias.name}", node.lineno)
 
 
-_SUBPACKAGES = frozenset({"envs", "sandboxes", "kernels", "trainer", "engine", "loop", "cli"})
+_SUBPACKAGES = frozenset(
+    {"envs", "sandboxes", "kernels", "trainer", "engine", "loop", "cli", "docs"}
+)
 
 
 def _looks_like_module(base: str, name: str) -> bool:
@@ -113,7 +115,7 @@ def package_of(module: str) -> str:
     sub = parts[1] if len(parts) > 1 else ""
     if sub in ("envs", "sandboxes", "kernels", "trainer", "engine"):
         return sub
-    if sub in ("loop", "cli"):
+    if sub in ("loop", "cli", "docs"):
         return "root"
     return "core"
 

@@ -1,15 +1,16 @@
-"""The learner (issue D): DeepSpeed ZeRO-3 on token-level masks.
+"""The learner: DeepSpeed ZeRO-3 on token-level masks.
 
 It publishes weights through a ``WeightSink`` protocol and never imports the engine.
 
 Layering (pure torch, each module imports only those above it): ``_batch`` (trajectories →
 micro-batches, the alignment convention) → ``_logprob`` (chunked log-prob + entropy) →
-``_kl`` → ``_advantages`` → ``_losses``. On top: ``_config`` (algorithm and optimizer
-settings), ``_attention`` (varlen attention) and ``_prefix`` (shared-prefix packing),
-``_schedule`` (LR), ``_engine`` (DeepSpeed ZeRO-3 policy / reference / critic;
-deepspeed is imported lazily), ``_stats`` and ``_learner`` (one training step),
-``_checkpoint`` (atomic loop checkpoints, export) and ``_sink`` (the ``WeightSink`` protocol
-the loop implements).
+``_kl`` → ``_advantages`` → ``_losses`` → ``_algorithms`` (the algorithm table: estimator,
+surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``_attention``
+(varlen attention) and ``_prefix`` (shared-prefix packing), ``_schedule`` (LR), ``_engine``
+(DeepSpeed ZeRO-3 policy / reference / critic; deepspeed is imported lazily), ``_deepspeed``
+(the config's ``deepspeed`` section, checked against DeepSpeed's own parser), ``_stats`` and
+``_learner`` (one training step), ``_checkpoint`` (atomic loop checkpoints, export) and
+``_sink`` (the ``WeightSink`` protocol the loop implements).
 """
 
 from ._advantages import GAE as GAE
@@ -22,6 +23,12 @@ from ._advantages import masked_whiten as masked_whiten
 from ._advantages import overlong_penalty as overlong_penalty
 from ._advantages import rloo_advantages as rloo_advantages
 from ._advantages import terminal_rewards as terminal_rewards
+from ._algorithms import AlgorithmSpec as AlgorithmSpec
+from ._algorithms import GroupEstimator as GroupEstimator
+from ._algorithms import algorithm_names as algorithm_names
+from ._algorithms import algorithm_spec as algorithm_spec
+from ._algorithms import register_algorithm as register_algorithm
+from ._algorithms import unregister_algorithm as unregister_algorithm
 from ._batch import PackedBatch as PackedBatch
 from ._batch import block_causal_mask as block_causal_mask
 from ._batch import model_inputs as model_inputs
@@ -42,8 +49,9 @@ from ._checkpoint import save_checkpoint as save_checkpoint
 from ._checkpoint import step_dir as step_dir
 from ._checkpoint import verify_state as verify_state
 from ._config import AlgorithmConfig as AlgorithmConfig
-from ._config import AlgorithmName as AlgorithmName
 from ._config import OptimizerConfig as OptimizerConfig
+from ._deepspeed import DeepSpeedSection as DeepSpeedSection
+from ._deepspeed import ZeroSection as ZeroSection
 from ._dist import barrier as barrier
 from ._dist import rank_world as rank_world
 from ._engine import DistInfo as DistInfo
@@ -65,7 +73,7 @@ from ._logprob import token_logprobs_and_entropy as token_logprobs_and_entropy
 from ._losses import Aggregation as Aggregation
 from ._losses import LossMetrics as LossMetrics
 from ._losses import LossOutput as LossOutput
-from ._losses import PolicyAlgorithm as PolicyAlgorithm
+from ._losses import Surrogate as Surrogate
 from ._losses import ValueLossOutput as ValueLossOutput
 from ._losses import aggregate as aggregate
 from ._losses import policy_loss as policy_loss
@@ -76,3 +84,77 @@ from ._schedule import lr_multiplier as lr_multiplier
 from ._sink import WeightSink as WeightSink
 from ._stats import PairStats as PairStats
 from ._stats import StepStats as StepStats
+
+__all__ = [
+    "Aggregation",
+    "AlgorithmConfig",
+    "AlgorithmSpec",
+    "CheckpointError",
+    "DeepSpeedSection",
+    "DistInfo",
+    "GAE",
+    "GroupEstimator",
+    "IN_FLIGHT_RULE",
+    "KLEstimator",
+    "LRSchedule",
+    "Learner",
+    "LearnerSettings",
+    "LoopState",
+    "LossMetrics",
+    "LossOutput",
+    "ModelEngine",
+    "OptimizerConfig",
+    "PackedBatch",
+    "PairStats",
+    "StepStats",
+    "Surrogate",
+    "TokenLogprobs",
+    "TokenScorer",
+    "ValueLossOutput",
+    "WeightSink",
+    "ZeroSection",
+    "aggregate",
+    "algorithm_names",
+    "algorithm_spec",
+    "barrier",
+    "block_causal_mask",
+    "causal_lm_token_logprobs",
+    "consolidated_state_dict",
+    "deepspeed_config",
+    "dr_grpo_advantages",
+    "dynamic_sampling_mask",
+    "export_checkpoint",
+    "gae_advantages",
+    "group_index",
+    "grpo_advantages",
+    "init_distributed",
+    "kl_estimate",
+    "kl_in_reward",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "lr_multiplier",
+    "masked_whiten",
+    "model_inputs",
+    "open_critic",
+    "open_policy",
+    "open_reference",
+    "overlong_filter",
+    "overlong_penalty",
+    "pack_shared_prefix",
+    "pack_trajectories",
+    "pad_trajectories",
+    "policy_loss",
+    "rank_world",
+    "read_state",
+    "register_algorithm",
+    "rloo_advantages",
+    "save_checkpoint",
+    "step_dir",
+    "terminal_rewards",
+    "token_logprobs_and_entropy",
+    "turn_advantages",
+    "unregister_algorithm",
+    "value_loss",
+    "verify_state",
+]

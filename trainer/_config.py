@@ -1,8 +1,8 @@
-"""What people write about the learner: the algorithm and the optimizer (pydantic, documented
-fields, extras refused). ``agentrl.loop``'s one YAML config embeds both sections.
+"""What people write about the learner: the algorithm, the optimizer and the DeepSpeed section
+(pydantic, documented fields, extras refused). ``agentrl.loop``'s one YAML config embeds them.
 
-``AlgorithmConfig.resolved()`` fills every ``None`` with the named algorithm's default (the table
-in ``_losses``), so the learner reads plain values.
+``AlgorithmConfig.resolved()`` returns a copy with every ``None`` filled from the named
+algorithm's row of the table in ``_algorithms``, so the learner reads plain values.
 """
 
 from __future__ import annotations
@@ -11,54 +11,24 @@ from typing import Literal
 
 import pydantic
 
+from ._algorithms import AlgorithmSpec, algorithm_spec
 from ._kl import KLEstimator
-from ._losses import Aggregation, PolicyAlgorithm
+from ._losses import Aggregation, Surrogate
 
-AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "ppo"]
-
-_CLIP: dict[str, tuple[float, float]] = {
-    "grpo": (0.2, 0.2),
-    "dr_grpo": (0.2, 0.2),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
-    "cispo": (1.0, 0.28),  # MiniMax-M1: no lower bound on the IS weight
-    "rloo": (0.2, 0.2),
-    "ppo": (0.2, 0.2),
-}
-_AGG: dict[str, Aggregation] = {
-    "grpo": "seq-mean-token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
-    "gspo": "seq-mean-token-mean",
-    "cispo": "token-mean",
-    "rloo": "token-mean",
-    "ppo": "token-mean",
-}
-_SURROGATE: dict[str, PolicyAlgorithm] = {
-    "grpo": "grpo",
-    "dr_grpo": "dr_grpo",
-    "dapo": "dapo",
-    "gspo": "gspo",
-    "cispo": "cispo",
-    "rloo": "grpo",  # REINFORCE with a leave-one-out baseline: the clipped surrogate at r = 1
-    "ppo": "ppo",
-}
+_DOCS = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class AlgorithmConfig(pydantic.BaseModel):
     """The RL algorithm: advantage estimator, surrogate, KL, entropy and aggregation."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = _DOCS
 
-    name: AlgorithmName = "grpo"
-    """grpo, dr_grpo, dapo (clip-higher, token-mean, dynamic sampling, overlong filter), gspo
-    (sequence ratio), cispo (clipped IS-weight REINFORCE), rloo (leave-one-out baseline) or ppo
-    (GAE with a critic)."""
-    group_size: int | None = pydantic.Field(None, ge=1)
-    """Samples per task (G). Sets ``rollout.group_size``; giving both with different values is
-    an error. Group estimators need G >= 2."""
+    name: str = "grpo"
+    """A registered algorithm (the table of algorithms in the configuration reference,
+    ``agentrl.trainer.algorithm_names()``): it decides the advantage estimator, the surrogate
+    and every default below. Group estimators need ``rollout.group_size >= 2``."""
     clip_low: float | None = pydantic.Field(None, gt=0)
-    """ε_low of the ratio clip (default: the algorithm's, e.g. 0.2)."""
+    """ε_low of the ratio clip (default: the algorithm's)."""
     clip_high: float | None = pydantic.Field(None, gt=0)
     """ε_high (DAPO clip-higher 0.28; default: the algorithm's)."""
     agg: Aggregation | None = None
@@ -67,8 +37,9 @@ class AlgorithmConfig(pydantic.BaseModel):
     norm_length: float | None = pydantic.Field(None, gt=0)
     """Constant length for seq-mean-token-sum-norm (Dr.GRPO); default: the generation budget
     (max_turns × max_new_tokens)."""
-    kl_coef: float = pydantic.Field(0.0, ge=0)
-    """β of the KL to the frozen reference; 0 skips the reference model entirely."""
+    kl_coef: float | None = pydantic.Field(None, ge=0)
+    """β of the KL to the frozen reference; 0 skips the reference model entirely (default: the
+    algorithm's, 0 for every built-in one)."""
     kl_estimator: KLEstimator = "k3"
     """k1, k2 or k3 (Schulman 2020); GRPO uses k3 in the loss, PPO-RLHF k1 in the reward."""
     kl_mode: Literal["loss", "reward"] = "loss"
@@ -82,23 +53,31 @@ class AlgorithmConfig(pydantic.BaseModel):
     """π_old for the ratio: the engine's logprobs, or the trainer's recomputation (one more
     forward per step; the rollout↔trainer gap is then corrected by TIS)."""
     dynamic_sampling: bool | None = None
-    """Drop groups whose rewards are all equal (DAPO; default on for dapo only)."""
+    """Drop groups whose rewards are all equal (DAPO's dynamic sampling; default: the
+    algorithm's)."""
     overlong_filter: bool | None = None
-    """Mask trajectories cut by a length limit (DAPO; default on for dapo only)."""
+    """Mask trajectories cut by a length limit (DAPO's overlong filter; default: the
+    algorithm's)."""
     epochs: int = pydantic.Field(1, ge=1)
     """Passes over one step's trajectories."""
     mini_batches: int = pydantic.Field(1, ge=1)
     """Optimizer updates per epoch (trajectories split by group)."""
     gamma: float = pydantic.Field(1.0, ge=0, le=1)
-    """PPO: GAE discount."""
+    """GAE discount (algorithms with a critic)."""
     lam: float = pydantic.Field(0.95, ge=0, le=1)
-    """PPO: GAE λ."""
+    """GAE λ (algorithms with a critic)."""
     value_clip: float | None = pydantic.Field(0.2, gt=0)
-    """PPO: critic value clipping range (None: plain squared error)."""
+    """Critic value clipping range (None: plain squared error)."""
     critic_lr: float | None = pydantic.Field(None, gt=0)
-    """PPO: critic learning rate (default: the optimizer's lr)."""
+    """Critic learning rate (default: the optimizer's lr)."""
     whiten_advantages: bool = True
-    """PPO: normalize advantages over the step's tokens."""
+    """GAE: normalize advantages over the step's tokens."""
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        algorithm_spec(name)  # ValueError naming the registered algorithms
+        return name
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -106,31 +85,41 @@ class AlgorithmConfig(pydantic.BaseModel):
             raise ValueError("tis_cap needs old_logprobs: recompute (TIS corrects π_old/π_rollout)")
         return self
 
-    def resolved(self) -> AlgorithmConfig:
-        """A copy with every default filled in for ``name``."""
-        low, high = _CLIP[self.name]
-        dapo = self.name == "dapo"
-        dynamic = dapo if self.dynamic_sampling is None else self.dynamic_sampling
-        return self.model_copy(
-            update={
-                "clip_low": self.clip_low if self.clip_low is not None else low,
-                "clip_high": self.clip_high if self.clip_high is not None else high,
-                "agg": self.agg or _AGG[self.name],
-                "dynamic_sampling": dynamic,
-                "overlong_filter": dapo if self.overlong_filter is None else self.overlong_filter,
-            }
-        )
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """The algorithm's row of the table (estimator, surrogate, defaults, needs)."""
+        return algorithm_spec(self.name)
 
     @property
-    def surrogate(self) -> PolicyAlgorithm:
-        """The ``policy_loss`` algorithm this name uses."""
-        return _SURROGATE[self.name]
+    def surrogate(self) -> Surrogate:
+        """The ``policy_loss`` surrogate this algorithm minimizes."""
+        return self.spec.surrogate
+
+    @property
+    def needs_reference(self) -> bool:
+        """Does the learner score a frozen reference (a KL coefficient above 0)?"""
+        return (self.kl_coef if self.kl_coef is not None else self.spec.kl_coef) > 0
+
+    def resolved(self) -> AlgorithmConfig:
+        """A copy with every unset (``None``) setting filled from the algorithm's row."""
+        spec = self.spec
+        defaults = {
+            "clip_low": spec.clip_low,
+            "clip_high": spec.clip_high,
+            "agg": spec.agg,
+            "kl_coef": spec.kl_coef,
+            "dynamic_sampling": spec.dynamic_sampling,
+            "overlong_filter": spec.overlong_filter,
+        }
+        return self.model_copy(
+            update={k: v for k, v in defaults.items() if getattr(self, k) is None}
+        )
 
 
 class OptimizerConfig(pydantic.BaseModel):
     """AdamW (torch's, through DeepSpeed: no JIT build), gradient clipping and the LR schedule."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = _DOCS
 
     lr: float = pydantic.Field(1e-6, gt=0)
     """Peak learning rate."""

@@ -9,9 +9,10 @@ Order inside ``Learner.train_step`` (each phase is timed for the ledger):
    micro-batches of at most ``micro_batch_tokens`` positions;
 3. ``reference``: the frozen reference's logprobs (only when ``kl_coef > 0``);
 4. ``logprob``: with ``old_logprobs: recompute``, the policy's own logprobs before the update
-   (π_old; TIS then corrects π_old/π_rollout); PPO's critic values;
+   (π_old; TIS then corrects π_old/π_rollout); the critic's values (GAE algorithms);
 5. advantages: group estimators per trajectory (the KL folded into the reward first when
-   ``kl_mode: reward``), or GAE over the sampled tokens with the critic;
+   ``kl_mode: reward``), or GAE over the sampled tokens with the critic (the algorithm's
+   estimator, from the table in ``_algorithms``);
 6. ``update``: per mini-batch, forward + ``policy_loss`` + backward on every micro-batch, then
    one optimizer ``step``; the loss of each micro-batch is divided by the *mini-batch's*
    token/sequence count (``PackedBatch.step_loss_tokens`` / ``step_sequences``, summed over
@@ -34,15 +35,7 @@ import torch
 
 from agentrl._types import Trajectory
 
-from ._advantages import (
-    dr_grpo_advantages,
-    dynamic_sampling_mask,
-    gae_advantages,
-    group_index,
-    grpo_advantages,
-    rloo_advantages,
-    terminal_rewards,
-)
+from ._advantages import dynamic_sampling_mask, gae_advantages, group_index, terminal_rewards
 from ._batch import PackedBatch, overlong_filter, pack_trajectories, pad_trajectories
 from ._config import AlgorithmConfig, OptimizerConfig
 from ._dist import rank_world
@@ -110,7 +103,7 @@ class Learner:
             overrides=settings.deepspeed,
         )
         self.reference: ModelEngine | None = None
-        if alg.kl_coef > 0:
+        if alg.needs_reference:
             self.reference = open_reference(
                 settings.model_path,
                 temperature=settings.temperature,
@@ -120,7 +113,7 @@ class Learner:
                 overrides=settings.deepspeed,
             )
         self.critic: ModelEngine | None = None
-        if alg.name == "ppo":
+        if alg.spec.needs_critic:
             self.critic = open_critic(
                 settings.model_path,
                 optimizer=settings.optimizer,
@@ -232,7 +225,8 @@ class Learner:
     def _advantages(self, mini, order, rewards, groups, old, ref, values) -> list[list]:
         """Per mini-batch, ``(batch with advantages, returns or None)`` per micro-batch."""
         alg = self.settings.algorithm
-        if alg.name == "ppo":
+        estimator = alg.spec.advantages
+        if estimator == "gae":
             return self._gae(mini, order, rewards, old, ref, values)
         rewards = rewards.clone()
         if alg.kl_mode == "reward" and self.reference is not None:
@@ -243,13 +237,7 @@ class Learner:
                     for s, traj in enumerate(b.trajectory_index.tolist()):
                         if traj >= 0:
                             rewards[idx[traj]] -= alg.kl_coef * float(seq_kl[s])
-        match alg.name:
-            case "dr_grpo":
-                adv = dr_grpo_advantages(rewards, groups)
-            case "rloo":
-                adv = rloo_advantages(rewards, groups)
-            case _:
-                adv = grpo_advantages(rewards, groups)
+        adv = estimator(rewards, groups)
         out = []
         for mb, idx in zip(mini, order, strict=True):
             local = adv[idx]
@@ -257,7 +245,7 @@ class Learner:
         return out
 
     def _gae(self, mini, order, rewards, old, ref, values) -> list[list]:
-        """PPO: outcome reward on each sequence's last sampled token (KL folded in per token
+        """GAE: outcome reward on each sequence's last sampled token (KL folded in per token
         with ``kl_mode: reward``), GAE over sampled tokens, whitened over the whole step."""
         alg = self.settings.algorithm
         out = []
@@ -322,7 +310,7 @@ class Learner:
                 old_lp.to(device),
                 b.advantages,
                 b.loss_mask,
-                algo=alg.surrogate,
+                surrogate=alg.surrogate,
                 clip_low=alg.clip_low,  # type: ignore[arg-type]
                 clip_high=alg.clip_high,
                 agg=alg.agg,  # type: ignore[arg-type]

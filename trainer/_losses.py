@@ -4,20 +4,12 @@ Every loss takes per-token tensors of one shape (``[B, T]`` batch layout, ``[S, 
 ``[N]``) plus a mask; masked positions contribute nothing and get an exactly-zero gradient (they
 are removed with ``torch.where``, so even a NaN there cannot leak). Sequences for the
 ``seq-mean-*`` modes and GSPO come from ``sequence_index`` (same shape, -1 = none); without it,
-each row of the last dimension is one sequence. Issue E's fused loss kernel has this contract.
+each row of the last dimension is one sequence. The fused loss kernel
+(``agentrl.kernels.fused_policy_loss``) has the same contract.
 
-Typical settings (the algorithm name only selects the surrogate; the rest are arguments):
-
-========  ===============================  =====================  ===========================
-algo      advantages                       clip (low, high)       agg
-========  ===============================  =====================  ===========================
-ppo       GAE (+ ``masked_whiten``)        0.2, 0.2               token-mean
-grpo      ``grpo_advantages``; KL k3 0.04  0.2, 0.2               seq-mean-token-mean
-dr_grpo   ``dr_grpo_advantages``           0.2, 0.2               seq-mean-token-sum-norm
-dapo      grpo + dynamic sampling/overlong 0.2, 0.28              token-mean
-gspo      ``grpo_advantages``              3e-4, 4e-4             seq-mean-token-mean
-cispo     ``grpo_advantages``              1.0 (none), tuned      token-mean
-========  ===============================  =====================  ===========================
+``surrogate`` selects the loss family (``clip``, ``gspo``, ``cispo``); which algorithm uses which
+surrogate, estimator and defaults is the table in ``_algorithms`` (printed in
+``docs/reference/config.md``).
 """
 
 from __future__ import annotations
@@ -31,11 +23,11 @@ from agentrl.kernels import fused_policy_loss, sequence_segments, use_triton
 
 from ._kl import KLEstimator, kl_estimate
 
-PolicyAlgorithm = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+Surrogate = Literal["clip", "gspo", "cispo"]
+"""The loss families ``policy_loss`` computes (see its docstring)."""
 Aggregation = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
-_CLIPPED_SURROGATE = ("ppo", "grpo", "dr_grpo", "dapo")
 MAX_LOG_RATIO = _KERNEL_MAX_LOG_RATIO
 """Log importance ratios are clamped to ±20 before ``exp`` (e^20 ≈ 5e8): an overflow would turn
 one bad token into an inf loss; inside the clamp nothing changes."""
@@ -132,7 +124,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    algo: PolicyAlgorithm = "grpo",
+    surrogate: Surrogate = "clip",
     clip_low: float = 0.2,
     clip_high: float | None = None,
     agg: Aggregation = "token-mean",
@@ -156,7 +148,7 @@ def policy_loss(
     loss mask. With ``r = π_θ / π_old`` (per token) and ``ε_low, ε_high`` (``clip_high`` defaults
     to ``clip_low``):
 
-    - ``ppo``, ``grpo``, ``dr_grpo``, ``dapo``: the clipped surrogate
+    - ``clip`` (PPO, GRPO, Dr.GRPO, DAPO, RLOO): the clipped surrogate
       ``-min(r Â, clip(r, 1-ε_low, 1+ε_high) Â)`` (PPO, Schulman et al. 2017, eq. 7; GRPO,
       Shao et al. 2024, eq. 3; DAPO's Clip-Higher is ``ε_high > ε_low``, Yu et al. 2025, §3.1).
     - ``gspo``: the same with the sequence ratio
@@ -184,15 +176,15 @@ def policy_loss(
             f"shapes differ: logprobs {logprobs.shape}, old_logprobs {old_logprobs.shape}, "
             f"advantages {advantages.shape}, mask {mask.shape}"
         )
-    if algo not in (*_CLIPPED_SURROGATE, "gspo", "cispo"):
-        raise ValueError(f"unknown algorithm {algo!r}")
+    if surrogate not in ("clip", "gspo", "cispo"):
+        raise ValueError(f"unknown surrogate {surrogate!r}; expected clip, gspo or cispo")
     if use_triton(kernels, logprobs.device, "policy_loss"):
         loss, stats = fused_policy_loss(
             logprobs,
             old_logprobs,
             advantages,
             mask,
-            algo=algo,
+            surrogate=surrogate,
             clip_low=clip_low,
             clip_high=clip_high,
             agg=agg,
@@ -221,7 +213,7 @@ def policy_loss(
     lp = masked(logprobs)
     adv = masked(advantages.detach())
     log_ratio = (lp - masked(old_logprobs.detach())).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    if algo == "gspo":
+    if surrogate == "gspo":
         ids, num = sequence_segments(logprobs.shape, sequence_index, logprobs.device)
         sums = _segment_sum(log_ratio.detach().reshape(-1), ids, num)
         counts = _segment_sum(keep.reshape(-1).to(sums.dtype), ids, num)
@@ -229,12 +221,12 @@ def policy_loss(
         log_ratio = masked(lp - lp.detach() + seq_log_ratio.view_as(lp))
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + high)
-    if algo == "cispo":
-        surrogate = -clipped_ratio.detach() * adv * lp
+    if surrogate == "cispo":
+        objective = -clipped_ratio.detach() * adv * lp
         low_hit = keep & (ratio < 1.0 - clip_low)
         high_hit = keep & (ratio > 1.0 + high)
     else:
-        surrogate = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+        objective = torch.maximum(-adv * ratio, -adv * clipped_ratio)
         low_hit = keep & (adv < 0) & (ratio < 1.0 - clip_low)
         high_hit = keep & (adv > 0) & (ratio > 1.0 + high)
 
@@ -244,7 +236,7 @@ def policy_loss(
             raise ValueError("tis_cap needs rollout_logprobs")
         tis_log = masked(old_logprobs.detach()) - masked(rollout_logprobs.detach())
         tis_weight = torch.exp(tis_log.clamp(max=MAX_LOG_RATIO)).clamp(max=tis_cap)
-        surrogate = surrogate * tis_weight
+        objective = objective * tis_weight
 
     def reduce(values: torch.Tensor) -> torch.Tensor:
         return aggregate(
@@ -256,7 +248,7 @@ def policy_loss(
             norm_length=norm_length,
         )
 
-    total = surrogate
+    total = objective
     kl_loss = zero.sum()
     if ref_logprobs is not None:
         kl = masked(kl_estimate(lp, masked(ref_logprobs.detach()), kl_estimator))
@@ -274,7 +266,7 @@ def policy_loss(
         one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
         inf = torch.full_like(ratio, float("inf"))
         metrics = LossMetrics(
-            policy_loss=reduce(surrogate.detach()),
+            policy_loss=reduce(objective.detach()),
             kl_loss=kl_loss,
             entropy=entropy_mean,
             clip_fraction=(low_hit | high_hit).sum() / count,

@@ -4,8 +4,14 @@
 Llama/Qwen2-family forward in torch (``_model``) over a paged KV pool (``_kv``), a radix prefix
 cache (``_radix``), sessions that pin a trajectory's KV between turns (``_session``) and a
 continuous-batching scheduler (``_scheduler``), run by one worker thread (``_worker``) of this
-process; ``open_embedded_engine`` owns one for a block.
+process; ``open_embedded_engine`` owns one for a block. ``ScriptedEngine`` replays a file of
+assistant turns through the same protocol (``_scripted``), to exercise environments' tools.
+``GenerateResult`` (what ``generate`` returns) and ``SamplingParams`` are the protocol's types,
+re-exported here for engine authors.
 """
+
+from agentrl._types import GenerateResult as GenerateResult
+from agentrl._types import SamplingParams as SamplingParams
 
 from ._embedded import EmbeddedEngine as EmbeddedEngine
 from ._embedded import EngineOptions as EngineOptions
@@ -15,15 +21,25 @@ from ._options import engine_options as engine_options
 from ._protocol import Engine as Engine
 from ._radix import RadixStatistics as RadixStatistics
 from ._sampling import sample_token as sample_token
+from ._scripted import Script as Script
+from ._scripted import ScriptedEngine as ScriptedEngine
+from ._scripted import ScriptFile as ScriptFile
+from ._scripted import read_script as read_script
 
 __all__ = [
     "EmbeddedEngine",
     "Engine",
     "EngineOptions",
     "EngineStatistics",
+    "GenerateResult",
     "RadixStatistics",
+    "SamplingParams",
+    "Script",
+    "ScriptFile",
+    "ScriptedEngine",
     "engine_options",
     "open_embedded_engine",
+    "read_script",
     "sample_token",
 ]
 

@@ -54,7 +54,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import msgspec
 import torch
 from transformers import AutoTokenizer
 
@@ -91,11 +90,7 @@ class EmbeddedEngine:
         model_path: str | None = None,
         **overrides: Any,
     ) -> None:
-        opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
-        if opts.max_batch_size < 1 or opts.max_step_tokens < 1 or opts.block_size < 1:
-            raise EngineError(f"invalid engine options: {opts}")
-        if opts.in_flight not in ("finish", "abort"):
-            raise EngineError(f"in_flight must be 'finish' or 'abort', got {opts.in_flight!r}")
+        opts = (options or EngineOptions()).replace(**overrides)
         device = resolve_device(opts.device)
         if not isinstance(model, CausalLM):  # an HF model: take its config and weights
             config = ModelConfig.from_dict(model.config.to_dict())  # type: ignore[union-attr]
@@ -171,7 +166,7 @@ class EmbeddedEngine:
         ``overrides`` are ``EngineOptions`` fields.
         """
         folder = resolve_model(path)
-        opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
+        opts = (options or EngineOptions()).replace(**overrides)
         # refuse an unusable device or decode kernel before loading the weights
         device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
         check_decode_attention(opts.decode_attention, device, dtype)
@@ -380,10 +375,10 @@ async def open_embedded_engine(
 ) -> AsyncIterator[EmbeddedEngine]:
     """Load the model in a thread, yield the engine, close it (aborting leftovers) on exit.
     ``overrides`` are ``EngineOptions`` fields (``max_batch_size=4``, ``num_threads=2``...)."""
-    opts = msgspec.structs.replace(options or EngineOptions(), **overrides)
+    opts = (options or EngineOptions()).replace(**overrides)
     # "cuda" is the caller's current device (a torchrun rank's, after torch.cuda.set_device),
     # not the loading thread's: resolve it here
-    opts = msgspec.structs.replace(opts, device=str(resolve_device(opts.device)))
+    opts = opts.replace(device=str(resolve_device(opts.device)))
 
     def load() -> EmbeddedEngine:
         return EmbeddedEngine.from_pretrained(path, opts)

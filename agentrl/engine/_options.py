@@ -1,5 +1,6 @@
-"""The embedded engine's knobs (``EngineOptions``), their checks against this machine
-(``resolve_device``, ``resolve_dtype``) and its counters (``EngineStatistics``)."""
+"""The embedded engine's knobs (``EngineOptions``, a pydantic model: the ``engine`` section people
+write), their checks against this machine (``resolve_device``, ``resolve_dtype``) and its
+counters (``EngineStatistics``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
+import pydantic
 import torch
 
+from agentrl._config import describe_errors, validate_config
 from agentrl._errors import ConfigError, EngineError
 
 from ._radix import RadixStatistics
@@ -16,31 +19,36 @@ from ._radix import RadixStatistics
 _GIB = 1 << 30
 
 
-class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """How an ``EmbeddedEngine`` sizes and schedules itself."""
+class EngineOptions(pydantic.BaseModel):
+    """How an ``EmbeddedEngine`` sizes and schedules itself (the config's ``engine`` section;
+    unknown fields are refused by name). Where the device and dtype exist on this machine is
+    checked when the engine starts."""
 
-    max_batch_size: int = 32
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    max_batch_size: int = pydantic.Field(32, ge=1)
     """Most requests running at once (decoding or prefilling)."""
-    max_step_tokens: int = 512
+    max_step_tokens: int = pydantic.Field(512, ge=1)
     """Tokens one step computes at most: decode rows count one each, prefill chunks fill the
     rest (chunked prefill)."""
-    kv_cache_tokens: int | None = None
+    kv_cache_tokens: int | None = pydantic.Field(None, ge=1)
     """KV pool size in tokens; default: ``kv_cache_bytes`` worth, at most
     ``max_batch_size * max_context``."""
-    kv_cache_bytes: int = _GIB
-    block_size: int = 16
+    kv_cache_bytes: int = pydantic.Field(_GIB, ge=1)
+    """KV pool size in bytes when ``kv_cache_tokens`` is unset."""
+    block_size: int = pydantic.Field(16, ge=1)
     """Tokens per KV block (the radix tree's page)."""
     radix_cache: bool = True
     """Reuse KV across requests through the radix tree (False: only sessions reuse)."""
-    radix_token_budget: int | None = None
+    radix_token_budget: int | None = pydantic.Field(None, ge=0)
     """Most tokens the radix tree keeps (LRU eviction beyond); default: the whole pool."""
-    session_ttl_s: float = 600.0
+    session_ttl_s: float = pydantic.Field(600.0, gt=0)
     """A session's pin is dropped after this long without a request."""
-    session_cap_tokens: int | None = None
+    session_cap_tokens: int | None = pydantic.Field(None, ge=0)
     """Most tokens all sessions pin together; default: half the pool."""
     in_flight: Literal["finish", "abort"] = "finish"
     """What a weight update does to started requests (see the module docs)."""
-    num_threads: int | None = None
+    num_threads: int | None = pydantic.Field(None, ge=1)
     """torch CPU threads of the worker (default: every core); on a GPU they only sample."""
     device: str = "cpu"
     """Where the weights, the rope tables, the KV pool and every step's tensors live:
@@ -62,6 +70,28 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     and longest context, each rounded up to a power of two) times both paths once with CUDA
     events and the bucket keeps the faster."""
 
+    @pydantic.field_validator("device")
+    @classmethod
+    def _device_syntax(cls, value: str) -> str:
+        _parse_device(value)  # whether it exists here is checked when the engine starts
+        return value
+
+    @pydantic.field_validator("dtype")
+    @classmethod
+    def _dtype_name(cls, value: str) -> str:
+        if not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(f"unknown dtype {value!r} (a torch dtype name, e.g. 'bfloat16')")
+        return value
+
+    def replace(self, **changes: Any) -> EngineOptions:
+        """A validated copy with ``changes`` (``EngineError`` naming a bad field)."""
+        if not changes:
+            return self
+        try:
+            return EngineOptions.model_validate({**self.model_dump(), **changes})
+        except pydantic.ValidationError as exc:
+            raise EngineError(describe_errors(exc)) from None
+
 
 def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
     """``EngineOptions.dtype`` as a ``torch.dtype`` (``EngineError`` for an unknown name)."""
@@ -71,15 +101,24 @@ def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-def resolve_device(value: str | torch.device) -> torch.device:
-    """``EngineOptions.device`` checked against this machine: ``cpu``, or a CUDA device that
-    exists (``"cuda"`` resolves to the current one); ``EngineError`` naming the field else."""
+def _parse_device(value: str | torch.device) -> torch.device:
+    """``value`` as a cpu or cuda ``torch.device`` (``ValueError`` otherwise)."""
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise EngineError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    return device
+
+
+def resolve_device(value: str | torch.device) -> torch.device:
+    """``EngineOptions.device`` checked against this machine: ``cpu``, or a CUDA device that
+    exists (``"cuda"`` resolves to the current one); ``EngineError`` naming the field else."""
+    try:
+        device = _parse_device(value)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
     if device.type == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -97,13 +136,14 @@ def resolve_device(value: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def engine_options(section: Mapping[str, Any]) -> EngineOptions:
-    """``EngineOptions`` from a config file's ``engine`` section; an unknown field is a
-    ``ConfigError`` that names it."""
-    try:
-        return EngineOptions(**section)
-    except TypeError as exc:
-        raise ConfigError(f"engine: {exc}") from None
+def engine_options(section: Mapping[str, Any] | EngineOptions | None = None) -> EngineOptions:
+    """``EngineOptions`` from a config file's ``engine`` section (or the options themselves); a
+    bad or unknown field is a ``ConfigError`` that names it."""
+    if isinstance(section, EngineOptions):
+        return section
+    if section is not None and not isinstance(section, Mapping):
+        raise ConfigError(f"engine: expected a mapping of engine options, got {section!r}")
+    return validate_config(EngineOptions, dict(section or {}), where="engine")
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

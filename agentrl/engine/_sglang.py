@@ -106,6 +106,8 @@ class SGLangEngine:
         self._http = Transport(request_timeout_s, connect_timeout_s, connect_retries, https)
         self._sessions: dict[str, _Session] = {}
         self._weight_version = 0
+        self.flush_timeout_s = 120.0
+        self.flush_retries = 0  # /flush_cache refusals seen after weight updates
         self._connected = False
         self._connecting: anyio.Event | None = None
         self._closed = False
@@ -358,14 +360,22 @@ class SGLangEngine:
     # --- weights and lifetime -------------------------------------------------------------
 
     async def update_weights(self, version: int, source: str | dict[str, Any]) -> None:
-        """``/update_weights_from_disk`` on every server (``source``: a folder they can read)."""
+        """``/update_weights_from_disk`` on every server (``source``: a folder they can read),
+        then ``/flush_cache`` on each.
+
+        The update asks for no flush: SGLang 0.5.17's scheduler dies on
+        ``flush_cache: true`` while any request is running (an assertion after loading the
+        weights takes the whole server down). ``/flush_cache`` instead refuses with 400 while
+        requests run, so it is retried until they are done (``flush_timeout_s``); KV computed
+        by the old weights is never reused for a prefix once this returns."""
         await self._ready()
         if not isinstance(source, str | os.PathLike):
             raise EngineError("SGLangEngine updates weights from a path only; save the tensors")
         request = w.WireUpdateWeightsFromDiskReq(
-            model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=True
+            model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=False
         )
         failures: list[str] = []
+        updated: list[Upstream] = []
 
         async def one(server: Upstream) -> None:
             try:
@@ -373,17 +383,44 @@ class SGLangEngine:
                 reply = w.update_weights_resp_decoder.decode(body)
                 if not reply.success:
                     failures.append(f"{server.url}: {reply.message}")
+                    return
             except (EngineError, msgspec.DecodeError) as exc:
                 failures.append(f"{server.url}: {exc}")
+                return
+            updated.append(server)
+            if not await self._flush(server):
+                failures.append(
+                    f"{server.url}: weights are at version {int(version)} but /flush_cache kept "
+                    f"refusing for {self.flush_timeout_s:g} s (requests running): prefix KV "
+                    "from the old weights may be reused"
+                )
 
         async with anyio.create_task_group() as tg:
             for server in self._servers:
                 tg.start_soon(one, server)
+        if len(updated) == len(self._servers):  # every server now serves this version
+            self._weight_version = int(version)
+            for state in self._sessions.values():
+                state.history, state.last_rid = None, None
         if failures:
             raise EngineError("update_weights failed on " + "; ".join(failures))
-        self._weight_version = int(version)
-        for state in self._sessions.values():
-            state.history, state.last_rid = None, None
+
+    async def _flush(self, server: Upstream) -> bool:
+        """``/flush_cache`` until it succeeds (400 means requests are running) or
+        ``flush_timeout_s`` passes."""
+        delay = 0.05
+        with anyio.move_on_after(self.flush_timeout_s):
+            while True:
+                try:
+                    await self._http.call(server, "POST", "/flush_cache", timeout=30)
+                    return True
+                except SGLangHTTPError as exc:
+                    if exc.status != 400:
+                        raise
+                self.flush_retries += 1
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        return False
 
     async def aclose(self) -> None:
         """Abort requests in flight, close open sessions (best effort), drop connections."""

@@ -9,10 +9,27 @@ Only ``add_train_commands`` is imported eagerly (``agentrl --help`` stays fast);
 torch, DeepSpeed and transformers on first use.
 """
 
-from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ._cli import add_train_commands as add_train_commands
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from ._config import TrainConfig as TrainConfig
+    from ._config import apply_overrides as apply_overrides
+    from ._config import dump_config as dump_config
+    from ._config import load_train_config as load_train_config
+    from ._eval import aevaluate as aevaluate
+    from ._eval import export_run as export_run
+    from ._eval import find_checkpoint as find_checkpoint
+    from ._ledger import Ledger as Ledger
+    from ._ledger import read_ledger as read_ledger
+    from ._ledger import rollout_metrics as rollout_metrics
+    from ._train import EngineWeightSink as EngineWeightSink
+    from ._train import TaskStream as TaskStream
+    from ._train import TrainingStalled as TrainingStalled
+    from ._train import TrainResult as TrainResult
+    from ._train import atrain as atrain
+    from ._train import train as train
 
 _LAZY = {
     "TrainConfig": "_config",
@@ -28,14 +45,46 @@ _LAZY = {
     "EngineWeightSink": "_train",
     "TaskStream": "_train",
     "TrainResult": "_train",
+    "TrainingStalled": "_train",
     "atrain": "_train",
     "train": "_train",
 }
 
-__all__ = ["add_train_commands", *_LAZY]
+__all__ = [
+    "EngineWeightSink",
+    "Ledger",
+    "TaskStream",
+    "TrainConfig",
+    "TrainResult",
+    "TrainingStalled",
+    "add_train_commands",
+    "aevaluate",
+    "apply_overrides",
+    "atrain",
+    "dump_config",
+    "export_run",
+    "find_checkpoint",
+    "load_train_config",
+    "read_ledger",
+    "rollout_metrics",
+    "train",
+]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'agentrl.loop' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name is an error there
+
+    def __getattr__(name: str) -> object:
+        if name not in _LAZY:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # the next lookup does not come here
+        return value
+
+
+del TYPE_CHECKING

@@ -44,10 +44,13 @@ def add_train_commands(subparsers) -> dict[str, Handler]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import anyio
+
     from agentrl._errors import ConfigError
+    from agentrl._interrupt import run_until_interrupted
 
     from ._config import load_train_config
-    from ._train import train
+    from ._train import atrain
 
     if args.resume:
         run = Path(args.resume)
@@ -76,11 +79,44 @@ def _cmd_train(args: argparse.Namespace) -> int:
                else ""),
             flush=True,
         )  # fmt: skip
-    result = train(cfg, out, resume=bool(args.resume), backend=args.backend)
+
+    def stopping() -> None:
+        print("\nstopping: the step in progress is dropped, nothing half-written is kept "
+              "(Ctrl-C again to abort now)", flush=True)  # fmt: skip
+
+    # under torchrun every rank would stop at a different point: keep the default Ctrl-C there
+    alone = os.environ.get("WORLD_SIZE", "1") == "1"
+    result, _ = anyio.run(
+        lambda: run_until_interrupted(
+            lambda stop: atrain(cfg, out, resume=bool(args.resume), stop=stop),
+            on_interrupt=stopping,
+            enabled=alone,
+        ),
+        backend=args.backend,
+    )
+    if result.interrupted:
+        if lead:
+            print(_interrupted_message(result), flush=True)
+        return 130
     if lead:
         print(f"done: {result.steps} steps, policy version {result.policy_version}; ledger: "
               f"{out / 'ledger.jsonl'}", flush=True)  # fmt: skip
     return 0
+
+
+def _interrupted_message(result) -> str:
+    """Where an interrupted run stands and how to continue it."""
+    out = result.out
+    text = f"interrupted: {result.steps} complete steps in {out / 'ledger.jsonl'}; "
+    if result.checkpoint is None:
+        return text + f"no checkpoint yet: agentrl train --resume {out} starts over"
+    from agentrl.trainer import read_state
+
+    step = read_state(result.checkpoint).step
+    return text + (
+        f"newest checkpoint: step {step} ({result.checkpoint}); agentrl train --resume {out} "
+        "continues from it" + (" (later steps are redone)" if step < result.steps else "")
+    )
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -2,7 +2,12 @@
 
 The file is also what ``agentrl rollout --config`` reads (its ``rollout`` section). Overrides
 ``--set dotted.key=value`` are applied to the parsed mapping before validation, values parsed as
-YAML scalars (``--set algorithm.kl_coef=0.01 --set env_kwargs.levels=[0,1]``).
+YAML scalars (``--set algorithm.kl_coef=0.01 --set rollout.env_kwargs.levels=[0,1]``).
+
+Every setting has one home: a key written where it used to live (``MOVED_SETTINGS``) is refused
+with the path of its home. Derived values are computed when the file is read, never by the
+validator rewriting the model: ``rollout.max_context_tokens`` defaults to
+``train.micro_batch_tokens`` (a trajectory must fit one micro-batch).
 """
 
 from __future__ import annotations
@@ -13,16 +18,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
+import pydantic_core
 
 from agentrl._config import RolloutConfig, validate_config
 from agentrl._errors import ConfigError
-from agentrl.trainer import AlgorithmConfig, OptimizerConfig
+from agentrl.engine import EngineOptions
+from agentrl.trainer import AlgorithmConfig, DeepSpeedSection, OptimizerConfig
 
-_GROUP_ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo")
+MOVED_SETTINGS: dict[tuple[str, ...], str] = {
+    ("env_kwargs",): "rollout.env_kwargs",
+    ("algorithm", "group_size"): "rollout.group_size",
+}
+"""Settings that used to live in two places, at their old path → their one home."""
 
 
 class _Section(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class TrainSection(_Section):
@@ -34,7 +45,7 @@ class TrainSection(_Section):
     """Training tasks per step; each is sampled ``rollout.group_size`` times."""
     micro_batch_tokens: int = pydantic.Field(4096, ge=16)
     """Positions per packed micro-batch. A trajectory must fit one: the rollout's
-    ``max_context_tokens`` is capped at this."""
+    ``max_context_tokens`` defaults to this and may not exceed it."""
     packing: bool = True
     """Sequence packing (no padding); False: the padded fallback."""
     refill_rounds: int = pydantic.Field(0, ge=0)
@@ -61,6 +72,10 @@ class TrainSection(_Section):
     """A trajectory with reward >= this counts as passed (pass rate)."""
     num_threads: int | None = pydantic.Field(None, ge=1)
     """Torch CPU threads of the learner (default: cores / local ranks)."""
+    max_steps_without_update: int = pydantic.Field(3, ge=0)
+    """Stop the run (non-zero exit, ``stop_reason`` in the ledger) after this many consecutive
+    steps that trained on nothing: every trajectory failed (e.g. the env's ``reward()`` raises)
+    or dynamic sampling dropped every group. 0: never stop."""
 
 
 class CheckpointSection(_Section):
@@ -124,20 +139,20 @@ class TrainConfig(_Section):
     model: str = "smollm2-135m"
     """A registered model name (``agentrl models list``) or an HF folder."""
     env: str = "calc-v0"
-    """Environment id (``name-vN`` or ``module:name-vN``)."""
-    env_kwargs: dict[str, Any] = pydantic.Field(default_factory=dict)
-    """Environment factory arguments; merged into ``rollout.env_kwargs`` (a key given in both
-    places is an error)."""
+    """Environment id (``name-vN`` or ``module:name-vN``); its factory arguments are
+    ``rollout.env_kwargs``."""
     rollout: RolloutConfig = pydantic.Field(default_factory=RolloutConfig)
-    """How trajectories are sampled (the section ``agentrl rollout --config`` reads)."""
+    """How trajectories are sampled: samples per task, budgets, the env's arguments (the section
+    ``agentrl rollout --config`` reads)."""
     algorithm: AlgorithmConfig = pydantic.Field(default_factory=AlgorithmConfig)
     """The RL algorithm (``agentrl.trainer.AlgorithmConfig``)."""
     optimizer: OptimizerConfig = pydantic.Field(default_factory=OptimizerConfig)
     """AdamW, clipping and the LR schedule (``agentrl.trainer.OptimizerConfig``)."""
-    deepspeed: dict[str, Any] = pydantic.Field(default_factory=dict)
-    """Merged key by key over the generated DeepSpeed config (ZeRO-3, AdamW, clipping)."""
-    engine: dict[str, Any] = pydantic.Field(default_factory=dict)
-    """Embedded-engine options (``EngineOptions`` fields, e.g. ``max_batch_size``)."""
+    deepspeed: DeepSpeedSection = pydantic.Field(default_factory=DeepSpeedSection)
+    """Merged key by key over the generated DeepSpeed config (ZeRO-3, AdamW, clipping); checked
+    against DeepSpeed's own parser when the file is read."""
+    engine: EngineOptions = pydantic.Field(default_factory=EngineOptions)
+    """The embedded engine (the colocated rollout engine): batch size, KV cache, device..."""
     server: ServerSection = pydantic.Field(default_factory=ServerSection)
     """Inference servers for the rollouts (empty: the embedded engine)."""
     train: TrainSection = pydantic.Field(default_factory=TrainSection)
@@ -149,49 +164,131 @@ class TrainConfig(_Section):
     eval: EvalSection = pydantic.Field(default_factory=EvalSection)
     """Held-out evaluation."""
 
-    @pydantic.model_validator(mode="after")
-    def _resolve(self) -> TrainConfig:
-        rollout = self.rollout
-        both = sorted(set(self.env_kwargs) & set(rollout.env_kwargs))
-        if both:
-            raise ValueError(f"env_kwargs keys {both} are given in both env_kwargs and rollout")
-        updates: dict[str, Any] = {}
-        if self.env_kwargs:
-            updates["env_kwargs"] = {**rollout.env_kwargs, **self.env_kwargs}
-        group = self.algorithm.group_size
-        if group is not None:
-            if "group_size" in rollout.model_fields_set and rollout.group_size != group:
-                raise ValueError(
-                    f"algorithm.group_size={group} and rollout.group_size={rollout.group_size}"
-                    " differ; give one"
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _read(cls, data: Any) -> Any:
+        """Refuse settings at their old place; default ``rollout.max_context_tokens`` to
+        ``train.micro_batch_tokens`` and, for an algorithm that compares a group of samples,
+        ``rollout.group_size`` to ``TRAIN_GROUP_SIZE``. Returns a new mapping (the input is not
+        modified)."""
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for path, home in MOVED_SETTINGS.items():
+            found, value = _lookup(data, path)
+            if found:
+                errors.append(
+                    {
+                        "type": pydantic_core.PydanticCustomError(
+                            "moved_setting",
+                            "moved to {home} (every setting has one home): write it there",
+                            {"home": home},
+                        ),
+                        "loc": path,
+                        "input": value,
+                    }
                 )
-            updates["group_size"] = group
-        limit = self.train.micro_batch_tokens
-        if rollout.max_context_tokens is None or rollout.max_context_tokens > limit:
-            updates["max_context_tokens"] = limit
-        if updates:  # object.__setattr__: an assignment would re-run this validator
-            object.__setattr__(self, "env_kwargs", {})
-            object.__setattr__(self, "rollout", rollout.model_copy(update=updates))
-        if self.rollout.temperature <= 0:
-            raise ValueError("rollout.temperature must be > 0 for training (logprobs at τ)")
-        if self.algorithm.name in _GROUP_ALGORITHMS and self.rollout.group_size < 2:
+        if errors:
+            raise pydantic_core.ValidationError.from_exception_data(cls.__name__, errors)
+        rollout = _default_context(data.get("rollout"), data.get("train"))
+        return {**data, "rollout": _default_group_size(rollout, data.get("algorithm"))}
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        rollout, limit = self.rollout, self.train.micro_batch_tokens
+        if rollout.max_context_tokens is not None and rollout.max_context_tokens > limit:
             raise ValueError(
-                f"algorithm {self.algorithm.name} needs groups: set algorithm.group_size >= 2"
+                f"rollout.max_context_tokens={rollout.max_context_tokens} is above "
+                f"train.micro_batch_tokens={limit}: a trajectory must fit one micro-batch"
+            )
+        if rollout.temperature <= 0:
+            raise ValueError("rollout.temperature must be > 0 for training (logprobs at τ)")
+        if self.algorithm.spec.needs_groups and rollout.group_size < 2:
+            raise ValueError(
+                f"algorithm {self.algorithm.name} needs groups: set rollout.group_size >= 2"
             )
         return self
 
     def hash(self) -> str:
         """sha256 (16 hex) of what decides the training trajectory: everything except
-        ``train.max_steps``/``num_threads``, checkpointing, logging, eval, engine options, the
-        servers and rollout concurrency (those may change on resume)."""
+        ``train.max_steps``/``num_threads``/``max_steps_without_update``, checkpointing,
+        logging, eval, engine options, the servers and rollout concurrency (those may change on
+        resume)."""
         data = self.model_dump(mode="json")
+        data["algorithm"] = self.algorithm.resolved().model_dump(mode="json")
         for section in ("checkpoint", "logging", "eval", "engine", "server"):
             data.pop(section)
         data["train"].pop("max_steps")
         data["train"].pop("num_threads")
+        data["train"].pop("max_steps_without_update")
         data["rollout"].pop("concurrency")
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _lookup(data: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    node: Any = data
+    for part in path:
+        if isinstance(node, pydantic.BaseModel):
+            if part not in node.model_fields_set and part not in (node.model_extra or {}):
+                return False, None
+            node = getattr(node, part)
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return False, None
+    return True, node
+
+
+TRAIN_GROUP_SIZE = 4
+"""``rollout.group_size`` of a training run whose algorithm needs groups and whose config names
+none (a rollout's default, 1, would leave GRPO nothing to compare)."""
+
+
+def _default_group_size(rollout: Any, algorithm: Any) -> Any:
+    """``rollout`` with ``group_size`` defaulting to ``TRAIN_GROUP_SIZE`` when the algorithm
+    needs groups and the config does not set it (else unchanged; validation names bad values)."""
+    try:
+        algo = (
+            algorithm
+            if isinstance(algorithm, AlgorithmConfig)
+            else AlgorithmConfig.model_validate(algorithm or {})
+        )
+        needs_groups = algo.spec.needs_groups
+    except (pydantic.ValidationError, ValueError, KeyError):
+        return rollout
+    if not needs_groups:
+        return rollout
+    if rollout is None:
+        return {"group_size": TRAIN_GROUP_SIZE}
+    if isinstance(rollout, RolloutConfig):
+        if "group_size" in rollout.model_fields_set:
+            return rollout
+        return rollout.model_copy(update={"group_size": TRAIN_GROUP_SIZE})
+    if isinstance(rollout, dict) and "group_size" not in rollout:
+        return {**rollout, "group_size": TRAIN_GROUP_SIZE}
+    return rollout
+
+
+def _default_context(rollout: Any, train: Any) -> Any:
+    """``rollout`` (a mapping, a ``RolloutConfig`` or absent) with ``max_context_tokens``
+    defaulting to the micro-batch size, when that size is valid (else validation names it)."""
+    try:
+        section = (
+            train if isinstance(train, TrainSection) else TrainSection.model_validate(train or {})
+        )
+    except pydantic.ValidationError:
+        return rollout
+    limit = section.micro_batch_tokens
+    if rollout is None:
+        return {"max_context_tokens": limit}
+    if isinstance(rollout, RolloutConfig):
+        if rollout.max_context_tokens is None:
+            return rollout.model_copy(update={"max_context_tokens": limit})
+        return rollout
+    if isinstance(rollout, dict) and rollout.get("max_context_tokens") is None:
+        return {**rollout, "max_context_tokens": limit}
+    return rollout
 
 
 def parse_overrides(sets: list[str]) -> list[tuple[list[str], Any]]:

@@ -7,7 +7,11 @@ statistics, the rollout↔trainer logprob mismatch (``mismatch_abs_mean``, ``mis
 response length, tool calls and tool errors per trajectory, termination reasons, and the step
 time broken into ``rollout_s / reference_s / logprob_s / update_s / publish_s``
 (``checkpoint_s`` is the previous step's checkpoint write). ``eval_*`` fields appear on steps
-with an evaluation.
+with an evaluation. Each key of the env's reward breakdown (``Reward.breakdown``) is logged as
+``reward/<key>``: its mean over the step's trajectories that report it (a key that names one
+of the ledger's own reward tags, ``mean``, ``std``, ``pass_rate`` or ``histogram``, is logged as
+``reward/breakdown/<key>``). A step with failed
+trajectories carries ``errors`` and ``first_error`` (where, type, message, traceback).
 """
 
 from __future__ import annotations
@@ -48,6 +52,17 @@ _GROUPS = {
 _TIME_FIELDS = ("rollout_s", "reference_s", "logprob_s", "update_s", "publish_s", "step_s")
 
 
+_RESERVED_REWARD_TAGS = frozenset({"mean", "std", "pass_rate", "histogram"})
+
+
+def breakdown_tag(key: str) -> str:
+    """The ledger field / TensorBoard tag of a reward breakdown key: ``reward/<key>``, or
+    ``reward/breakdown/<key>`` where ``reward/<key>`` is one of the ledger's own tags."""
+    if key in _RESERVED_REWARD_TAGS or key.startswith("breakdown/"):
+        return f"reward/breakdown/{key}"
+    return f"reward/{key}"
+
+
 def rollout_metrics(
     trajectories: Sequence[Trajectory], *, pass_threshold: float, elapsed_s: float
 ) -> dict[str, Any]:
@@ -57,9 +72,14 @@ def rollout_metrics(
     sampled = [sum(t.loss_mask) for t in trajectories]
     tool_calls = sum(len(t.tool_calls) for t in trajectories)
     tool_errors = sum(1 for t in trajectories for c in t.tool_calls if not c.ok)
-    return {
+    failed = [t for t in trajectories if t.status == "error"]
+    parts: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.reward_breakdown.items():
+            parts.setdefault(key, []).append(float(value))
+    out: dict[str, Any] = {
         "trajectories": len(trajectories),
-        "errors": sum(1 for t in trajectories if t.status == "error"),
+        "errors": len(failed),
         "reward_mean": statistics.fmean(rewards) if rewards else None,
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "pass_rate": sum(r >= pass_threshold for r in rewards) / n,
@@ -70,6 +90,24 @@ def rollout_metrics(
         "tool_calls_per_trajectory": tool_calls / n,
         "tool_errors_per_trajectory": tool_errors / n,
         "termination": dict(Counter(t.termination_reason for t in trajectories)),
+    }
+    out.update({breakdown_tag(key): statistics.fmean(v) for key, v in sorted(parts.items())})
+    if failed:
+        out["first_error"] = first_error(failed[0])
+    return out
+
+
+def first_error(traj: Trajectory) -> dict[str, Any]:
+    """A failed trajectory's error as a ledger field."""
+    error = traj.error
+    if error is None:
+        return {"trajectory": traj.id, "where": "runtime", "type": "?", "message": ""}
+    return {
+        "trajectory": traj.id,
+        "where": error.where,
+        "type": error.type,
+        "message": error.message,
+        "traceback": error.traceback,
     }
 
 
@@ -108,6 +146,8 @@ class Ledger:
             elif isinstance(value, int | float) and not isinstance(value, bool):
                 if math.isfinite(value):
                     tag = _GROUPS.get(key) or (f"time/{key}" if key in _TIME_FIELDS else None)
+                    if tag is None and "/" in key:  # already a tag: reward/<breakdown key>
+                        tag = key
                     self._tb.add_scalar(tag or f"train/{key}", value, step)
         if rewards:
             import numpy as np
@@ -127,13 +167,16 @@ def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 class StepProgress:
     """A rich progress bar (steps, elapsed, ETA, last reward) on a terminal, and one line per
-    step either way."""
+    step either way. Failed trajectories are always reported (even with the progress display
+    off): the step's error count and its first error with a short traceback (the traceback once
+    while the same error repeats)."""
 
     def __init__(self, total: int, start: int, *, enabled: bool = True) -> None:
         from rich.console import Console
 
         self.console = Console(highlight=False, stderr=False)
         self.enabled = enabled
+        self._last_traceback: tuple[int, str | None] | None = None
         self._progress = None
         if enabled and self.console.is_terminal:
             from rich.progress import (
@@ -159,10 +202,13 @@ class StepProgress:
             self._progress.start()
 
     def update(self, record: dict[str, Any]) -> None:
+        self._report_errors(record)
         if not self.enabled:
             return
         reward = record.get("reward_mean")
-        info = f"reward {reward:.3f}" if reward is not None else ""
+        info = f"reward {reward:.3f}" if reward is not None else "reward -"
+        if record.get("errors"):
+            info += f" errors {record['errors']}/{record.get('trajectories', '?')}"
         if record.get("eval_reward_mean") is not None:
             info += f" eval {record['eval_reward_mean']:.3f}"
         line = (
@@ -177,6 +223,30 @@ class StepProgress:
             self._progress.console.print(line)
         else:
             self.console.print(line)
+
+    def _report_errors(self, record: dict[str, Any]) -> None:
+        from rich.text import Text
+
+        first = record.get("first_error")
+        if not record.get("errors") or not first:
+            return
+        console = self._progress.console if self._progress is not None else self.console
+        failed = f"step {record['step']}: {record['errors']} of {record.get('trajectories', '?')}"
+        console.print(
+            Text.assemble(
+                (failed + " trajectories failed", "red"),
+                f"; first: {first['trajectory']} ({first['where']}) "
+                f"{first['type']}: {first['message']}",
+            )
+        )
+        traceback = first.get("traceback")
+        if traceback and self._last_traceback is not None and self._last_traceback[1] == traceback:
+            console.print(Text(f"  (same traceback as step {self._last_traceback[0]})"))
+        elif traceback:
+            console.print(Text("  " + traceback.replace("\n", "\n  ")))
+            self._last_traceback = (record["step"], traceback)
+        if record.get("stop_reason"):
+            console.print(Text(f"stopping: {record['stop_reason']}", style="red"))
 
     def close(self) -> None:
         if self._progress is not None:

@@ -15,6 +15,13 @@ learner (weights, optimizer, LR schedule), RNG states, the data cursor and the p
 the run files are cut back to their length at that checkpoint (the in-flight rule), and the
 engine is given the checkpoint's weights before sampling. Steps then continue with the same
 tasks and the same per-step seeds as an uninterrupted run.
+
+Stopping: ``stop`` (set by the command's Ctrl-C handler) cancels the step's sampling or
+evaluation; the loop ends without writing that step, so the run is exactly as if it had been
+killed after its last complete step and resumes from its newest checkpoint. After
+``train.max_steps_without_update`` consecutive steps that trained on nothing (every trajectory
+failed, say) the loop writes the reason into that step's ledger record and raises
+``TrainingStalled``.
 """
 
 from __future__ import annotations
@@ -30,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
+import pydantic
 import torch
 
-from agentrl._errors import ConfigError
+from agentrl._errors import AgentRLError, ConfigError
 from agentrl._rollout import RolloutContext, derive_seed
-from agentrl._runner import run_groups
+from agentrl._runner import config_diff, run_groups
 from agentrl._types import Trajectory, TrajectoryWriter
 from agentrl.trainer import (
     Learner,
@@ -54,6 +61,12 @@ from ._ledger import Ledger, StepProgress, rollout_metrics
 from ._ranks import barrier, gather, in_task_order, merge_stats, rank_world, shard
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl")
+
+
+class TrainingStalled(AgentRLError):
+    """Several consecutive steps trained on nothing (``train.max_steps_without_update``)."""
+
+    exit_code = 1
 
 
 class EngineWeightSink:
@@ -133,8 +146,15 @@ class TaskStream:
 class TrainResult:
     out: Path
     steps: int
+    """Complete steps (each in the ledger)."""
     policy_version: int
     last_record: dict[str, Any]
+    interrupted: bool = False
+    """``stop`` was set: the step in progress was dropped (resume from ``checkpoint``)."""
+    checkpoint: Path | None = None
+    """The newest checkpoint when the loop ended."""
+    resumed_from: Path | None = None
+    """The checkpoint a resumed run started from."""
 
 
 def _file_lengths(out: Path) -> dict[str, int]:
@@ -171,21 +191,79 @@ def _check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
     path = latest_checkpoint(checkpoint_root(cfg, out))
     if path is None:
         return None
-    verify_state(read_state(path), path, tokenizer_fingerprint=fingerprint, config_hash=cfg.hash())
-    return path
+    state = read_state(path)
+    # the tokenizer first (ids would not mean the same thing), then the configuration
+    verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
+    if state.config_hash == cfg.hash():
+        return path
+    changed = _changed_fields(out, state.config_hash, cfg)
+    raise ConfigError(
+        f"--resume: configuration mismatch with checkpoint {path} (config hash "
+        f"{state.config_hash}, this run's is {cfg.hash()}): "
+        + ("; ".join(changed) if changed else "the checkpoint's configuration is unknown")
+        + " (only max_steps, num_threads, max_steps_without_update, checkpointing, logging, eval,"
+        " engine, server and rollout concurrency may change on resume)"
+    )
+
+
+def _changed_fields(out: Path, old_hash: str, cfg: TrainConfig) -> list[str]:
+    """The hashed fields where ``cfg`` differs from the run's ``config.yaml`` (``old → new``),
+    when that file is the configuration the checkpoint was written with."""
+    from ._config import load_train_config
+
+    try:
+        old = load_train_config(out / "config.yaml")
+    except ConfigError:
+        return []
+    if old.hash() != old_hash:
+        return []
+    before, after = old.model_dump(mode="json"), cfg.model_dump(mode="json")
+    changed = []
+    for line in config_diff(before, after):
+        name = line.split(":", 1)[0]
+        probe = _with_leaf(before, name.split("."), after)
+        try:  # does this field alone change the hash?
+            alone = TrainConfig.model_validate(probe).hash() != old_hash
+        except pydantic.ValidationError:
+            alone = True
+        if alone:
+            changed.append(line)
+    return changed
+
+
+def _with_leaf(base: dict[str, Any], path: list[str], source: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with the value at ``path`` taken from ``source`` (or removed)."""
+    import copy
+
+    out = copy.deepcopy(base)
+    node, src = out, source
+    for key in path[:-1]:
+        node, src = node.setdefault(key, {}), (src or {}).get(key, {})
+    if path[-1] in (src or {}):
+        node[path[-1]] = copy.deepcopy(src[path[-1]])
+    else:
+        node.pop(path[-1], None)
+    return out
 
 
 def checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
 
 
-async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool = False):
-    """Run (or resume) training into ``out``; returns a ``TrainResult``."""
+async def atrain(
+    cfg: TrainConfig,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    stop: anyio.Event | None = None,
+):
+    """Run (or resume) training into ``out``; returns a ``TrainResult``. Setting ``stop`` ends
+    the run at its next safe point (``interrupted=True``; see the module docs)."""
     from transformers import AutoTokenizer
 
     from agentrl._models import resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
-    from agentrl.engine import SGLangEngine, engine_options, open_embedded_engine
+    from agentrl.engine import SGLangEngine, open_embedded_engine
     from agentrl.formats import get_format
 
     out = Path(out)
@@ -195,7 +273,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = _check_resume(cfg, out, fingerprint) if resume else None
     _check_out(out, resume=resume)
-    options = engine_options(cfg.engine)
+    options = cfg.engine
     dist = init_distributed(num_threads=cfg.train.num_threads)
     if cfg.server.urls and dist.world_size > 1:
         raise ConfigError("server.urls: rollouts on servers run from one process (no torchrun)")
@@ -204,9 +282,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
         _prepare_out(cfg, out, model_path)
     if dist.world_size > 1 and options.num_threads is None:  # the ranks share the cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
-        options = msgspec.structs.replace(
-            options, num_threads=max(1, (os.cpu_count() or 1) // local)
-        )
+        options = options.replace(num_threads=max(1, (os.cpu_count() or 1) // local))
     max_turns = cfg.rollout.max_turns or spec.max_turns
     max_new = cfg.rollout.max_new_tokens or spec.max_new_tokens
     learner = Learner(
@@ -225,7 +301,7 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             chunk_size=cfg.train.logprob_chunk_size,
             kernels=cfg.train.kernels,
             norm_length=float(max_turns * max_new),
-            deepspeed=cfg.deepspeed,
+            deepspeed=cfg.deepspeed.overrides(),
         )
     )
     ckpt_root = checkpoint_root(cfg, out)
@@ -237,10 +313,16 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
         )
         if lead:
             _truncate(out, state.file_lengths)
+            print(
+                f"resuming from checkpoint step {state.step} ({resume_from}): policy version "
+                f"{state.policy_version}, data cursor {state.data_cursor}",
+                flush=True,
+            )
         step, cursor = state.step, state.data_cursor
         purge_step = step + 1
     elif resume and lead:
         _truncate(out, {})  # killed before its first checkpoint: start over
+        print(f"--resume: {out} has no checkpoint yet: starting over from step 1", flush=True)
     barrier()  # the run files are ready before anyone opens them
     env = spec.make(**cfg.rollout.env_kwargs)
     stream = TaskStream(list(env.tasks("train", seed=cfg.train.seed)), cfg.train.seed)
@@ -287,7 +369,12 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             if files is not None:
                 files.ledger.write(record)
         checkpoint_s = 0.0
+        interrupted = False
+        idle_steps = 0  # consecutive steps that trained on nothing
         while step < cfg.train.max_steps:
+            if stop is not None and stop.is_set():
+                interrupted = True
+                break
             step += 1
             started = time.perf_counter()
             tasks = stream.take(cursor, cfg.train.tasks_per_step)
@@ -298,12 +385,16 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
                 ),
             )
             sampled_with = learner.version
-            mine, trajs = await _sample(ctx, tasks, files)
+            mine, trajs = await _sample(ctx, tasks, files, stop)
             refill: dict[str, Any] = {}
             if refill_rounds:
                 mine, trajs, refill = await _refill(
-                    ctx, stream, cursor + len(tasks), len(tasks), trajs, refill_rounds, files
+                    ctx, stream, cursor + len(tasks), len(tasks), trajs, refill_rounds, files, stop
                 )
+            if stop is not None and stop.is_set():  # a partial step is never trained on
+                step -= 1
+                interrupted = True
+                break
             rollout_s = time.perf_counter() - started
             stats = learner.train_step(mine)
             t0 = time.perf_counter()
@@ -322,13 +413,27 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
             record.update(publish_s=publish_s, gather_s=gather_s, checkpoint_s=checkpoint_s)
             checkpoint_s = 0.0  # reported once, on the step after the write
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
-                record.update(await evaluate(step))
+                record.update(await evaluate(step, stop))
+                if stop is not None and stop.is_set():  # nor is a partial evaluation logged
+                    step -= 1
+                    interrupted = True
+                    break
             record["step_s"] = time.perf_counter() - started
+            idle_steps = idle_steps + 1 if _trained_on_nothing(record) else 0
+            record["steps_without_update"] = idle_steps
+            limit = cfg.train.max_steps_without_update
+            if limit and idle_steps >= limit:
+                record["stop_reason"] = _stall_reason(idle_steps, record)
             rewards = [float(t.reward) for t in trajs if t.reward is not None]
             if files is not None:
                 files.ledger.write(record, rewards=rewards)
                 files.progress.update(record)
             last = record
+            if "stop_reason" in record:
+                raise TrainingStalled(
+                    f"{record['stop_reason']}; the run stopped at step {step} "
+                    f"(train.max_steps_without_update={limit}; ledger: {out / 'ledger.jsonl'})"
+                )
             every = cfg.checkpoint.every_steps
             final = cfg.checkpoint.at_end and step == cfg.train.max_steps
             if (every and step % every == 0) or final:
@@ -344,16 +449,48 @@ async def atrain(cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool 
                 )
                 save_checkpoint(ckpt_root, learner, state, keep=cfg.checkpoint.keep)
                 checkpoint_s = time.perf_counter() - t0
-    return TrainResult(out, step, learner.version, last)
+    return TrainResult(
+        out,
+        step,
+        learner.version,
+        last,
+        interrupted=interrupted,
+        checkpoint=latest_checkpoint(ckpt_root),
+        resumed_from=resume_from,
+    )
 
 
-async def _sample(ctx: RolloutContext, tasks: list[Any], files: _RunFiles | None):
+def _trained_on_nothing(record: dict[str, Any]) -> bool:
+    return not record.get("updates") or not record.get("trajectories_used")
+
+
+def _stall_reason(steps: int, record: dict[str, Any]) -> str:
+    errors, total = record.get("errors", 0), record.get("trajectories", 0)
+    why = f"{errors} of {total} trajectories failed"
+    first = record.get("first_error")
+    if first:
+        why += f"; first: {first['where']} {first['type']}: {first['message']}"
+    if errors < total:  # the algorithm's masks left nothing (dynamic sampling, overlong filter)
+        why += (
+            f"; the learner kept {record.get('trajectories_used', 0)} of "
+            f"{record.get('trajectories_in', total)} (groups dropped by dynamic sampling: "
+            f"{record.get('groups_filtered', 0)}; terminations: {record.get('termination', {})})"
+        )
+    return f"{steps} consecutive steps trained on nothing ({why})"
+
+
+async def _sample(
+    ctx: RolloutContext,
+    tasks: list[Any],
+    files: _RunFiles | None,
+    stop: anyio.Event | None = None,
+):
     """``(this rank's trajectories, every rank's in task order)`` for ``tasks``: each rank rolls
     out its share; rank 0 appends them all to the trajectory file (as each finishes when there
     is one process, after the gather otherwise)."""
     alone = rank_world()[1] == 1
     on_traj = files.trajectory if files is not None and alone else None
-    mine = await run_groups(ctx, shard(tasks), on_trajectory=on_traj)
+    mine = await run_groups(ctx, shard(tasks), on_trajectory=on_traj, stop=stop)
     if alone:
         return mine, mine
     everything = in_task_order(tasks, gather(mine))
@@ -377,7 +514,7 @@ def _informative_groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:
     return out
 
 
-async def _refill(ctx, stream, cursor, want, trajs, rounds, files):
+async def _refill(ctx, stream, cursor, want, trajs, rounds, files, stop=None):
     """DAPO dynamic sampling with refill: while fewer than ``want`` groups are informative,
     sample fresh tasks from the stream (at ``cursor``, seeds per round) for up to ``rounds``
     rounds; keep the first ``want`` informative groups. Returns (this rank's share to train
@@ -395,7 +532,9 @@ async def _refill(ctx, stream, cursor, want, trajs, rounds, files):
         used += 1
         seed = derive_seed(ctx.config.seed, "refill", round_)
         rctx = dataclasses.replace(ctx, config=ctx.config.model_copy(update={"seed": seed}))
-        _, got = await _sample(rctx, extra, files)
+        _, got = await _sample(rctx, extra, files, stop)
+        if stop is not None and stop.is_set():
+            break
         everything += got
         informative += _informative_groups(got)
     chosen = informative[:want]
@@ -468,9 +607,12 @@ class _Evaluator:
         )
         self.ctx = dataclasses.replace(base, config=rollout)
 
-    async def __call__(self, step: int) -> dict[str, Any]:
+    async def __call__(self, step: int, stop: anyio.Event | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        trajs = in_task_order(self.tasks, gather(await run_groups(self.ctx, shard(self.tasks))))
+        mine = await run_groups(self.ctx, shard(self.tasks), stop=stop)
+        if stop is not None and stop.is_set():
+            return {}
+        trajs = in_task_order(self.tasks, gather(mine))
         if self.files is not None:
             for traj in trajs:
                 self.files.eval_trajectories.write(traj)

@@ -280,11 +280,6 @@ def test_assistant_content_drops_only_a_final_stop(chatml):
 # -- the boundary checker ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def anyio_backend():
-    return "trio"
-
-
 async def _rollout(fmt, engine, **cfg):
     ctx = RolloutContext(
         spec=agentrl.spec("calc-v0"),

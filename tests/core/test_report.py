@@ -14,6 +14,7 @@ import pytest
 from rich.color import ColorSystem
 from rich.console import Console
 from rich.style import Style
+from trajectories import trajectory_from_pieces
 
 from agentrl._models import resolve_model
 from agentrl._report import (
@@ -26,7 +27,6 @@ from agentrl._report import (
 from agentrl._report_term import NEWLINE_MARK, STYLE_MASKED_IN
 from agentrl._types import (
     SamplingParams,
-    Span,
     Timing,
     ToolCallRecord,
     Trajectory,
@@ -48,36 +48,16 @@ def _trajectory(
     pieces: list[tuple[str, list[int], int]], *, id: str = "t0", **fields: object
 ) -> Trajectory:
     """A valid trajectory from ``(source, token_ids, turn)`` pieces, in order."""
-    token_ids: list[int] = []
-    loss_mask: list[int] = []
-    logprobs: list[float | None] = []
-    spans = []
-    for source, ids, turn in pieces:
-        start = len(token_ids)
-        token_ids += ids
-        model = source == "model"
-        loss_mask += [int(model)] * len(ids)
-        logprobs += [-0.25 * (k + 1) if model else None for k in range(len(ids))]
-        spans.append(Span(start=start, end=len(token_ids), source=source, turn=turn))
     values: dict[str, object] = {
         "env": "calc-v0",
         "task_id": "task-0",
         "group_id": "g0",
         "policy_version": 3,
-        "status": "done",
-        "termination_reason": "stop",
-        "reward": 1.0,
-        "turn_rewards": [],
-        "error": None,
         "sampling": SamplingParams(max_new_tokens=64, seed=7),
         "tokenizer_fingerprint": "abc123",
+        **fields,
     }
-    values.update(fields)
-    trajectory = Trajectory(
-        id=id, token_ids=token_ids, loss_mask=loss_mask, logprobs=logprobs, spans=spans, **values
-    )
-    trajectory.validate()
-    return trajectory
+    return trajectory_from_pieces(pieces, logprob=lambda i: -0.25 * (i + 1), id=id, **values)
 
 
 def _counted(counts: list[tuple[str, int, int]], **fields: object) -> Trajectory:

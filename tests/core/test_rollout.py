@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 
+import anyio
 import pytest
 from fakes import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
@@ -12,17 +14,13 @@ from hypothesis import strategies as st
 import agentrl
 from agentrl._rollout import RolloutContext, run_trajectory
 from agentrl._runner import run_groups
+from agentrl._types import decode_trajectory, encode_trajectory
 from agentrl.formats import check_boundary
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 2"}}\n</tool_call>'
 ANSWER = "<answer>5</answer><|im_end|>"
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
 
 
 def _ctx(chatml, engine, **cfg):
@@ -281,3 +279,146 @@ async def test_property_masks_and_boundary(
             assert traj.loss_mask[i] == (span.source == "model")
             assert (traj.logprobs[i] is None) == (span.source != "model")
     assert sum(traj.loss_mask) == sum(s.end - s.start for s in traj.spans if s.source == "model")
+
+
+# -- loud failures: tool deadlines, tracebacks, stopping -----------------------------------------
+
+
+@agentrl.env("tool-deadlines-v0", max_turns=4, max_new_tokens=96, tags=("test",))
+class ToolDeadlinesEnv:
+    """Tools that never return (async and sync) and one whose own deadline outlasts the env's;
+    ``tool_timeout_s`` is the env-wide default. With ``broken_reward`` the verifier raises."""
+
+    tool_timeout_s = 0.3
+
+    def __init__(self, broken_reward: bool = False) -> None:
+        self.broken_reward = broken_reward
+        self.release = threading.Event()
+
+    def tasks(self, split: str = "train", *, seed: int = 0) -> list[agentrl.Task]:
+        return [agentrl.Task(id=f"t{i}", prompt="Use the tools.") for i in range(4)]
+
+    async def reset(self, task):
+        return [agentrl.Message("system", "Call tools."), agentrl.Message("user", task.prompt)]
+
+    @agentrl.tool
+    async def hang(self) -> str:
+        """Never returns (async)."""
+        await anyio.sleep_forever()
+        return ""
+
+    @agentrl.tool
+    def stuck(self) -> str:
+        """Blocks its thread until the env is closed (sync)."""
+        self.release.wait(60)
+        return "released"
+
+    @agentrl.tool(timeout_s=5)
+    async def patient(self) -> str:
+        """Takes longer than the env's default deadline, within its own."""
+        await anyio.sleep(0.6)
+        return "finished"
+
+    async def reward(self, episode) -> float:
+        if self.broken_reward:
+            return _broken_verifier(episode)
+        return float(len(episode.tool_calls))
+
+    async def close(self) -> None:
+        self.release.set()
+
+
+def _broken_verifier(episode) -> float:
+    raise KeyError("answer")  # a bug in the env's verifier
+
+
+def _call(name: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>'
+
+
+def _deadlines_ctx(chatml, engine, **cfg):
+    ctx = _ctx(chatml, engine, **cfg)
+    ctx.spec = agentrl.spec("tool-deadlines-v0")
+    return ctx
+
+
+async def test_tools_that_never_return_time_out_and_the_trajectory_goes_on(chatml, tokenizer):
+    """Every call has a deadline: the env's ``tool_timeout_s`` (0.3 s here, not the rollout's
+    10 s default), or the tool's own ``timeout_s``; a timed-out call is ``tool_timeout``, the
+    model is told, and the trajectory continues to its answer."""
+    replies = [_call("hang"), _call("stuck"), _call("patient"), ANSWER]
+    engine = ScriptedEngine(tokenizer, replies)
+    ctx = _deadlines_ctx(chatml, engine, tool_error_budget=5)
+    with anyio.fail_after(20):
+        traj = await run_trajectory(ctx, _task(), group_id="g", sample_index=0, seed=1)
+    _assert_invariants(traj, chatml, engine)
+    assert traj.status == "done" and traj.termination_reason == "stop", traj.error
+    kinds = [(c.name, c.error_kind) for c in traj.tool_calls]
+    assert kinds == [("hang", "tool_timeout"), ("stuck", "tool_timeout"), ("patient", None)]
+    hang = traj.tool_calls[0].output
+    assert hang == "Error (tool_timeout): tool 'hang' did not finish within 0.3 s"
+    assert traj.tool_calls[2].output == "finished"
+    assert all(c.latency_s < 3 for c in traj.tool_calls[:2])
+    # the sync tool's thread could not be stopped: the trajectory says so
+    assert traj.info == {"abandoned_tool_threads": "1"}
+    assert traj.reward == 3.0
+
+
+async def test_an_invalid_env_tool_timeout_is_an_error_trajectory(chatml, tokenizer, monkeypatch):
+    monkeypatch.setattr(ToolDeadlinesEnv, "tool_timeout_s", -1)
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    traj = await run_trajectory(
+        _deadlines_ctx(chatml, engine), _task(), group_id="g", sample_index=0, seed=1
+    )
+    assert traj.status == "error" and "tool_timeout_s must be a number > 0" in traj.error.message
+
+
+async def test_an_error_record_keeps_a_short_traceback(chatml, tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    ctx = _deadlines_ctx(chatml, engine, env_kwargs={"broken_reward": True})
+    traj = await run_trajectory(ctx, _task(), group_id="g", sample_index=0, seed=1)
+    assert traj.status == "error" and traj.reward is None
+    error = traj.error
+    assert (error.where, error.type, error.message) == ("reward", "KeyError", "'answer'")
+    tb = error.traceback
+    assert tb.startswith("Traceback (most recent call last):") and tb.endswith("KeyError: 'answer'")
+    assert "in _broken_verifier" in tb and 'raise KeyError("answer")' in tb
+    assert tb.count('File "') <= 6  # the innermost frames only
+    decoded = decode_trajectory(encode_trajectory(traj))
+    assert decoded.error.traceback == tb  # it is written with the trajectory
+
+
+async def test_groups_continue_their_sample_indices(chatml, tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    ctx = _ctx(chatml, engine, group_size=2)
+    tasks = agentrl.make("calc-v0").tasks("train")[:2]
+    first = {f"calc-v0/{tasks[0].id}": 2}
+    trajs = await run_groups(ctx, tasks, first_sample=first)
+    ids = sorted(t.id for t in trajs)
+    assert ids == sorted(
+        [f"calc-v0/{tasks[0].id}/2", f"calc-v0/{tasks[0].id}/3"]
+        + [f"calc-v0/{tasks[1].id}/0", f"calc-v0/{tasks[1].id}/1"]
+    )
+    again = await run_groups(ctx, tasks[:1])  # the seed follows the sample index
+    by_index = {t.sample_index: t.sampling.seed for t in again + trajs if t.task_id == tasks[0].id}
+    assert len(set(by_index.values())) == 4
+
+
+async def test_stop_cancels_what_is_in_flight_and_returns_what_finished(chatml, tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER], delay_s=0.05)
+    ctx = _ctx(chatml, engine, group_size=1, concurrency=2)
+    tasks = agentrl.make("calc-v0").tasks("train")[:40]
+    stop = anyio.Event()
+    seen = []
+
+    def on_trajectory(traj):
+        seen.append(traj)
+        if len(seen) == 5:
+            stop.set()
+
+    with anyio.fail_after(20):
+        trajs = await run_groups(ctx, tasks, on_trajectory=on_trajectory, stop=stop)
+    assert 5 <= len(trajs) < 40 and len(trajs) == len(seen)
+    assert all(t.status == "done" for t in trajs)
+    assert engine.sessions == set()  # the cancelled trajectories closed their sessions
+    assert await run_groups(ctx, tasks, stop=stop) == []  # already stopped: nothing starts

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny-random model folder, a reference model, both anyio backends."""
+"""Shared fixtures: the tiny-random model folder and a reference model."""
 
 from __future__ import annotations
 
@@ -7,14 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import LogprobError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from agentrl._models import resolve_model
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -29,25 +25,30 @@ def reference_model(tiny_dir: Path) -> PreTrainedModel:
     return model.eval()
 
 
-Recompute = Callable[[list[int], list[int], float], tuple[torch.Tensor, torch.Tensor]]
+@pytest.fixture(scope="session")
+def logprob_error(reference_model: PreTrainedModel) -> LogprobError:
+    return LogprobError(reference_model)
+
+
+Recompute = Callable[[list[int], list[int], float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @pytest.fixture(scope="session")
-def recompute(reference_model: PreTrainedModel) -> Recompute:
+def recompute(reference_model: PreTrainedModel, logprob_error: LogprobError) -> Recompute:
     """``recompute(prompt, output, temperature)``: a plain forward over ``prompt + output``.
 
-    Returns (logprobs of ``output``, float32 ``[n]``; greedy ids at those positions, int64
-    ``[n]``), logprobs being ``log_softmax(logits / temperature)`` (temperature 0 counts as 1).
+    Returns (the float64 logprobs of ``output`` ``[n]``; greedy ids at those positions from an
+    fp32 forward, int64 ``[n]``; the bound on an fp32 evaluation's distance from those
+    logprobs), logprobs being ``log_softmax(logits / temperature)`` (temperature 0 counts as 1).
     """
 
     def run(
         prompt: list[int], output: list[int], temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
         ids = torch.tensor([prompt + output])
         with torch.no_grad():
             logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float()
-        logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-        picked = logprobs.gather(1, torch.tensor(output).view(-1, 1)).view(-1)
-        return picked, logits.argmax(dim=-1)
+        want, own_error = logprob_error.exact(prompt, output, temperature)
+        return want, logits.argmax(dim=-1), logprob_error(prompt, output, temperature) + own_error
 
     return run

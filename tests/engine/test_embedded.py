@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from numerics import LogprobError, assert_within
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -16,7 +17,7 @@ from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, Engine, open_embedded_engine
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
 
@@ -78,16 +79,18 @@ async def test_logprobs_match_a_plain_forward(
     for context, result in zip(contexts, results, strict=True):
         assert len(result.token_ids) == len(result.logprobs) == 12
         assert result.finish_reason == "length" and result.prompt_tokens == len(context)
-        want, greedy = recompute(context, result.token_ids, sampling.temperature)
+        want, greedy, bound = recompute(context, result.token_ids, sampling.temperature)
         got = torch.tensor(result.logprobs)
-        assert (got - want).abs().max().item() <= 1e-4, (got, want)
+        assert_within(got, want, bound, "logprobs")
         if sampling.temperature == 0:
             assert result.token_ids == greedy.tolist()
         if sampling.top_k > 0:  # the recorded logprob is unfiltered: not renormalized over top-k
             assert torch.logsumexp(got, 0) < 0
 
 
-async def test_greedy_is_batch_invariant(engine: EmbeddedEngine) -> None:
+async def test_greedy_is_batch_invariant(
+    engine: EmbeddedEngine, logprob_error: LogprobError
+) -> None:
     contexts = prompts(7, seed=5)
     params = [SamplingParams(max_new_tokens=6 + 3 * i, temperature=0) for i in range(7)]
     alone = [await engine.generate(c, p) for c, p in zip(contexts, params, strict=True)]
@@ -97,9 +100,10 @@ async def test_greedy_is_batch_invariant(engine: EmbeddedEngine) -> None:
     after = engine.statistics()
     rows = after.mean_batch_size * after.decode_steps - before.mean_batch_size * before.decode_steps
     assert rows / (after.decode_steps - before.decode_steps) > 2, (before, after)
-    for a, b in zip(alone, together, strict=True):
+    for context, a, b in zip(contexts, alone, together, strict=True):
         assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+        # two fp32 evaluations (other batch shapes, other GEMM blockings): twice one's bound
+        assert_within(b.logprobs, a.logprobs, 2 * logprob_error(context, a.token_ids, 0.0))
 
 
 async def test_seed_reproducible_regardless_of_neighbours(engine: EmbeddedEngine) -> None:
@@ -119,14 +123,15 @@ async def test_seed_reproducible_regardless_of_neighbours(engine: EmbeddedEngine
     assert unseeded[0].token_ids != unseeded[1].token_ids
 
 
-async def test_stop_token_is_included(engine: EmbeddedEngine) -> None:
+async def test_stop_token_is_included(engine: EmbeddedEngine, logprob_error: LogprobError) -> None:
     sampling = SamplingParams(max_new_tokens=10, seed=5)
     free = await engine.generate(PROMPT, sampling)
     index = next(i for i, t in enumerate(free.token_ids) if free.token_ids.index(t) == i and i >= 2)
     stop_id = free.token_ids[index]
     stopped = await engine.generate(PROMPT, msgspec_replace(sampling, stop_token_ids=[0, stop_id]))
     assert stopped.token_ids == free.token_ids[: index + 1]
-    assert stopped.logprobs == pytest.approx(free.logprobs[: index + 1], abs=1e-6)
+    bound = 2 * logprob_error(PROMPT, stopped.token_ids, sampling.temperature)
+    assert_within(stopped.logprobs, free.logprobs[: index + 1], bound)
     assert (stopped.finish_reason, stopped.matched_stop) == ("stop", stop_id)
 
 

@@ -1,11 +1,27 @@
-"""Our forward pass (``_model``) against transformers on the same weights (|Δ logprob| ≤ 1e-4)."""
+"""Our forward pass (``_model``) against transformers on the same weights.
+
+The yardstick is transformers run in float64; our fp32 logits, and transformers' own fp32
+logits, must each lie within the error an fp32 evaluation of this network on these ids can make
+(``numerics.emulated_rounding_error``: every operation's rounding propagated through the float64
+network by Monte Carlo). transformers passing is the check that the error model holds; a wrong
+rope, norm or weight moves the logits far past it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from numerics import (
+    EMULATION_SAFETY,
+    assert_within,
+    emulated_rounding_error,
+    float64_transformers,
+    unit_roundoff,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
 from agentrl._errors import EngineError
@@ -14,11 +30,9 @@ from agentrl.engine._batch import Row, build_forward_batch
 from agentrl.engine._kv import KVPool
 from agentrl.engine._model import CausalLM, ModelConfig, rope_frequencies
 
-TOLERANCE = 1e-4
 
-
-def our_logprobs(model: CausalLM, ids: list[int], chunks: list[int], block_size: int = 16):
-    """Log-probs ``[len(ids), vocab]`` from our model, feeding ``ids`` in ``chunks`` (sizes)."""
+def our_logits(model: CausalLM, ids: list[int], chunks: list[int], block_size: int = 16):
+    """Logits ``[len(ids), vocab]`` (float32) from our model, feeding ``ids`` in ``chunks``."""
     c = model.config
     pool = KVPool(
         num_layers=c.num_layers,
@@ -26,6 +40,7 @@ def our_logprobs(model: CausalLM, ids: list[int], chunks: list[int], block_size:
         head_dim=c.head_dim,
         num_blocks=len(ids) // block_size + 2,
         block_size=block_size,
+        dtype=model.dtype,
     )
     blocks = list(reversed(pool.alloc(pool.num_blocks)))  # a non-trivial block table
     out, start = [], 0
@@ -35,12 +50,54 @@ def our_logprobs(model: CausalLM, ids: list[int], chunks: list[int], block_size:
         out.append(model.forward(batch, pool))
         start += count
     assert start == len(ids)
-    return torch.cat(out).log_softmax(-1)
+    return torch.cat(out)
 
 
-def hf_logprobs(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+def hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        return model(torch.tensor([ids])).logits[0]
+
+
+_FLOAT64: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, float, float]] = {}
+
+
+def assert_matches_transformers(
+    make: Callable[[torch.dtype], CausalLM],
+    hf: PreTrainedModel,
+    ids: list[int],
+    chunks: list[int],
+    what: str = "",
+) -> None:
+    """Our model (``make(dtype)``, fed in ``chunks``) against transformers in float64 (``want``,
+    ``numerics.float64_transformers``).
+
+    Both compute their rope tables in fp32, so even in float64 each errs by up to ``S e64``
+    (``S = EMULATION_SAFETY``; ``e64``: float64 operations emulated at float64, fp32 ones at
+    fp32). An fp32 evaluation of the network errs by up to ``S e32`` (every operation emulated
+    at fp32). So:
+
+    - ours in float64 is within ``2 S e64`` of ``want``, plus the rounding of its logits to
+      fp32 (``forward`` returns fp32): the network itself, checked sharply;
+    - ours and transformers in fp32 are within ``S (e32 + e64)``: the fp32 path, and (for
+      transformers) the error model.
+    """
+    key = (id(hf), tuple(ids))
+    if key not in _FLOAT64:  # parametrized tests share one model and one set of ids
+        hf64 = float64_transformers(hf)
+        want, e32 = emulated_rounding_error(lambda: hf_logits(hf64, ids))
+        _, e64 = emulated_rounding_error(
+            lambda: hf_logits(hf64, ids), emulate=torch.float64, reference=want
+        )
+        _FLOAT64.clear()
+        _FLOAT64[key] = want, float(e32.max()), float(e64.max())
+    want, e32, e64 = _FLOAT64[key]
+    # CausalLM.forward returns fp32 logits whatever its dtype: one more rounding of each
+    float64_bound = 2 * EMULATION_SAFETY * e64 + unit_roundoff(torch.float32) * want.abs()
+    fp32_bound = EMULATION_SAFETY * (e32 + e64)
+    ours64 = our_logits(make(torch.float64), ids, chunks)
+    assert_within(ours64, want, float64_bound, f"{what} ours in float64")
+    assert_within(hf_logits(hf, ids), want, fp32_bound, f"{what} transformers in fp32")
+    assert_within(our_logits(make(torch.float32), ids, chunks), want, fp32_bound, f"{what} ours")
 
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -54,20 +111,17 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 def test_tiny_random_matches_transformers(
     tiny_dir: Path, reference_model: PreTrainedModel, chunks: list[int]
 ) -> None:
-    model = CausalLM.from_folder(tiny_dir)
-    ids = random_ids(150, model.config.vocab_size, seed=1)
-    delta = (our_logprobs(model, ids, chunks) - hf_logprobs(reference_model, ids)).abs().max()
-    assert delta <= TOLERANCE, f"max |Δ logprob| = {delta}"
+    ids = random_ids(150, reference_model.config.vocab_size, seed=1)
+    make = partial(CausalLM.from_folder, tiny_dir)
+    assert_matches_transformers(make, reference_model, ids, chunks)
 
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers() -> None:
     folder = resolve_model("smollm2-135m")
-    model = CausalLM.from_folder(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = random_ids(300, model.config.vocab_size, seed=2)
-    delta = (our_logprobs(model, ids, [200, 99, 1]) - hf_logprobs(reference, ids)).abs().max()
-    assert delta <= TOLERANCE, f"max |Δ logprob| = {delta}"
+    ids = random_ids(100, reference.config.vocab_size, seed=2)
+    assert_matches_transformers(partial(CausalLM.from_folder, folder), reference, ids, [60, 39, 1])
 
 
 def small_hf(config: LlamaConfig | Qwen2Config, seed: int) -> PreTrainedModel:
@@ -78,6 +132,12 @@ def small_hf(config: LlamaConfig | Qwen2Config, seed: int) -> PreTrainedModel:
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
     return model
+
+
+def ours_of(hf: PreTrainedModel) -> Callable[[torch.dtype], CausalLM]:
+    """``dtype -> CausalLM`` on ``hf``'s config and weights."""
+    config = ModelConfig.from_dict(hf.config.to_dict())
+    return lambda dtype: CausalLM(config, hf.state_dict(), dtype=dtype)
 
 
 SMALL = dict(
@@ -110,29 +170,24 @@ SMALL = dict(
 )
 def test_rope_scaling_matches_transformers(rope: dict[str, float | str]) -> None:
     hf = small_hf(LlamaConfig(**SMALL, rope_parameters=rope), seed=3)
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()), hf.state_dict())
     ids = random_ids(400, 512, seed=4)  # past original_max_position_embeddings
-    delta = (our_logprobs(model, ids, [300, 100]) - hf_logprobs(hf, ids)).abs().max()
-    assert delta <= TOLERANCE, f"{rope['rope_type']}: max |Δ logprob| = {delta}"
+    assert_matches_transformers(ours_of(hf), hf, ids, [300, 100], str(rope["rope_type"]))
 
 
 def test_qwen2_biases_and_untied_head_match_transformers() -> None:
     config = Qwen2Config(**{**SMALL, "tie_word_embeddings": False}, rope_theta=10000.0)
     hf = small_hf(config, seed=5)
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()), hf.state_dict())
+    model = ours_of(hf)(torch.float32)
     assert model.config.qkv_bias and not model.config.o_bias
     assert model.lm_head is not model.embed
     ids = random_ids(120, 512, seed=6)
-    delta = (our_logprobs(model, ids, [100, 1, 19]) - hf_logprobs(hf, ids)).abs().max()
-    assert delta <= TOLERANCE, f"max |Δ logprob| = {delta}"
+    assert_matches_transformers(ours_of(hf), hf, ids, [100, 1, 19])
 
 
 def test_llama_attention_and_mlp_bias_match_transformers() -> None:
     hf = small_hf(LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True), seed=7)
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()), hf.state_dict())
     ids = random_ids(80, 512, seed=8)
-    delta = (our_logprobs(model, ids, [50, 30]) - hf_logprobs(hf, ids)).abs().max()
-    assert delta <= TOLERANCE, f"max |Δ logprob| = {delta}"
+    assert_matches_transformers(ours_of(hf), hf, ids, [50, 30])
 
 
 def test_config_errors() -> None:

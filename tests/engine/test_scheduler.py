@@ -6,8 +6,6 @@ deterministic and fast; the engine tests check the same machinery end to end wit
 
 from __future__ import annotations
 
-import pytest
-
 from agentrl._types import SamplingParams
 from agentrl.engine._kv import KVPool
 from agentrl.engine._radix import RadixCache
@@ -163,7 +161,7 @@ def test_session_ttl_and_cap() -> None:
     assert table.pin("c", held(50))  # over the cap: b (least recently used) is unpinned
     assert released == [40] and table.pinned_tokens == 91 and table.unpinned_by_cap == 1
     assert not table.pin("b", held(101))  # larger than the whole cap: not pinned
-    assert table.expire() == pytest.approx(10.0)
+    assert table.expire() == 10.0  # 5 + 10 - 5: exact in binary floating point
     clock.now = 15.5
     assert table.expire() is None  # a (t=5) and c (t=5) expired
     assert sorted(released) == [40, 41, 50] and table.pinned_tokens == 0

@@ -20,14 +20,9 @@ from transformers import AutoTokenizer
 from agentrl.engine import open_embedded_engine
 from agentrl.engine._server import create_app
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @dataclass

@@ -20,6 +20,7 @@ import anyio
 import httpx
 import pytest
 import torch
+from numerics import LogprobError, assert_within
 from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve
 from transformers import AutoTokenizer
 
@@ -30,7 +31,7 @@ from agentrl.engine import Engine
 from agentrl.engine._sglang import SGLangEngine, SGLangHTTPError
 from agentrl.formats import check_boundary, get_format
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
 SUFFIX = [198, 1, 520, 9531, 198]  # "\n<|im_start|>assistant\n": never starts with BOS
@@ -88,7 +89,7 @@ def page_floor(tokens: int, page: int) -> int:
 # --- generate -------------------------------------------------------------------------------
 
 
-async def test_round_trip(server: Server) -> None:
+async def test_round_trip(server: Server, logprob_error: LogprobError) -> None:
     async with SGLangEngine([server.url]) as engine:
         assert isinstance(engine, Engine)
         assert engine.max_context > len(PROMPT) and engine.weight_version >= 0
@@ -105,8 +106,11 @@ async def test_round_trip(server: Server) -> None:
         stopped = await engine.generate(PROMPT, sampling)
         assert stopped.token_ids == result.token_ids[: first + 1]
         assert stopped.finish_reason == "stop" and stopped.matched_stop == stop
-        tolerance = 1e-4 if server.ours else 5e-2  # GPU kernels differ between batch shapes
-        assert stopped.logprobs == pytest.approx(result.logprobs[: first + 1], abs=tolerance)
+        if server.ours:  # two fp32 evaluations of tiny-random: twice one's error bound
+            bound = 2 * logprob_error(PROMPT, stopped.token_ids, 0.0)
+            assert_within(stopped.logprobs, result.logprobs[: first + 1], bound)
+        else:  # a model and dtype this test cannot see: bf16 GPU kernels differ by batch shape
+            assert stopped.logprobs == pytest.approx(result.logprobs[: first + 1], abs=5e-2)
 
 
 async def test_stop_strings(server: Server, tokenizer_for: Any) -> None:
@@ -137,9 +141,8 @@ async def test_logprobs_match_a_local_forward(server: Server, recompute: Any) ->
             SamplingParams(max_new_tokens=8, temperature=1.0, seed=4),
         ):
             result = await engine.generate(PROMPT, sampling)
-            expected, _ = recompute(PROMPT, result.token_ids, sampling.temperature)
-            got = torch.tensor(result.logprobs)
-            assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+            expected, _, bound = recompute(PROMPT, result.token_ids, sampling.temperature)
+            assert_within(torch.tensor(result.logprobs), expected, bound, str(sampling))
 
 
 async def test_greedy_is_deterministic(server: Server) -> None:
@@ -253,6 +256,33 @@ async def test_update_weights_from_disk(server: Server, tiny_dir: Path, tmp_path
             await engine.update_weights(version + 2, original)
             assert (await engine.generate(PROMPT, GREEDY)).token_ids == before.token_ids
         await engine.close_session(session)
+
+
+async def test_update_weights_while_a_request_runs(server: Server, tiny_dir: Path) -> None:
+    """Publishing while a generation runs (a straggler, a request whose client went away):
+    SGLang 0.5.17 dies if the update asks it to flush then; the engine flushes after the
+    running requests finish, and the server keeps serving."""
+    same = str(tiny_dir) if server.ours else os.environ.get("AGENTRL_SGLANG_UPDATE_PATH")
+    if not same:
+        pytest.skip("AGENTRL_SGLANG_UPDATE_PATH (weights on the SGLang host) is not set")
+    long = SamplingParams(max_new_tokens=512, temperature=1.0, seed=5)
+    async with SGLangEngine([server.url]) as engine:
+        version = engine.weight_version
+        running: list[Any] = []
+
+        async def generate() -> None:
+            running.append(await engine.generate(PROMPT, long))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generate)
+            await anyio.sleep(0.05)
+            await engine.update_weights(version + 1, same)
+        assert engine.weight_version == version + 1
+        assert running and running[0].token_ids
+        info = httpx.get(server.url + "/get_model_info", timeout=30).json()
+        assert str(info["weight_version"]) == str(version + 1)
+        after = await engine.generate(PROMPT, GREEDY)
+        assert after.weight_version == version + 1 and len(after.token_ids) == 8
 
 
 async def test_flush_cache_and_health(server: Server) -> None:

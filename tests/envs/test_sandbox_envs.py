@@ -3,7 +3,6 @@ sandbox glue, and scripted trajectories through the real state machine and a rea
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,19 +31,12 @@ from agentrl.sandboxes import (
 )
 from agentrl.sandboxes._types import RunRequest
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 IDS = ("python-math-v0", "code-tests-v0")
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
 
 
 @asynccontextmanager
 async def local_pool(tmp_path: Path, **pool) -> AsyncIterator[SandboxRunner]:
-    if importlib.util.find_spec("agentrl.sandboxes._local") is None:
-        pytest.skip("the local backend (sandboxes/_local.py) is not there yet")
     pool.setdefault("size", 2)
     with scratch_root() as scratch:
         config = PoolConfig(backend=LocalConfig(scratch_root=str(scratch)), **pool)
@@ -161,8 +153,6 @@ async def test_open_sandbox_runner_and_lease(tmp_path, monkeypatch):
     lease = SandboxLease(None, env_id="x-v0")
     with pytest.raises(agentrl.SandboxError, match="--sandbox local"):
         await lease.run(RunRequest(language="python", code="print(1)"))
-    if importlib.util.find_spec("agentrl.sandboxes._local") is None:
-        pytest.skip("the local backend (sandboxes/_local.py) is not there yet")
     with scratch_root() as scratch:
         await _lease_over_capacity(tmp_path, scratch)
 

@@ -89,12 +89,14 @@ def variants():
             ptrs |= {"PARTIAL_OUT": "fp32", "PARTIAL_LSE": "fp32"}
             const = {"GROUP": group, "BLOCK_GROUP": block_group, "HEAD_DIM": dim}
             const |= {"BLOCK_D": block_d, "KV_BLOCK_SIZE": 16, "TILE_N": tile_n}
+            const |= {"PRECISE": dtype == "fp32"}  # fp32: libdevice exp2 and division
             for splits in (1, 4):
                 label = f"paged decode {dtype} group={group} dim={dim} splits={splits}"
                 yield (label, pa._paged_decode_fwd_kernel, ptrs, {"qk_scale"},
                        const | {"NUM_SPLITS": splits}, {"num_warps": 4})  # fmt: skip
             ptrs = {"PARTIAL_OUT": "fp32", "PARTIAL_LSE": "fp32", "OUT": dtype}
             const = {"HEAD_DIM": dim, "BLOCK_D": block_d, "NUM_SPLITS": 4, "BLOCK_SPLITS": 4}
+            const |= {"PRECISE": dtype == "fp32"}
             label = f"paged decode merge {dtype} dim={dim}"
             yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, {"num_warps": 4}
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_devices import DEVICES, needs_triton
+from numerics import (
+    assert_within,
+    paged_decode_bound,
+    sdpa_rounding,
+    to64,
+    triton_decode_rounding,
+)
 
 from agentrl.engine._kv import make_attention_batch, paged_attention
 from agentrl.kernels import reference
 from agentrl.kernels._paged_attention import paged_decode_attention, triton_available
-
-# (atol, rtol) per working dtype, for outputs of magnitude ~1
-TOL = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (5e-3, 5e-3),
-    torch.bfloat16: (2e-2, 2e-2),
-}
 
 
 def _case(gen, lens, heads, kv_heads, dim, block_size, dtype, device, *, q_scale=1.0):
@@ -53,12 +53,10 @@ def _sdpa(q, k, v, tables, seq_lens):
     return paged_attention(q, k, v, batch, q.shape[-1] ** -0.5)
 
 
-def _check(got, want, dtype, what):
-    atol, rtol = TOL[dtype]
-    got = got.double().cpu()
-    assert torch.isfinite(got).all(), what
-    error = (got - want).abs().max().item()
-    assert torch.allclose(got, want, atol=atol, rtol=rtol), f"{what}: max |Δ| = {error:.3g}"
+def _reference(q, k, v, tables, seq_lens, scale) -> torch.Tensor:
+    """The float64 reference on the values the implementations read (not rounded again)."""
+    q64, k64, v64 = to64(q, k, v)
+    return reference.paged_decode_attention(q64, k64, v64, tables.cpu(), seq_lens.cpu(), scale)
 
 
 @needs_triton
@@ -79,50 +77,14 @@ def _check(got, want, dtype, what):
 def test_three_way(gen, device, dtype, num_splits, heads, kv_heads, dim, block_size, lens):
     q, k, v, tables, seq_lens = _case(gen, lens, heads, kv_heads, dim, block_size, dtype, device)
     scale = dim**-0.5
-    want = reference.paged_decode_attention(
-        q.cpu(), k.cpu(), v.cpu(), tables.cpu(), seq_lens.cpu(), scale
-    )
+    want = _reference(q, k, v, tables, seq_lens, scale)
     got = paged_decode_attention(q, k, v, tables, seq_lens, scale, num_splits=num_splits)
     assert got.dtype == dtype and got.shape == q.shape and got.device == q.device
-    _check(got, want.double(), dtype, "kernel")
-    _check(_sdpa(q, k, v, tables, seq_lens), want.double(), dtype, "sdpa")
-
-
-def _extreme_bound(q, k, v, tables, seq_lens, scale, out_dtype) -> torch.Tensor:
-    """Per-output error bound ``[seqs, heads, d]`` for attention with huge scores (float64,
-    from the actual inputs).
-
-    The kernel upcasts every load to fp32. Each score ``s_i = scale·Σ_j q_j k_ij`` then
-    carries a rounding error that behaves like a random walk, ``λ·√d·u·scale·Σ_j |q_j k_ij|``
-    (probabilistic rounding analysis; λ = 6 holds with overwhelming probability), plus
-    ``~2u|s_i|`` from the log2(e) scaling and the exp2 argument, and exp2's own 2^-22. If every
-    score moves by at most ``D``, every softmax weight moves by a factor within ``e^{±2D}``, so
-    (``Σ δp = 0``) ``|δo_d| ≤ (e^{2D} − 1)·Σ_i p_i·|v_id − o_d|`` exactly: a decisive row (one
-    key dominating) is checked tightly however large its scores, a near-tie row loosely.
-    Accumulating ``p·v`` and ``Σp`` over ``n`` keys adds ``λ·√n·u·(|o| + max|v|)``, and the
-    output is cast to its dtype (one ulp). A wrong key or lost rescaling errs by ~|v| ≈ 1."""
-    lam, u = 6.0, 2.0**-24
-    q64, k64, v64 = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    block_size, kv_heads, dim = k.shape[1], k.shape[2], k.shape[3]
-    group = q.shape[1] // kv_heads
-    # one ulp for the output cast: the GPU rounds to nearest, Triton's interpreter truncates
-    u_out = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype]
-    bound = torch.zeros(q.shape, dtype=torch.float64)
-    for b, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n)
-        blocks = tables.cpu()[b, pos // block_size]
-        keys, values = k64[blocks, pos % block_size], v64[blocks, pos % block_size]
-        for h in range(q.shape[1]):
-            qk = q64[b, h][None, :] * keys[:, h // group]  # [n, d]
-            s = scale * qk.sum(-1)
-            shift = lam * dim**0.5 * u * scale * qk.abs().sum(-1) + 2 * u * s.abs() + 2.0**-21
-            p = torch.softmax(s, -1)
-            vals = values[:, h // group]  # [n, d]
-            o = p @ vals
-            spread = (p[:, None] * (vals - o).abs()).sum(0)
-            accumulate = lam * n**0.5 * u * (o.abs() + vals.abs().max())
-            bound[b, h] = torch.expm1(2 * shift.max()) * spread + accumulate + u_out * o.abs()
-    return bound + 4 * u  # the split combine: a few more roundings
+    case = (q, k, v, tables, seq_lens, scale)
+    kernel = triton_decode_rounding(dtype, device, num_splits, max(lens))
+    assert_within(got, want, paged_decode_bound(*case, **kernel), "kernel")
+    got = _sdpa(q, k, v, tables, seq_lens)
+    assert_within(got, want, paged_decode_bound(*case, **sdpa_rounding(dtype, device)), "sdpa")
 
 
 @needs_triton
@@ -132,24 +94,16 @@ def _extreme_bound(q, k, v, tables, seq_lens, scale, out_dtype) -> torch.Tensor:
 def test_extreme_scores_stay_finite(gen, device, dtype, q_scale):
     """Scores in the thousands: the running max keeps every exp() in range (no inf, no NaN);
     the softmax is then nearly one-hot, and a score that large carries an absolute rounding
-    error proportional to |q|·|k| (``_extreme_bound``), so the tolerance comes from that
+    error proportional to |q|·|k| (``attention_error_bound``), so the tolerance comes from that
     error model rather than from one machine's result."""
-    q, k, v, tables, seq_lens = _case(
-        gen, [33, 1, 17], 4, 2, 24, 16, dtype, device, q_scale=q_scale
-    )
-    want = reference.paged_decode_attention(  # float64 in, float64 out: not rounded again
-        q.double().cpu(), k.double().cpu(), v.double().cpu(), tables.cpu(), seq_lens.cpu(), 24**-0.5
-    )
-    bound = _extreme_bound(q, k, v, tables, seq_lens, 24**-0.5, dtype)
+    lens = [33, 1, 17]
+    q, k, v, tables, seq_lens = _case(gen, lens, 4, 2, 24, 16, dtype, device, q_scale=q_scale)
+    want = _reference(q, k, v, tables, seq_lens, 24**-0.5)
     for num_splits in (1, 2):
         got = paged_decode_attention(q, k, v, tables, seq_lens, 24**-0.5, num_splits=num_splits)
-        assert torch.isfinite(got).all()
-        error = (got.double().cpu() - want).abs()
-        worst = int((error - bound).argmax())
-        assert bool((error <= bound).all()), (
-            f"splits={num_splits}: |Δ| {error.flatten()[worst]:.3g} > bound "
-            f"{bound.flatten()[worst]:.3g} at flat index {worst} (max bound {bound.max():.3g})"
-        )
+        precision = triton_decode_rounding(dtype, device, num_splits, max(lens))
+        bound = paged_decode_bound(q, k, v, tables, seq_lens, 24**-0.5, **precision)
+        assert_within(got, want, bound, f"splits={num_splits}")
 
 
 @needs_triton
@@ -163,10 +117,10 @@ def test_strided_inputs_and_int32_tables(gen, device):
     pool_k = torch.stack([torch.randn_like(k), k])
     wide = torch.cat([tables, torch.full_like(tables, 10**6)], dim=1).to(torch.int32)
     got = paged_decode_attention(q_wide[..., :40], pool_k[1], v, wide, seq_lens, 0.3)
-    want = reference.paged_decode_attention(
-        q.cpu(), k.cpu(), v.cpu(), tables.cpu(), seq_lens.cpu(), 0.3
-    )
-    _check(got, want.double(), torch.float32, "kernel")
+    want = _reference(q, k, v, tables, seq_lens, 0.3)
+    precision = triton_decode_rounding(torch.float32, device, None, 26)
+    bound = paged_decode_bound(q, k, v, tables, seq_lens, 0.3, **precision)
+    assert_within(got, want, bound, "kernel")
 
 
 @needs_triton
@@ -179,7 +133,6 @@ def test_trusted_max_seq_len_matches_checked(gen, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @needs_triton
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
@@ -192,15 +145,16 @@ def test_gpu_bf16_realistic(gen, heads, kv_heads, dim, batch):
     lens[0] = 2999  # one long row sets the split sizes
     q, k, v, tables, seq_lens = _case(gen, lens, heads, kv_heads, dim, 16, torch.bfloat16, "cuda")
     scale = dim**-0.5
-    want = reference.paged_decode_attention(
-        q.cpu(), k.cpu(), v.cpu(), tables.cpu(), seq_lens.cpu(), scale
-    ).double()
+    want = _reference(q, k, v, tables, seq_lens, scale)
     got = paged_decode_attention(q, k, v, tables, seq_lens, scale)
-    _check(got, want, torch.bfloat16, "kernel")
-    _check(_sdpa(q, k, v, tables, seq_lens), want, torch.bfloat16, "sdpa")
-    torch.testing.assert_close(
-        paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=max(lens)), got
-    )
+    case = (q, k, v, tables, seq_lens, scale)
+    kernel = triton_decode_rounding(torch.bfloat16, "cuda", None, max(lens))
+    assert_within(got, want, paged_decode_bound(*case, **kernel), "kernel")
+    sdpa = sdpa_rounding(torch.bfloat16, "cuda")
+    assert_within(_sdpa(q, k, v, tables, seq_lens), want, paged_decode_bound(*case, **sdpa), "sdpa")
+    # the checked path computes the same max_seq_len, hence the same launch: the same bits
+    trusted = paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=max(lens))
+    assert torch.equal(trusted, got)
 
 
 # -- bad inputs -------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ processes of the sandbox uids, temp dirs, cgroups). ``backend_pool`` is such a p
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import tempfile
 import time
@@ -109,12 +108,6 @@ def require_docker(runtime: str | None = None) -> None:
 def _docker_marker_gate(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("docker") is not None:
         require_docker()
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """Sandbox tests run on trio (the rollout runtime); some modules add asyncio (the service)."""
-    return "trio"
 
 
 # -- leak checks -----------------------------------------------------------------------------------
@@ -256,10 +249,7 @@ def container_backend(request: pytest.FixtureRequest) -> Iterator[SandboxBackend
 
 
 def _backend_under_test(name: str) -> Iterator[SandboxBackendUnderTest]:
-    if name == "local":
-        if importlib.util.find_spec("agentrl.sandboxes._local") is None:
-            pytest.skip("the local backend (sandboxes/_local.py) is not there yet")
-    else:
+    if name != "local":
         require_docker("runsc" if name == "gvisor" else None)
     scratch = Path(tempfile.mkdtemp(prefix=f"agentrl-test-{name}-"))
     scratch.chmod(0o755)

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "sandbox_bench.py"
 
 
 def test_bench_smoke(tmp_path):
-    if importlib.util.find_spec("agentrl.sandboxes._local") is None:
-        pytest.skip("the local backend (sandboxes/_local.py) is not there yet")
     out = tmp_path / "bench.json"
     args = ["--backends", "local,nope", "--concurrency", "1,2", "-n", "4", "--json", str(out)]
     proc = subprocess.run(

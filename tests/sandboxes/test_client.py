@@ -21,14 +21,9 @@ from agentrl.sandboxes import (
     SandboxUnreachable,
 )
 from agentrl.sandboxes._errors import PoolBusy
-from agentrl.sandboxes._types import RunRequest
+from agentrl.sandboxes._types import InvalidRequest, RunRequest
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request):
-    return request.param
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 
 def py(code: str, **kw) -> RunRequest:
@@ -63,8 +58,8 @@ async def test_run_batch_health_and_invalid(local_service):
         assert [r.status for r in results] == ["ok", "nonzero_exit"]
         assert results[1].exit_code == 4
         assert await client.run_batch([]) == []
-        invalid = await client.run(py("print(1)", memory_mb=1))
-        assert invalid.status == "invalid_request" and invalid.error.startswith("memory_mb")
+        with pytest.raises(InvalidRequest, match="memory_mb: must be in .16, 8192., got 1"):
+            await client.run(py("print(1)", memory_mb=1))
         health = await client.health()
         assert health["backend"] == "local" and health["statistics"]["execs"] >= 3
         assert "agentrl_sandbox_execs_total" in await client.metrics()
@@ -168,3 +163,88 @@ async def test_server_errors_are_not_retried(anyio_backend):
             with pytest.raises(SandboxHTTPError) as caught:
                 await client.run(py("print(1)"))
     assert caught.value.status_code == 500 and hits == ["/v1/run"]
+
+
+async def test_invalid_requests_raise_before_sending_and_batches_keep_going(local_service):
+    unreachable = SandboxClient(f"http://127.0.0.1:{_free_port()}", connect_retries=0)
+    async with unreachable:  # refused here, by the same validation as the pool: nothing sent
+        with pytest.raises(InvalidRequest, match="^code: holds a NUL character at offset 1"):
+            await unreachable.run(py("1\x002"))
+        with pytest.raises(InvalidRequest, match="^network: "):
+            await unreachable.run(py("1", network=True))
+    async with SandboxClient(local_service.url) as client:
+        before = (await client.health())["statistics"]["execs"]
+        results = await client.run_batch(
+            [py("print('a')"), py("print('\ud800')"), py("print('c')", files={"../x": ""})]
+        )
+        assert [r.status for r in results] == ["ok", "invalid_request", "invalid_request"]
+        assert results[1].error.startswith("requests[1].code: is not valid Unicode")
+        assert results[2].error.startswith("requests[2].files['../x']")
+        assert (await client.health())["statistics"]["execs"] == before + 1
+
+
+async def test_a_batch_too_large_for_the_service_is_sent_in_parts(tmp_path):
+    """The service caps a batch at 3 items and its answer at 4 MB (2 items at the default
+    1 MB output limit): the client splits by the limit the refusal names, and every item runs
+    exactly once, results in order."""
+    with scratch_root() as scratch:
+        config = tmp_path / "pool.json"
+        config.write_text(json.dumps({"backend": {"type": "local", "scratch_root": str(scratch)}}))
+        limits = ("--max-batch", "3", "--max-answer-mb", "4", "--max-request-mb", "1")
+        with running_service("--config", str(config), *limits, "--max-inflight-mb", "16") as svc:
+            async with SandboxClient(svc.url) as client:
+                small = [py(f"print({i})", output_limit_bytes=1000) for i in range(7)]
+                results = await client.run_batch(small)  # 7 > 3 items: parts of 3
+                assert [r.stdout for r in results] == [f"{i}\n" for i in range(7)]
+                big = [py(f"print({i})") for i in range(5)]  # 5 × 2 MB > 4 MB: parts of 2
+                results = await client.run_batch(big)
+                assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
+                assert (await client.health())["statistics"]["execs"] == 12
+                with pytest.raises(SandboxHTTPError) as caught:  # one item alone is too large
+                    await client.run(py("print(1)", output_limit_bytes=3 << 20))
+                assert caught.value.status_code == 413
+                assert caught.value.error_type == "answer_too_large"
+            assert svc.stop() == 0
+
+
+async def test_overloaded_is_busy_and_retried_but_a_proxys_503_is_not(tmp_path, anyio_backend):
+    """At the connection cap with both connections running a program, the service answers
+    503 ``overloaded`` (nothing ran): ``SandboxBusy``, or a wait and a retry with
+    ``retry_busy``. A 503 that is not the service's own is raised once, never re-sent."""
+    with scratch_root() as scratch:
+        config = tmp_path / "pool.json"
+        config.write_text(
+            json.dumps({"backend": {"type": "local", "scratch_root": str(scratch)}, "size": 2})
+        )
+        with running_service("--config", str(config), "--max-connections", "2") as svc:
+            slow = py("import time; time.sleep(1.5); print('slow')")
+            async with SandboxClient(svc.url) as first, SandboxClient(svc.url) as second:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(first.run, slow)
+                    tg.start_soon(second.run, slow)
+                    await anyio.sleep(0.6)
+                    async with SandboxClient(svc.url) as third:
+                        with pytest.raises(SandboxBusy, match="all busy"):
+                            await third.run(py("print(1)"))
+                    patient = SandboxClient(svc.url, retry_busy=True, max_busy_retries=10)
+                    async with patient:
+                        assert (await patient.run(py("print('waited')"))).stdout == "waited\n"
+            assert svc.stop() == 0
+    if anyio_backend != "asyncio":
+        return  # the stand-in proxy below is aiohttp (asyncio only)
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    hits = []
+
+    async def proxy(request):
+        hits.append(request.path)
+        return web.Response(status=503, text="upstream unavailable", headers={"Retry-After": "0"})
+
+    app = web.Application()
+    app.router.add_post("/v1/run", proxy)
+    async with TestServer(app) as server:
+        async with SandboxClient(str(server.make_url("/")), retry_busy=True) as client:
+            with pytest.raises(SandboxHTTPError) as caught:
+                await client.run(py("print(1)"))
+    assert caught.value.status_code == 503 and hits == ["/v1/run"]

@@ -23,7 +23,7 @@ from agentrl.sandboxes import (
 )
 from agentrl.sandboxes._config import DEFAULT_IMAGE, docker_host_from_env
 from agentrl.sandboxes._docker import CAPABILITIES, ContainerBackend
-from agentrl.sandboxes._types import RunRequest
+from agentrl.sandboxes._types import InvalidRequest, RunRequest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 
@@ -112,8 +112,8 @@ async def test_memory_above_the_container_cap_is_clamped(container_backend):
 
 async def test_network_flag_is_refused(container_backend):
     async with container_backend.open(size=1) as pool:
-        result = await pool.run(py("print(1)", network=True))
-        assert result.status == "invalid_request" and result.error.startswith("network")
+        with pytest.raises(InvalidRequest, match="^network: "):
+            await pool.run(py("print(1)", network=True))
 
 
 async def test_concurrent_runs_use_distinct_sandboxes(container_backend):

@@ -31,7 +31,7 @@ from agentrl.sandboxes import (
 )
 from agentrl.sandboxes._hostcheck import probe_host
 from agentrl.sandboxes._local import PREFIX, LocalBackend
-from agentrl.sandboxes._types import RunRequest
+from agentrl.sandboxes._types import InvalidRequest, RunRequest
 
 UID_BASE = 62_000
 FACTS = probe_host(UID_BASE)
@@ -302,8 +302,8 @@ async def test_large_code_runs_from_a_file(scratch_root):
 
 async def test_network_requests_are_refused(scratch_root):
     async with local_pool(scratch_root) as pool:
-        result = await pool.run(py("print(1)", network=True))
-    assert result.status == "invalid_request" and result.error.startswith("network")
+        with pytest.raises(InvalidRequest, match="^network: "):
+            await pool.run(py("print(1)", network=True))
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio", "asyncio"])

@@ -25,14 +25,9 @@ from agentrl.sandboxes import (
 )
 from agentrl.sandboxes import _pool as pool_module
 from agentrl.sandboxes._backend import Guarantee
-from agentrl.sandboxes._types import RunRequest, RunResult
+from agentrl.sandboxes._types import InvalidRequest, RunRequest, RunResult
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["trio", "asyncio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return request.param
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
 
 class GateSandbox:
@@ -121,15 +116,14 @@ async def test_runs_and_counts(gate):
     assert gate.live == set() and gate.closed
 
 
-async def test_invalid_request_is_a_result_not_an_error(gate):
+async def test_invalid_request_raises_and_touches_no_sandbox(gate):
     async with pool_module.open_sandbox_pool({"size": 1}) as pool:
-        result = await pool.run(req(timeout_s=0))
-        assert result.status == "invalid_request"
-        assert result.error is not None and result.error.startswith("timeout_s")
-        result = await pool.run(req(files={"../x": ""}))
-        assert result.status == "invalid_request" and "files" in (result.error or "")
+        with pytest.raises(InvalidRequest, match=r"timeout_s: must be in \(0, 120\], got 0"):
+            await pool.run(req(timeout_s=0))
+        with pytest.raises(InvalidRequest, match=r"files\['\.\./x'\]"):
+            await pool.run(req(files={"../x": ""}))
         assert gate.started == []
-        assert pool.statistics().failures == {"invalid_request": 2}
+        assert pool.statistics().failures == {} and pool.statistics().execs == 0
 
 
 async def test_full_queue_raises_pool_busy_at_once(gate):

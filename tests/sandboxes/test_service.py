@@ -4,27 +4,27 @@ contract, and as a real subprocess for start-up rules and graceful shutdown."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import signal
 import subprocess
 import sys
 import time
 
 import anyio
+import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from sandbox_service import SERVE_CMD, running_service, scratch_root
 
+from agentrl.sandboxes._config import ServiceConfig
 from agentrl.sandboxes._serve import is_loopback
-from agentrl.sandboxes._service import make_app, validation_field
+from agentrl.sandboxes._service import make_app
+from agentrl.sandboxes._validate import validation_field
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]  # aiohttp
 LOCAL = pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"  # aiohttp is asyncio-only
 
 
 def py(code: str, **kw) -> dict:
@@ -105,7 +105,8 @@ async def test_run_and_batch(sandbox_backend):
 
 @LOCAL
 async def test_structured_errors_name_the_field(sandbox_backend):
-    async with service(sandbox_backend, max_request_bytes=4096, max_batch=3) as client:
+    config = ServiceConfig(max_request_bytes=65536, max_batch=3)
+    async with service(sandbox_backend, config=config) as client:
         post = client.post
         await _error(await post("/v1/run", data=b"{not json"), 400, "malformed_json")
         await _error(await post("/v1/run", json=py("1", foo=2)), 400, "invalid_request", "foo")
@@ -118,16 +119,17 @@ async def test_structured_errors_name_the_field(sandbox_backend):
         assert err["field"].startswith("files[")
         await _error(await post("/v1/run", json=[]), 400, "invalid_request")
         await _error(await post("/v1/run_batch", json={"reqs": []}), 400, "invalid_request")
-        await _error(
+        err = await _error(
             await post("/v1/run_batch", json={"requests": [py("1")] * 4}),
             400,
             "invalid_request",
             "requests",
         )
+        assert err["limit"] == 3
         err = await _error(
-            await post("/v1/run", json=py("x" * 10_000)), 413, "request_too_large", None
+            await post("/v1/run", json=py("x" * 70_000)), 413, "request_too_large", None
         )
-        assert "4096" in err["message"]
+        assert "65536" in err["message"] and err["limit"] == 65536
         await _error(await client.get("/nope"), 404, "not_found", None)
         await _error(await client.get("/v1/run"), 405, "method_not_allowed", None)
         ok = await post("/v1/run", json=py("print('fine')"))  # still serving
@@ -217,11 +219,11 @@ async def test_health_and_metrics(sandbox_backend):
 def test_validation_field_and_loopback():
     import msgspec
 
-    from agentrl.sandboxes._types import decode_request
+    from agentrl.sandboxes._types import RunRequest
 
     def field(raw: bytes, prefix: str = "") -> str | None:
         try:
-            decode_request(raw)
+            msgspec.json.decode(raw, type=RunRequest)
         except msgspec.ValidationError as exc:
             return validation_field(exc, prefix)
         raise AssertionError("no error")
@@ -319,3 +321,39 @@ def test_docker_backend_through_the_service():
         )
         assert proc.stdout.split() == ["ok", "docker"], proc
         assert svc.stop() == 0, svc.output
+
+
+def _refused(*args: str, nofile: tuple[int, int] | None = None, env=None) -> str:
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    proc = subprocess.run(
+        [*SERVE_CMD, "--backend", "local", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        preexec_fn=limit,
+    )
+    assert proc.returncode == 2, proc
+    return proc.stderr
+
+
+def test_service_limits_come_from_config_and_flags_and_are_checked(tmp_path):
+    config = tmp_path / "pool.json"
+    assert "max_inflight_bytes" in _refused("--max-inflight-mb", "10")
+    for bad in ({"max_connections": 1}, {"nonsense": 1}, {"header_timeout_s": -1}):
+        config.write_text(json.dumps({"service": bad}))
+        assert "invalid configuration" in _refused("--config", str(config))
+    assert "RLIMIT_NOFILE" in _refused(nofile=(100, 100))  # 256 connections cannot fit
+    assert "printable ASCII" in _refused("--token", "tök en")
+    with scratch_root() as scratch:
+        backend = {"type": "local", "scratch_root": str(scratch)}
+        service = {"max_batch": 2, "header_timeout_s": 3, "max_connections": 16}
+        config.write_text(json.dumps({"backend": backend, "size": 1, "service": service}))
+        with running_service("--config", str(config), "--max-batch", "5") as svc:
+            limits = httpx.get(f"{svc.url}/health").json()["limits"]
+            assert (limits["max_batch"], limits["header_timeout_s"]) == (5, 3.0)  # flags win
+            assert limits["max_connections"] == 16 and limits["size"] == 1
+            assert svc.stop() == 0

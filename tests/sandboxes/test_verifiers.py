@@ -395,4 +395,18 @@ async def test_stdio_judge(sandbox_backend):
         tolerant = await judge_stdio(pool, code, cases, float_tol=1e-5)
     assert [c.passed for c in exact.cases] == [False, True, False]
     assert [c.passed for c in tolerant.cases] == [True, True, False]
-    assert tolerant.cases[2].status == "nonzero_exit" and tolerant.fraction == pytest.approx(2 / 3)
+    # passed / total: the same division as 2 / 3, so the same float
+    assert tolerant.cases[2].status == "nonzero_exit" and tolerant.fraction == 2 / 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
+async def test_a_solution_the_sandbox_refuses_is_a_harness_error(sandbox_backend):
+    """A solution too large for ``memory_mb`` is refused before anything runs (the pool raises
+    ``InvalidRequest``); the unit-test verifier reports it, it does not raise."""
+    async with sandbox_backend.open(size=1) as pool:
+        solution = "def add(a, b):\n    return a + b\n" + "#" * (9 << 20)
+        report = await run_unit_tests(pool, solution, ADD_TESTS, memory_mb=16)
+        assert report.status == "harness_error" and report.passed == 0, report
+        assert "memory_mb=16" in (report.error or "")
+        assert pool.statistics().execs == 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trajectories import trajectory_from_pieces
 
-from agentrl._types import SamplingParams, Span, Trajectory
+from agentrl._types import Trajectory
 
 
 def _trajectory(
@@ -18,36 +19,16 @@ def _trajectory(
         prompt = [1, *torch.randint(3, 5000, (n,), generator=gen).tolist()]
     answer = [*torch.randint(3, 5000, (int(torch.randint(2, 7, (1,), generator=gen)),),
                              generator=gen).tolist(), 2]  # fmt: skip
-    ids = [*prompt, *answer, 198]
-    mask = [0] * len(prompt) + [1] * len(answer) + [0]
-    logprobs = (
-        [None] * len(prompt) + [-10.0 - float(torch.rand(1, generator=gen))] * len(answer) + [None]
-    )
-    n = len(prompt)
-    traj = Trajectory(
+    logprob = -10.0 - float(torch.rand(1, generator=gen))
+    return trajectory_from_pieces(
+        [("prompt", prompt, 0), ("model", answer, 0), ("template", [198], 0)],
+        logprob=lambda i: logprob,
         id=name,
-        env="test-v0",
-        task_id=group,
         group_id=group,
-        policy_version=version,
-        status="done",
-        termination_reason="stop",
+        task_id=group,
         reward=reward,
-        turn_rewards=[],
-        error=None,
-        sampling=SamplingParams(),
-        tokenizer_fingerprint="test",
-        token_ids=ids,
-        loss_mask=mask,
-        logprobs=logprobs,
-        spans=[
-            Span(0, n, "prompt", 0),
-            Span(n, n + len(answer), "model", 0),
-            Span(n + len(answer), len(ids), "template", 0),
-        ],
+        policy_version=version,
     )
-    traj.validate()
-    return traj
 
 
 @pytest.fixture

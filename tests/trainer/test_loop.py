@@ -24,12 +24,12 @@ from agentrl.loop import (
     read_ledger,
     train,
 )
+from agentrl.loop._config import TRAIN_GROUP_SIZE
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
 )
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 LEDGER_FIELDS = {
     "step", "policy_version", "reward_mean", "kl", "version_lag", "gen_tokens_per_s",
     "learner_tokens", "publish_s", "reward_std", "pass_rate", "entropy", "clip_fraction",
@@ -43,8 +43,8 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
     data = {
         "model": "tiny-random",
         "env": "vowels_env:vowels-v0",
-        "rollout": {"max_new_tokens": 8, "concurrency": 8},
-        "algorithm": {"name": "grpo", "group_size": 4, "kl_coef": 0.05},
+        "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 4},
+        "algorithm": {"name": "grpo", "kl_coef": 0.05},
         "optimizer": {"lr": 1e-3},
         "train": {"max_steps": 2, "tasks_per_step": 2, "micro_batch_tokens": 256},
         "checkpoint": {"every_steps": 1, "keep": 3},
@@ -68,17 +68,25 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
         (["train.max_step=3"], "train.max_step"),
         (["algorithm.name=reinforce"], "algorithm.name"),
         (["rollout.temperature=0"], "rollout.temperature"),
-        (["algorithm.group_size=1"], "group_size"),
-        (["algorithm.group_size=4", "rollout.group_size=8"], "rollout.group_size=8"),
-        (["env_kwargs.levels=[0]", "rollout.env_kwargs.levels=[1]"], "levels"),
+        (["rollout.group_size=1"], "algorithm grpo needs groups: set rollout.group_size >= 2"),
+        (["rollout.max_context_tokens=8192"], "a trajectory must fit one micro-batch"),
         (["algorithm.tis_cap=2"], "old_logprobs: recompute"),
         (["optimizer=3"], "optimizer"),
     ],
 )
 def test_config_errors_name_the_field(sets, names):
     with pytest.raises(ConfigError, match="invalid config") as info:
-        load_train_config(None, ["algorithm.group_size=4", *sets])
+        load_train_config(None, ["rollout.group_size=4", *sets])
     assert names in str(info.value)
+
+
+def test_a_group_algorithm_defaults_its_group_size():
+    """No config at all trains: GRPO's groups default to ``TRAIN_GROUP_SIZE``; a size the user
+    names is kept (1 is refused above), and an algorithm without groups keeps the rollout's 1."""
+    assert load_train_config(None, []).rollout.group_size == TRAIN_GROUP_SIZE == 4
+    assert load_train_config(None, ["rollout.group_size=8"]).rollout.group_size == 8
+    ppo = load_train_config(None, ["algorithm.name=ppo"])
+    assert ppo.rollout.group_size == 1
 
 
 def test_overrides_parse_yaml_values_and_name_bad_keys():
@@ -96,14 +104,15 @@ def test_overrides_parse_yaml_values_and_name_bad_keys():
 
 
 def test_resolved_config_round_trips_and_hash_ignores_what_may_change(tmp_path):
-    cfg = load_train_config(tiny_config(tmp_path), ["env_kwargs.num_tasks=16"])
+    cfg = load_train_config(tiny_config(tmp_path), ["rollout.env_kwargs.num_tasks=16"])
     assert cfg.rollout.group_size == 4 and cfg.rollout.env_kwargs == {"num_tasks": 16}
     assert cfg.rollout.max_context_tokens == 256  # a trajectory must fit a micro-batch
     again_file = tmp_path / "again.yaml"
     again_file.write_text(dump_config(cfg))
     again = load_train_config(again_file)
     assert again == cfg and again.hash() == cfg.hash()
-    same = ["train.max_steps=99", "eval.num_tasks=5", "logging.tensorboard=false", "engine.x=1"]
+    same = ["train.max_steps=99", "eval.num_tasks=5", "logging.tensorboard=false"]
+    same.append("engine.max_batch_size=3")
     assert load_train_config(again_file, same).hash() == cfg.hash()
     assert load_train_config(again_file, ["optimizer.lr=0.5"]).hash() != cfg.hash()
 
@@ -131,9 +140,6 @@ def test_task_stream_continues_without_skipping_or_repeating():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Two steps of GRPO on tiny-random, then a resume to step 3."""
-    import sys
-
-    sys.path.insert(0, str(HERE))  # vowels_env
     tmp = tmp_path_factory.mktemp("loop")
     cfg = load_train_config(tiny_config(tmp))
     out = tmp / "run"
@@ -236,14 +242,11 @@ def test_training_against_a_server_publishes_snapshots(tmp_path, tiny_model_path
     HTTP, each new policy version written as a safetensors snapshot and loaded by the server
     through ``/update_weights_from_disk``; the engine and the trainer still agree on every
     sampled token's logprob, and old snapshots are pruned."""
-    import sys
-
     import httpx
     from serve_helpers import start_serve, stop_serve
 
     from agentrl import read_trajectories
 
-    sys.path.insert(0, str(HERE))  # vowels_env
     proc, url = start_serve(tiny_model_path, tmp_path / "serve.log")
     try:
         cfg = load_train_config(
@@ -271,16 +274,15 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
     signal); the loop samples fresh tasks until the step has ``tasks_per_step`` informative
     groups, trains on exactly those, writes every sampled trajectory and advances the cursor by
     every task it drew."""
-    import sys
-
     from agentrl import read_trajectories
 
-    sys.path.insert(0, str(HERE))  # vowels_env
     cfg = load_train_config(
         tiny_config(
             tmp_path,
-            algorithm={"name": "dapo", "group_size": 4, "kl_coef": 0.0},
-            env_kwargs={"constant_every": 2},
+            # tiny-random never stops within 8 tokens: DAPO's overlong filter would mask every
+            # trajectory and the run would train on nothing (and stop after 3 such steps)
+            algorithm={"name": "dapo", "kl_coef": 0.0, "overlong_filter": False},
+            rollout={"env_kwargs": {"constant_every": 2}},
             train={"max_steps": 3, "refill_rounds": 4},
             eval={"every_steps": 0},
         )
@@ -296,6 +298,7 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
         assert record["groups_informative"] == 2, record  # 4 rounds are plenty here
         assert record["groups_filtered"] == 0  # the loop already dropped them
         assert record["trajectories_in"] == 2 * 4
+        assert record["trajectories_used"] == 2 * 4 and record["updates"] > 0
         cursor += len(drawn)
         assert record["data_cursor"] == cursor
         step = [t for t in trajs if t.policy_version == record["step"] - 1]
@@ -303,3 +306,69 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
         assert len(step) == 4 * len(drawn)
         refilled += len(record["refill_task_ids"])
     assert refilled > 0, "no step needed a refill: the test proves nothing"
+
+
+def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_path, make_groups):
+    """Each key of the env's reward breakdown is logged as ``reward/<key>`` (its mean over the
+    trajectories that report it), in ledger.jsonl and under the same TensorBoard tag; a step
+    with failed trajectories carries ``first_error`` with the traceback."""
+    import msgspec
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from agentrl._types import TrajectoryError
+    from agentrl.loop import Ledger, rollout_metrics
+
+    trajs = make_groups(seed=3, groups=2, size=2)
+    parts = [{"correct": 1.0, "format": 0.5}, {"correct": 0.0, "format": 1.0}, {"correct": 1.0}]
+    parts[0]["mean"] = 0.25  # an env's own "mean" must not overwrite the reward mean's tag
+    failed = msgspec.structs.replace(
+        trajs[3],
+        status="error",
+        reward=None,
+        error=TrajectoryError("KeyError", "'x'", "reward", 0, traceback="Traceback …"),
+    )
+    with_parts = zip(trajs[:3], parts, strict=True)
+    trajs = [*(msgspec.structs.replace(t, reward_breakdown=b) for t, b in with_parts), failed]
+    record = {"step": 4, **rollout_metrics(trajs, pass_threshold=1.0, elapsed_s=1.0)}
+    assert record["reward/correct"] == pytest.approx(2 / 3)
+    assert record["reward/format"] == pytest.approx(0.75)
+    assert record["reward/breakdown/mean"] == 0.25 and "reward/mean" not in record
+    assert record["errors"] == 1
+    assert record["first_error"] == {
+        "trajectory": trajs[3].id, "where": "reward", "type": "KeyError", "message": "'x'",
+        "traceback": "Traceback …",
+    }  # fmt: skip
+    ledger = Ledger(tmp_path)
+    ledger.write(record)
+    ledger.close()
+    assert read_ledger(tmp_path / "ledger.jsonl")[0]["reward/format"] == pytest.approx(0.75)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/format")] == [(4, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/breakdown/mean")] == [(4, 0.25)]
+    (mean,) = acc.Scalars("reward/mean")  # the reward mean alone under its tag
+    assert mean.value == pytest.approx(record["reward_mean"])
+    assert acc.Scalars("reward/correct")[0].value == pytest.approx(2 / 3)
+
+
+def test_a_run_whose_masks_leave_nothing_to_train_stops(tmp_path):
+    """No trajectory fails, but DAPO's overlong filter masks every one (tiny-random never stops
+    within 8 tokens): after ``train.max_steps_without_update`` such steps the loop stops and
+    says why, instead of "training" on nothing."""
+    from agentrl.loop._train import TrainingStalled
+
+    cfg = load_train_config(
+        tiny_config(
+            tmp_path,
+            algorithm={"name": "dapo", "kl_coef": 0.0},
+            train={"max_steps": 5, "max_steps_without_update": 2},
+            eval={"every_steps": 0},
+        )
+    )
+    with pytest.raises(TrainingStalled, match="2 consecutive steps trained on nothing") as info:
+        train(cfg, tmp_path / "run")
+    assert "0 of 8 trajectories failed; the learner kept 0 of 8" in str(info.value)
+    assert "'max_tokens': 8" in str(info.value)
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert [r["steps_without_update"] for r in ledger] == [1, 2]
+    assert ledger[-1]["stop_reason"] in str(info.value)

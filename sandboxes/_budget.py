@@ -1,0 +1,62 @@
+"""``ByteBudget``: the bytes the sandbox service holds for requests at once (bodies, answers).
+
+A request reserves before it reads or runs anything and gives everything back when its answer
+is sent. Reserving never waits: a reservation that does not fit now fails, and the service
+answers 503 with ``Retry-After`` (nothing was read or run), so a flood of large bodies costs the
+service at most ``capacity`` bytes (times the copies each byte has on its way through).
+"""
+
+from __future__ import annotations
+
+
+class ByteBudget:
+    """A counter of reserved bytes with a hard capacity (one event loop; not thread-safe)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self.held = 0
+        self.peak = 0
+        self.refusals = 0
+
+    def try_reserve(self, n: int) -> bool:
+        """Take ``n`` bytes if they fit now; False (and nothing taken) otherwise."""
+        if n < 0:
+            raise ValueError(f"cannot reserve {n} bytes")
+        if self.held + n > self.capacity:
+            self.refusals += 1
+            return False
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        return True
+
+    def release(self, n: int) -> None:
+        if not 0 <= n <= self.held:
+            raise ValueError(f"releasing {n} bytes of {self.held} held")
+        self.held -= n
+
+
+class Reservation:
+    """What one request holds of a ``ByteBudget``; ``close()`` gives it all back (idempotent)."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self._budget = budget
+        self.bytes = 0
+
+    def grow(self, n: int) -> bool:
+        """Hold ``n`` more bytes; False when they do not fit now (nothing more taken)."""
+        if not self._budget.try_reserve(n):
+            return False
+        self.bytes += n
+        return True
+
+    def shrink_to(self, n: int) -> None:
+        """Give back what is held past ``n`` bytes (e.g. a chunked body smaller than reserved)."""
+        if n < self.bytes:
+            self._budget.release(self.bytes - n)
+            self.bytes = n
+
+    def close(self) -> None:
+        self._budget.release(self.bytes)
+        self.bytes = 0

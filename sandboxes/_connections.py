@@ -1,0 +1,277 @@
+"""``ConnectionGuard``: the sandbox service's connections, bounded in number and in pace.
+
+Each accepted connection is wrapped in a ``_GuardedConnection`` (an ``asyncio.Protocol`` in
+front of aiohttp's own) that knows which phase it is in:
+
+- ``idle``: open, no byte of a request yet (after accept, or between keep-alive requests):
+  closed after ``idle_timeout_s``;
+- ``head``: a request head is arriving: it must be whole (``CRLF CRLF``) within
+  ``header_timeout_s`` of its first byte and at most ``max_head_bytes`` long, else the
+  connection is closed (this is what ends a slowloris client trickling headers);
+- ``busy``: the application is handling a request (``begin``/``end``, called by the service's
+  middleware); the body and answer have their own deadlines there;
+- ``closing``: the answer said ``Connection: close``; what the client still sends is drained
+  and dropped (aiohttp's lingering close) until the connection ends.
+
+At most ``max_connections`` are open. A new connection over the cap evicts the connection that
+has been waiting longest for a request head (``idle`` or ``head``): slow or idle clients make
+room, and a client that sends its request at once (``/health``) is always served. When every
+connection is busy, the new one is answered ``503 overloaded`` and closed after a short linger
+(its request is read and dropped so the client sees the answer rather than a reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ._types import ErrorBody, ErrorResponse
+
+LINGER_S = 2.0
+MAX_LINGERING = 64  # connections being turned away at once; past it they are reset
+
+
+def overloaded_answer(message: str) -> bytes:
+    body = msgspec.json.encode(ErrorResponse(ErrorBody(type="overloaded", message=message)))
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Retry-After: 1\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class GuardStatistics(msgspec.Struct):
+    """Counters of the connection guard (exported as metrics)."""
+
+    open: int
+    """Connections open now (served ones; not those being turned away)."""
+    accepted: int
+    evicted: int
+    """Connections closed at the cap to make room (they were waiting for a request head)."""
+    refused: int
+    """Connections answered 503 at the cap (every open one was busy)."""
+    idle_timeouts: int
+    header_timeouts: int
+    head_too_large: int
+
+
+class _GuardedConnection(asyncio.Protocol):
+    def __init__(self, guard: ConnectionGuard, make_inner: Callable[[], asyncio.Protocol]) -> None:
+        self.guard = guard
+        self.make_inner = make_inner
+        self.inner: Any = None
+        self.transport: asyncio.Transport | None = None
+        self.state = "idle"
+        self.since = 0.0  # when it began waiting for a request head
+        self.head_bytes = 0
+        self.tail = b""  # last bytes of the head so far (a CRLF CRLF may straddle two reads)
+        self.timer: asyncio.TimerHandle | None = None
+        self.refused = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if not self.guard._admit(self):
+            self.refused = True
+            self.guard._refuse(self)
+            return
+        self.inner = self.make_inner()
+        self.inner.connection_made(transport)
+        self._wait_for_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return  # dropped: the 503 is on its way
+        if self.state == "idle":
+            self.state = "head"
+            self._arm(self.guard.header_timeout_s, "header")
+            self.head_bytes = 0
+            self.tail = b""
+        if self.state == "head":
+            seen = self.tail + data
+            end = seen.find(b"\r\n\r\n")
+            if end >= 0:
+                self.head_bytes += end + 4 - len(self.tail)
+                self.state = "head_done"  # the application takes it from here (begin)
+            else:
+                self.head_bytes += len(data)
+                self.tail = seen[-3:]
+            if self.head_bytes > self.guard.max_head_bytes:
+                self.guard.head_too_large += 1
+                self.close()
+                return
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self.refused:
+            return True  # keep the write side open for the 503
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.guard._forget(self)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    # -- phases ------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The application took a request: no head deadline while it works."""
+        self.state = "busy"
+        self._disarm()
+
+    def end(self, *, closing: bool = False) -> None:
+        """The answer is sent: wait for the next request (keep-alive), or, when the answer
+        closes the connection, let aiohttp drain what the client still sends (bounded by its
+        lingering time) so the client reads the answer rather than a reset."""
+        if self.state == "closed":
+            return
+        if closing:
+            self.state = "closing"
+            self._arm(self.guard.idle_timeout_s + LINGER_S, "closing")
+            return
+        self._wait_for_head()
+
+    def _wait_for_head(self) -> None:
+        self.state = "idle"
+        self.since = time.monotonic()
+        self._arm(self.guard.idle_timeout_s, "idle")
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting for a request head, or for its end (may be evicted at the cap)."""
+        return self.state in ("idle", "head", "closing")
+
+    def _arm(self, delay: float, why: str) -> None:
+        self._disarm()
+        self.timer = asyncio.get_running_loop().call_later(delay, self._expire, why)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expire(self, why: str) -> None:
+        self.timer = None
+        if self.state in ("idle", "head", "head_done", "closing"):
+            if why == "header":
+                self.guard.header_timeouts += 1
+            elif why == "idle":
+                self.guard.idle_timeouts += 1
+            self.close()
+
+    def close(self) -> None:
+        self.state = "closed"
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class ConnectionGuard:
+    """Counts, times and caps the connections of one listening service (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        idle_timeout_s: float,
+        header_timeout_s: float,
+        max_head_bytes: int,
+    ) -> None:
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.max_head_bytes = max_head_bytes
+        self._open: dict[_GuardedConnection, None] = {}
+        self._by_transport: dict[Any, _GuardedConnection] = {}
+        self._lingering: set[asyncio.Transport] = set()
+        self.accepted = 0
+        self.evicted = 0
+        self.refused = 0
+        self.idle_timeouts = 0
+        self.header_timeouts = 0
+        self.head_too_large = 0
+
+    def protocol_factory(self, make_inner: Callable[[], asyncio.Protocol]) -> Any:
+        """A factory for ``loop.create_server`` wrapping ``make_inner`` (aiohttp's server)."""
+        return lambda: _GuardedConnection(self, make_inner)
+
+    def connection_of(self, transport: Any) -> _GuardedConnection | None:
+        return self._by_transport.get(transport)
+
+    def statistics(self) -> GuardStatistics:
+        return GuardStatistics(
+            open=len(self._open),
+            accepted=self.accepted,
+            evicted=self.evicted,
+            refused=self.refused,
+            idle_timeouts=self.idle_timeouts,
+            header_timeouts=self.header_timeouts,
+            head_too_large=self.head_too_large,
+        )
+
+    def close_all(self) -> None:
+        """Close every connection still waiting for a request, and the ones being refused."""
+        for conn in list(self._open):
+            if conn.waiting:
+                conn.close()
+        for transport in list(self._lingering):
+            transport.abort()
+
+    # -- for _GuardedConnection --------------------------------------------------------------------
+    def _admit(self, conn: _GuardedConnection) -> bool:
+        if len(self._open) >= self.max_connections:
+            waiting = [c for c in self._open if c.waiting]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c.since)
+            self.evicted += 1
+            oldest.close()
+            self._forget(oldest)  # its connection_lost comes later; the slot is free now
+        self._open[conn] = None
+        self._by_transport[conn.transport] = conn
+        self.accepted += 1
+        return True
+
+    def _forget(self, conn: _GuardedConnection) -> None:
+        self._open.pop(conn, None)
+        if self._by_transport.get(conn.transport) is conn:
+            del self._by_transport[conn.transport]
+
+    def _refuse(self, conn: _GuardedConnection) -> None:
+        self.refused += 1
+        transport = conn.transport
+        assert transport is not None
+        if len(self._lingering) >= MAX_LINGERING:
+            transport.abort()
+            return
+        transport.write(
+            overloaded_answer(
+                f"{len(self._open)} connections open, all busy (max_connections="
+                f"{self.max_connections}); nothing ran, retry later"
+            )
+        )
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._lingering.add(transport)
+
+        def done() -> None:
+            self._lingering.discard(transport)
+            transport.close()
+
+        asyncio.get_running_loop().call_later(LINGER_S, done)

@@ -1,0 +1,101 @@
+"""``agentrl envs check``: the environment checker from the command line, one line per id, exit 1
+when any fails (the others still checked), ``--all`` for every registered id."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "200"}
+
+BROKEN = '''
+import itertools
+
+import agentrl
+from agentrl import Message, Task
+
+CALLS = itertools.count()
+
+
+@agentrl.env("shuffled-v0")
+class Shuffled:
+    """Tasks in another order on every call: check_env must refuse it."""
+
+    def tasks(self, split, *, seed=0):
+        ids = [f"{split}-{i}" for i in range(5)]
+        turn = next(CALLS) % len(ids)
+        return [Task(id=i, prompt="hi") for i in ids[turn:] + ids[:turn]]
+
+    async def reset(self, task):
+        return [Message("user", task.prompt)]
+
+    async def reward(self, episode):
+        return 0.0
+
+    async def close(self):
+        return None
+
+
+@agentrl.env("fine-v0")
+class Fine(Shuffled):
+    def tasks(self, split, *, seed=0):
+        return [Task(id=f"{split}-{i}", prompt="hi") for i in range(5)]
+'''
+
+
+def agentrl_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_check_one_env_passes():
+    proc = agentrl_cli("envs", "check", "calc-v0")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "ok   calc-v0" in proc.stdout
+    assert "all 1 environment(s) pass the contract checks" in proc.stdout
+
+
+def test_check_all_covers_every_registered_id():
+    proc = agentrl_cli("envs", "check", "--all")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    checked = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")]
+    entry_points = {"calc-v0", "python-math-v0", "code-tests-v0"}  # what a fresh process sees
+    assert entry_points <= set(checked) and len(set(checked)) == len(checked)
+    assert f"all {len(checked)} environment(s) pass" in proc.stdout
+
+
+def test_a_failing_env_is_reported_and_the_others_still_run(tmp_path):
+    (tmp_path / "broken_envs.py").write_text(BROKEN)
+    proc = agentrl_cli(
+        "envs", "check", "broken_envs:shuffled-v0", "fine-v0", "nope-v0", cwd=tmp_path
+    )
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    out = " ".join(proc.stdout.split())
+    assert "FAIL broken_envs:shuffled-v0: shuffled-v0: tasks('train', seed=0) is not" in out
+    assert "ok fine-v0" in out
+    assert "FAIL nope-v0: no environment named 'nope'" in out
+    assert "2 failed, 1 passed" in out
+
+
+def test_env_kwargs_reach_the_factory_and_bad_input_is_named():
+    bad_level = agentrl_cli("envs", "check", "calc-v0", "--env-kwargs", '{"levels": [9]}')
+    assert bad_level.returncode == 1 and "levels" in bad_level.stdout, bad_level.stdout
+    assert (
+        agentrl_cli("envs", "check", "calc-v0", "--env-kwargs", '{"levels": [0]}').returncode == 0
+    )
+    for args, needle in (
+        ([], "give environment ids, or --all"),
+        (["calc-v0", "--env-kwargs", "{bad"], "--env-kwargs is not valid JSON"),
+        (["calc-v0", "--env-kwargs", "[1]"], "--env-kwargs must be a JSON object"),
+    ):
+        proc = agentrl_cli("envs", "check", *args)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
