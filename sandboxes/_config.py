@@ -46,7 +46,8 @@ class _ContainerConfig(_Model):
     """Docker daemon URL; ``None`` reads ``$AGENTRL_DOCKER_HOST`` (default the agentrl socket)."""
     memory_mb: int = Field(1024, ge=64)
     """Memory cap of the whole container (``mem_limit``, swap disabled). A request's own
-    ``memory_mb`` is applied per exec by the supervisor's rlimits, inside this cap."""
+    ``memory_mb`` is held inside this cap by the supervisor, which samples the container's memory
+    and ends the program past it (``oom``); requests asking for more get this cap less 64 MB."""
     cpus: float = Field(1.0, gt=0)
     """CPU cap of the whole container (``nano_cpus``): a runaway program cannot starve the host."""
     pids_limit: int | None = Field(512, ge=16)

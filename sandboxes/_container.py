@@ -38,11 +38,19 @@ _encoder = msgspec.json.Encoder()
 
 
 class _Probe(msgspec.Struct):
+    """What the wrapper found after a request (see ``_exec_wrapper.probe``)."""
+
     processes: list[str]
     n_processes: int
     files: list[str]
     n_files: int
     ipc: int
+    sockets: int = 0
+    unknown: list[str] = msgspec.field(default_factory=list)
+    """Kinds of leftovers the wrapper could not look for: the container is recycled."""
+
+    def anomalies(self) -> bool:
+        return bool(self.n_processes or self.n_files or self.ipc or self.sockets or self.unknown)
 
 
 class _Answer(msgspec.Struct):
@@ -62,6 +70,8 @@ class ExecSpec:
     cmd: list[str]
     environment: dict[str, str]
     scratch_root: str
+    deny_syscalls: list[str] = field(default_factory=list)
+    """What the program's seccomp filter refuses (the supervisor's default when empty)."""
 
 
 @dataclass
@@ -256,7 +266,8 @@ class ContainerSandbox:
     margin_s: float
     memory_cap_mb: int
     """Requests asking for more memory get this (the container's cap less the supervisor's
-    share), so a big program ends as ``oom`` by its rlimit, not by the container's OOM killer."""
+    share), so a big program ends as ``oom`` by the supervisor's sampled limit before the
+    container's cap (where the kernel's OOM killer takes the program, ``oom_score_adj`` 1000)."""
     runs: int = 0
     clean: bool = True
     last_probe: Any = None
@@ -291,7 +302,10 @@ class ContainerSandbox:
             "uid": self.program_uid,
             "gid": self.program_uid,
             "cgroup": None,
+            "meter": "container",
         }
+        if self.spec.deny_syscalls:
+            envelope["deny_syscalls"] = self.spec.deny_syscalls
         return _encoder.encode(envelope) + b"\n"
 
     async def exec(self, request: RunRequest) -> RunResult:
@@ -359,7 +373,7 @@ class ContainerSandbox:
             return self._error(problem or "no answer from the sandbox", start)
         probe, result = answer.probe, answer.result
         self.last_probe = probe
-        if probe.n_processes or probe.n_files or probe.ipc or result.status == "sandbox_error":
+        if probe.anomalies() or result.status == "sandbox_error":
             self.clean = False
         result.backend = self.backend
         result.sandbox_id = self.id

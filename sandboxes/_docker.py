@@ -1,9 +1,14 @@
 """The docker and gvisor backends: warm, locked-down containers made through the docker SDK.
 
 Each container: read-only rootfs; tmpfs ``/scratch`` (per-request dirs), ``/tmp`` and a small
-``/dev/shm``; ``network_mode="none"``; memory (no swap), CPU and (runc only) pids limits; every
-capability dropped but CHOWN, DAC_OVERRIDE, FOWNER, SETUID, SETGID and KILL, which the supervisor
-needs to make the scratch dir, drop to the program's uid and clean up; ``no-new-privileges``.
+``/dev/shm``, each capped in bytes and inodes; System V shared memory capped at ``shm_mb`` and
+few message queues (IPC sysctls of its own IPC namespace); ``network_mode="none"``; memory (no
+swap), CPU and (runc only) pids limits; every capability dropped but CHOWN, DAC_OVERRIDE, FOWNER,
+SETUID, SETGID and KILL, which the supervisor needs to make the scratch dir, drop to the
+program's uid and clean up; ``no-new-privileges``. A request's ``memory_mb`` and ``cpu_time_s``
+are held by the supervisor sampling the container's own counters; after each request the exec
+wrapper looks for leftovers (processes, files, System V IPC objects, sockets) and a container
+with any, or one it cannot check, is recycled (``docs/sandboxes.md``).
 
 Three identities per container: a reaping init (PID 1, ``python3`` waiting on orphans) starts as
 root and drops to ``init_uid`` at once (the container must start as root: Docker gives the execs
@@ -39,7 +44,16 @@ from ._types import RunRequest
 
 LABEL = "agentrl.sandbox"
 SCRATCH_ROOT = "/scratch"
+# The writable dirs the leftover probe lists after each request (it must be able to: a dir it
+# cannot list recycles the container). gVisor mounts no /dev/mqueue, so it cannot list POSIX
+# message queues there: its programs may not open one (the seccomp filter refuses mq_open).
 PROBE_DIRS = [SCRATCH_ROOT, "/tmp", "/dev/shm", "/dev/mqueue"]
+GVISOR_PROBE_DIRS = [SCRATCH_ROOT, "/tmp", "/dev/shm"]
+KEYRING_SYSCALLS = ["add_key", "request_key", "keyctl"]
+MQUEUE_SYSCALLS = ["mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify"]
+BYTES_PER_INODE = 4096  # each tmpfs gets one inode per this many bytes of its size,
+MIN_ENTRIES = 1024  # and room for this many (what request validation allows in files and dirs)
+SYSV_MSG_QUEUES = 32  # kernel.msgmni: 32 queues of at most 16 KB each
 CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"]
 # PID 1: drops root, then reaps orphans (double-forked daemons the supervisor killed) so no
 # zombies pile up. The container itself must start as root: Docker gives execs of a container
@@ -90,6 +104,11 @@ def _owner_alive(owner: str) -> bool:
         return _start_time(int(pid)) == started
     except ValueError:
         return False
+
+
+def _tmpfs_options(size_mb: int, mode: str) -> str:
+    inodes = max((size_mb << 20) // BYTES_PER_INODE, MIN_ENTRIES + 1)  # + its root dir
+    return f"rw,nosuid,nodev,size={size_mb}m,nr_inodes={inodes},mode={mode}"
 
 
 def _supervisor_source() -> str:
@@ -177,11 +196,14 @@ class ContainerBackend:
             raise BackendUnavailable(
                 f"image {self.config.image} not found; build it with `agentrl sandbox image build`"
             ) from exc
+        gvisor = self.runtime is not None
+        probe_dirs = GVISOR_PROBE_DIRS if gvisor else PROBE_DIRS
         self._spec = ExecSpec(
             api=self._client.api,
-            cmd=["python3", "-I", "-S", "-c", wrapper, source, json.dumps(PROBE_DIRS)],
+            cmd=["python3", "-I", "-S", "-c", wrapper, source, json.dumps(probe_dirs)],
             environment=EXEC_ENV,
             scratch_root=SCRATCH_ROOT,
+            deny_syscalls=KEYRING_SYSCALLS + (MQUEUE_SYSCALLS if gvisor else []),
         )
         await self.reap_orphans()
 
@@ -222,10 +244,17 @@ class ContainerBackend:
             network_mode="none",
             read_only=True,
             tmpfs={
-                SCRATCH_ROOT: f"rw,nosuid,nodev,size={c.scratch_mb}m,mode=755",
-                "/tmp": f"rw,nosuid,nodev,size={c.tmp_mb}m,mode=1777",
+                SCRATCH_ROOT: _tmpfs_options(c.scratch_mb, "755"),
+                "/tmp": _tmpfs_options(c.tmp_mb, "1777"),
+                "/dev/shm": _tmpfs_options(c.shm_mb, "1777"),
             },
-            shm_size=f"{c.shm_mb}m",
+            # the container's own IPC namespace: System V shared memory within shm_mb, few
+            # message queues (memory no process holds: it must stay small; runsc ignores these)
+            sysctls={
+                "kernel.shmmax": str(c.shm_mb << 20),
+                "kernel.shmall": str((c.shm_mb << 20) // 4096),
+                "kernel.msgmni": str(SYSV_MSG_QUEUES),
+            },
             mem_limit=f"{c.memory_mb}m",
             memswap_limit=f"{c.memory_mb}m",
             nano_cpus=int(c.cpus * 1e9),
@@ -297,19 +326,74 @@ class ContainerBackend:
         await self._remove(sandbox.container_id)
 
     def guarantees(self) -> list[Guarantee]:
+        """What this backend holds a program to, each with how; a row that is not available
+        names a gap (``agentrl doctor`` prints them)."""
         c = self.config
         gvisor = self.runtime is not None
+        tmpfs_mb = c.scratch_mb + c.tmp_mb + c.shm_mb
+        fits = tmpfs_mb + _SUPERVISOR_MB <= c.memory_mb
+        g = Guarantee
         return [
-            Guarantee("network_isolation", True, "network_mode=none (no interfaces but lo)"),
-            Guarantee("readonly_root", True, "read-only rootfs; tmpfs /scratch, /tmp, /dev/shm"),
-            Guarantee(
+            g("network_isolation", True, "network_mode=none (no interfaces but lo)"),
+            g("readonly_root", True, "read-only rootfs; tmpfs /scratch, /tmp, /dev/shm"),
+            g(
                 "memory_limit",
                 True,
-                f"container cap {c.memory_mb} MB without swap; per-request RLIMIT_AS (requests "
-                f"above {c.memory_mb - _SUPERVISOR_MB} MB get that)",
+                "memory_mb per request: the container's memory (anonymous, tmpfs files, "
+                "memfds, System V shared memory, every process) sampled every "
+                + ("~40 ms" if gvisor else "10 ms")
+                + ", the program "
+                "killed past it (oom); "
+                + (
+                    "under gVisor from its /proc/meminfo"
+                    if gvisor
+                    else "from the container's cgroup, whose high-water mark peak_memory_mb "
+                    "uses when the request set a new one"
+                )
+                + f"; container cap {c.memory_mb} MB without swap (requests above "
+                f"{c.memory_mb - _SUPERVISOR_MB} MB get that); RLIMIT_AS per process",
             ),
-            Guarantee("cpu_limit", True, f"{c.cpus} CPUs per container; per-request RLIMIT_CPU"),
-            Guarantee(
+            g(
+                "memory_hard_limit",
+                False,
+                "sampled, not enforced by the kernel per request: between two samples a "
+                "program can pass memory_mb, up to the container cap"
+                + (
+                    ", where the host's OOM killer ends the whole runsc sandbox (sandbox_error; "
+                    "the pool replaces the container)"
+                    if gvisor
+                    else ", where the kernel's OOM killer picks the program (oom_score_adj 1000)"
+                ),
+            ),
+            g(
+                "oom_keeps_the_container",
+                fits and not gvisor,
+                "runsc ignores the IPC sysctls, so System V shared memory is not capped: memory "
+                "no process holds can reach the container cap, which the host enforces on the "
+                "whole runsc sandbox (sandbox_error; the pool replaces the container)"
+                if gvisor
+                else f"the tmpfs mounts ({tmpfs_mb} MB), System V shared memory (shm_mb) and the "
+                f"supervisor's share ({_SUPERVISOR_MB} MB) fit under the container cap: memory "
+                "no process holds cannot make the OOM killer take the supervisor"
+                if fits
+                else f"the tmpfs mounts ({tmpfs_mb} MB) and the supervisor's share "
+                f"({_SUPERVISOR_MB} MB) exceed the container cap ({c.memory_mb} MB): a program "
+                "that fills them can get its supervisor killed (raise memory_mb or lower "
+                "scratch_mb/tmp_mb/shm_mb)",
+            ),
+            g("cpu_limit", True, f"{c.cpus} CPUs per container; per-request RLIMIT_CPU"),
+            g(
+                "cpu_time_per_request",
+                not gvisor,
+                "cpu_time_s counts every process of the request (the container's cpuacct less "
+                "its supervisor and init, checked every 50 ms); cpu_s reports the same"
+                if not gvisor
+                else "cpu_time_s counts the live processes of the program's uid (as gVisor's "
+                "kernel times them) and the ones the supervisor reaped: children a program "
+                "lets the kernel reap (SIGCHLD ignored) escape the sum, each still under "
+                "RLIMIT_CPU",
+            ),
+            g(
                 "pids_limit",
                 c.pids_limit is not None,
                 (
@@ -322,14 +406,57 @@ class ContainerBackend:
                 if c.pids_limit is not None
                 else "no pids limit configured",
             ),
-            Guarantee(
+            g(
+                "disk_limit",
+                True,
+                f"size-capped tmpfs: /scratch {c.scratch_mb} MB, /tmp {c.tmp_mb} MB, /dev/shm "
+                f"{c.shm_mb} MB; RLIMIT_FSIZE",
+            ),
+            g(
+                "tmpfs_inodes",
+                not gvisor,
+                "nr_inodes = size / 4 KiB (at least 1024) on each tmpfs"
+                if not gvisor
+                else "runsc ignores nr_inodes: empty files are bounded only by the container's "
+                "memory cap",
+            ),
+            g(
                 "separate_uid",
                 True,
                 "programs run as a per-container uid; supervisor as root with "
                 f"{', '.join(CAPABILITIES)} only; init as uid {c.init_uid}",
             ),
-            Guarantee("no_new_privileges", True, "no-new-privileges, all other caps dropped"),
-            Guarantee(
+            g("no_new_privileges", True, "no-new-privileges, all other caps dropped"),
+            g(
+                "seccomp",
+                True,
+                "a BPF filter of the supervisor's: add_key, request_key, keyctl"
+                + (
+                    " and the mq_* calls answer EPERM"
+                    if gvisor
+                    else " answer EPERM (Docker's default profile refuses them too)"
+                ),
+            ),
+            g(
+                "kernel_objects",
+                True,
+                "after each request the container is recycled when anything is left or cannot "
+                "be checked: processes (zombies too), entries in "
+                + ", ".join(GVISOR_PROBE_DIRS if gvisor else PROBE_DIRS)
+                + ", System V message queues, shared memory and semaphore sets (counted through "
+                "msgctl/shmctl/semctl *_INFO, proven on a canary at start), unix sockets "
+                "(/proc/net/unix)",
+            ),
+            g(
+                "posix_mqueue",
+                not gvisor,
+                "POSIX message queues are files in the container's /dev/mqueue (listed after "
+                "each request)"
+                if not gvisor
+                else "refused (mq_open answers EPERM): gVisor mounts no /dev/mqueue, so leftover "
+                "queues could not be listed",
+            ),
+            g(
                 "kernel_isolation",
                 gvisor,
                 "gVisor user-space kernel (runsc, platform ptrace)"

@@ -8,7 +8,15 @@ out, ``{"seq": N, "result": <the supervisor's RunResult>, "probe": {...}}``. The
 ``seq`` (a line that does not answer the request it sent is garbage) and recycles the container
 on any anomaly the probe reports: processes still alive (anything but PID 1 and this process),
 entries left in the writable dirs (tmpfs mounts: the supervisor removes its scratch dir, so they
-must be empty), System V IPC objects. Leftover processes are SIGKILLed before answering.
+must be empty; a POSIX message queue is a file in ``/dev/mqueue``), System V IPC objects
+(message queues, shared memory, semaphore sets, counted by the kernel itself through
+``MSG_INFO``/``SHM_INFO``/``SEM_INFO``: gVisor has no ``/proc/sysvipc``), unix sockets (from
+``/proc/net/unix``: an abstract name outlives its process only while a socket still holds
+it). Leftover processes are SIGKILLed before answering. A probe that cannot look fails closed:
+each kind it could not check is named in ``unknown`` and the host recycles the container. The
+IPC count proves it can look once, at start: it must see a canary object of each kind appear
+(gVisor, for one, never lowers its shared-memory count again, so the counts are compared with
+those seen after the canaries).
 
 The supervisor's source is compiled once, into a namespace of its own (not ``__main__``: its
 ``main`` does not run), and ``run_job`` is called for each request, exactly as its own
@@ -26,6 +34,7 @@ Stdlib only: this file is source text for the container's Python, never imported
 import json
 import os
 import signal
+import struct
 import sys
 import time
 
@@ -47,28 +56,110 @@ def leftover_processes():
     return found
 
 
-def leftover_files(dirs):
+def leftover_files(dirs, unknown):
     found = []
     for d in dirs:
         try:
             found.extend(f"{d}/{entry}" for entry in os.listdir(d))
-        except OSError:
-            pass
+        except OSError as exc:
+            unknown.append(f"{d}: {exc.strerror or exc}")
     return found
 
 
-def ipc_objects():
-    count = 0
-    for kind in ("shm", "sem", "msg"):
+class SysvIpc:
+    """System V IPC objects of the container's IPC namespace, counted by the kernel."""
+
+    KINDS = ("msg", "shm", "sem")
+
+    def __init__(self):
+        import ctypes
+
+        self.ctypes = ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.baseline = {}
+        self.blind = {}  # kind -> why it cannot be counted
         try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                count += sum(1 for line in f.readlines()[1:] if line.strip())
-        except OSError:
-            pass
-    return count
+            self._calibrate()
+        except Exception as exc:  # no ctypes, no libc: every kind is blind
+            for kind in self.KINDS:
+                self.blind.setdefault(kind, f"{type(exc).__name__}: {exc}")
+
+    def count(self, kind):
+        """Objects of ``kind`` now (MSG_INFO msgpool, SHM_INFO used_ids, SEM_INFO semusz)."""
+        buf = self.ctypes.create_string_buffer(256)
+        if kind == "msg":
+            rc, index = self.libc.msgctl(0, 12, buf), 0
+        elif kind == "shm":
+            rc, index = self.libc.shmctl(0, 14, buf), 0
+        else:
+            rc, index = self.libc.semctl(0, 0, 19, buf), 7
+        if rc < 0:
+            raise OSError(self.ctypes.get_errno(), f"{kind} info")
+        return struct.unpack_from("10i", buf.raw)[index]
+
+    def _make(self, kind):
+        flags = 0o1000 | 0o600  # IPC_CREAT, owner only
+        if kind == "msg":
+            return self.libc.msgget(0, flags)
+        if kind == "shm":
+            return self.libc.shmget(0, 4096, flags)
+        return self.libc.semget(0, 1, flags)
+
+    def _remove(self, kind, ident):
+        if kind == "msg":
+            self.libc.msgctl(ident, 0, None)
+        elif kind == "shm":
+            self.libc.shmctl(ident, 0, None)
+        else:
+            self.libc.semctl(ident, 0, 0)
+
+    def _calibrate(self):
+        """The count must see a canary appear; the baseline is what stays afterwards."""
+        for kind in self.KINDS:
+            try:
+                before = self.count(kind)
+                ident = self._make(kind)
+                if ident < 0:
+                    raise OSError(self.ctypes.get_errno(), f"{kind} canary")
+                try:
+                    seen = self.count(kind)
+                finally:
+                    self._remove(kind, ident)
+                if seen != before + 1:
+                    self.blind[kind] = f"its count did not see a new object ({before} -> {seen})"
+                    continue
+                self.baseline[kind] = self.count(kind)
+            except OSError as exc:
+                self.blind[kind] = f"{exc.strerror or 'error'} ({exc})"
+
+    def leftovers(self, unknown):
+        """Objects beyond the baseline; blind kinds go to ``unknown``."""
+        total = 0
+        for kind in self.KINDS:
+            if kind in self.blind:
+                unknown.append(f"sysvipc {kind}: {self.blind[kind]}")
+                continue
+            try:
+                total += max(self.count(kind) - self.baseline[kind], 0)
+            except OSError as exc:
+                unknown.append(f"sysvipc {kind}: {exc}")
+        return total
 
 
-def probe(dirs):
+def sockets(unknown):
+    """Unix sockets of the container's network namespace (``/proc/net/unix``): none may be left
+    once every process of the request is gone, but one sent over another socket and never
+    received outlives its sender, and an abstract name lives as long as its socket. (A TCP or
+    UDP socket ends with its last process; reading ``/proc/net/tcp`` costs milliseconds.)"""
+    try:
+        with open("/proc/net/unix") as f:
+            return sum(1 for line in f.read().splitlines()[1:] if line.strip())
+    except OSError as exc:
+        unknown.append(f"/proc/net/unix: {exc.strerror or exc}")
+        return 0
+
+
+def probe(dirs, ipc):
     """Anomalies after a request; leftover processes are SIGKILLed (as root: everything but
     init and this process)."""
     procs = leftover_processes()
@@ -82,13 +173,16 @@ def probe(dirs):
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-    files = leftover_files(dirs)
+    unknown = []
+    files = leftover_files(dirs, unknown)
     return {
         "processes": procs[:20],
         "n_processes": len(procs),
         "files": files[:20],
         "n_files": len(files),
-        "ipc": ipc_objects(),
+        "ipc": ipc.leftovers(unknown),
+        "sockets": sockets(unknown),
+        "unknown": unknown,
     }
 
 
@@ -109,6 +203,7 @@ def main():
     reader, writer = serve_fds()
     supervisor["_prctl"](4, 0)  # PR_SET_DUMPABLE 0: /proc/<this pid>/fd needs CAP_SYS_PTRACE
     wake = supervisor["_install_wakeup"]()
+    ipc = SysvIpc()
     for line in reader:
         seq = None
         try:
@@ -119,9 +214,10 @@ def main():
             result = supervisor["run_job"](job, wake)
         except ValueError as exc:
             result = supervisor["_error_result"]("sandbox_error", f"serve: bad input: {exc}")
-        answer = {"seq": seq, "result": result, "probe": probe(dirs)}
+        answer = {"seq": seq, "result": result, "probe": probe(dirs, ipc)}
         writer.write(json.dumps(answer, ensure_ascii=False).encode("utf-8", "replace") + b"\n")
         writer.flush()
 
 
-main()
+if __name__ == "__main__":  # python3 -c SOURCE
+    main()

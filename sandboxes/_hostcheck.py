@@ -13,8 +13,9 @@ import subprocess
 from dataclasses import dataclass, field
 
 from ._backend import Guarantee
+from ._supervisor import SUPERVISOR_HEADROOM_MB
 
-CONTROLLERS = ("memory", "pids", "cpu")
+CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
@@ -152,7 +153,8 @@ def probe_host(probe_uid: int | None) -> HostFacts:
 def local_guarantees(
     facts: HostFacts, *, cgroups: bool, max_processes: int, cpus: float, sizes_mb: dict[str, int]
 ) -> list[Guarantee]:
-    """The guarantees the local backend gives on this host, each with how or why not."""
+    """The guarantees the local backend gives on this host, each with how or why not. A row
+    that is not available names a gap: ``agentrl doctor`` prints them."""
     sandbox = facts.bwrap is not None and facts.userns
     why_not = (
         "bubblewrap is not installed (apt-get install bubblewrap)"
@@ -163,12 +165,26 @@ def local_guarantees(
     cg_why = "cgroups disabled in LocalConfig" if not cgroups else facts.cgroup_detail
     has = {c: c in facts.cgroup_v1 for c in CONTROLLERS} if kind == "v1" else {}
     if kind == "v2":
-        has = {"memory": True, "pids": True, "cpu": True}
+        has = {"memory": True, "pids": True, "cpu": True, "cpuacct": True}
     sized = "--size" in facts.bwrap_options
     sizes = ", ".join(f"{path} {mb} MB" for path, mb in sizes_mb.items())
     nested = (
         "; nested user namespaces disabled" if "--disable-userns" in facts.bwrap_options else ""
     )
+    if kind == "v1":
+        memory = (
+            "cgroup v1 memory limit of a group holding only the program, set per request: "
+            "anonymous memory, tmpfs files, memfds, System V shared memory and every child count "
+            "(no swap); the kernel's OOM killer can only pick the program's processes "
+            "(oom_score_adj 1000); peak_memory_mb is that group's high-water mark; RLIMIT_AS "
+            "per process"
+        )
+    else:
+        memory = (
+            "cgroup v2 memory.max of the slot's group, set per request, which the program "
+            f"shares with its supervisor ({SUPERVISOR_HEADROOM_MB} MB headroom; oom_score_adj "
+            "1000 for the program, -1000 for the supervisor); RLIMIT_AS per process"
+        )
     g = Guarantee
     return [
         g(
@@ -201,9 +217,10 @@ def local_guarantees(
         g(
             "memory_limit",
             has.get("memory", False),
-            f"cgroup {kind} memory limit per sandbox (no swap) + RLIMIT_AS per process"
+            memory
             if has.get("memory")
-            else f"RLIMIT_AS per process only: {cg_why or 'no memory controller'}",
+            else f"RLIMIT_AS per process only: {cg_why or 'no memory controller'} (tmpfs "
+            "files, memfds, shared memory and children are not held to memory_mb)",
         ),
         g(
             "pids_limit",
@@ -224,15 +241,57 @@ def local_guarantees(
             else f"RLIMIT_CPU per process only (no CPU quota: {cg_why or 'no cpu controller'})",
         ),
         g(
+            "cpu_time_per_request",
+            has.get("cpuacct", False),
+            "cpu_time_s counts every process of the request (the cgroup's CPU usage, checked "
+            "every 50 ms); cpu_s reports the same"
+            if has.get("cpuacct")
+            else "cpu_time_s counts the live processes of the sandbox uid and the ones its "
+            "supervisor reaped: children a program lets the kernel reap (SIGCHLD ignored) "
+            f"escape the sum, each still under RLIMIT_CPU (no cpuacct cgroup: {cg_why})",
+        ),
+        g(
             "disk_limit",
-            sandbox and sized,
-            f"size-capped tmpfs: {sizes}; RLIMIT_FSIZE" if sized else "bubblewrap lacks --size",
+            sandbox and (sized or facts.root),
+            f"size-capped tmpfs: {sizes}; RLIMIT_FSIZE"
+            if sized or facts.root
+            else "bubblewrap lacks --size",
+        ),
+        g(
+            "tmpfs_inodes",
+            sandbox and has.get("memory", False),
+            "bubblewrap has no nr_inodes option, but each inode and dentry a program makes is "
+            "kernel memory charged to its memory cgroup: empty files end the request as oom at "
+            "memory_mb"
+            if has.get("memory")
+            else "not capped: bubblewrap has no nr_inodes option and no memory cgroup counts "
+            "the kernel memory of empty files",
         ),
         g(
             "no_new_privileges",
             sandbox,
             "PR_SET_NO_NEW_PRIVS, no capabilities" + nested if sandbox else why_not,
         ),
-        g("seccomp", False, "not provided: no seccomp filter is installed"),
+        g(
+            "seccomp",
+            sandbox and "--seccomp" in facts.bwrap_options,
+            "a BPF filter (bubblewrap --seccomp): add_key, request_key and keyctl answer EPERM"
+            if "--seccomp" in facts.bwrap_options
+            else "bubblewrap lacks --seccomp: the keyring syscalls stay callable",
+        ),
+        g(
+            "session_keyring",
+            sandbox,
+            "each run joins a fresh, empty session keyring: nothing the service's session "
+            "keyring holds is possessed by a program",
+        ),
+        g(
+            "kernel_objects",
+            sandbox,
+            "System V IPC, POSIX message queues, abstract unix sockets, tmpfs files and "
+            "processes live in each run's own ipc, net, mount and pid namespaces and end with it"
+            if sandbox
+            else why_not,
+        ),
         g("kernel_isolation", False, "shares the host kernel (use gvisor for a second boundary)"),
     ]

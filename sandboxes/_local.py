@@ -2,16 +2,21 @@
 
 A sandbox is a *slot*: a host uid of its own (``uid_base + i``, held through a lock file so two
 live pools never share one), cgroups of its own (``agentrl-local-<pool>/<i>`` under each
-writable v1 controller, or one v2 group), and a warm supervisor (``_supervisor.py --serve``:
-root, outside the sandbox, inside the slot's cgroups, at nice -20 and out of the OOM killer's
-reach) that runs one request at a time. For each, it forks a child (born in the cgroups: no
-attach, which would cost an RCU grace period), which sets rlimits, becomes the slot's uid and
-execs bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount namespaces;
+writable v1 hierarchy, or one v2 group), and a warm supervisor (``_supervisor.py --serve``:
+root, outside the sandbox, in the slot's cgroups, at nice -20 and out of the OOM killer's reach)
+that runs one request at a time. The program's memory and CPU time are accounted in a ``run``
+group of its own inside the slot's (v1 memory, pids, cpuacct): the per-request ``memory_mb`` limit,
+the OOM kill count, ``peak_memory_mb`` and ``cpu_s`` are then the program's alone. The
+supervisor's zygote, moved into those groups once, forks each program's process there (so no
+request waits for a cgroup attach, an RCU grace period); that process sets rlimits,
+``oom_score_adj`` 1000 and a fresh session keyring, becomes the slot's uid and execs
+bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount namespaces;
 read-only ``/usr`` and a generated ``/etc``; size-capped tmpfs ``/work`` holding the request's
-files, ``/tmp`` and ``/dev/shm``; ``/`` and ``/dev`` read-only) and runs the program as uid 1000
-inside. When the program exits, bubblewrap exits, and with it the sandbox's PID 1, which takes
-every process left in the namespace down; the supervisor then checks the cgroups are empty.
-Nothing outlives a request: the next one gets a new sandbox in the same slot.
+files, ``/tmp`` and ``/dev/shm``; ``/`` and ``/dev`` read-only), installs the seccomp filter
+(``--seccomp``: the keyring syscalls answer EPERM) and runs the program as uid 1000 inside.
+When the program exits, bubblewrap exits, and with it the sandbox's PID 1, which takes every
+process left in the namespace down; the supervisor then checks the cgroups are empty. Nothing
+outlives a request: the next one gets a new sandbox in the same slot (``docs/sandboxes.md``).
 
 ``guarantees()`` says what this host gives (``_hostcheck``); ``start()`` refuses with
 ``BackendUnavailable`` when a guarantee named in ``LocalConfig.require`` is missing. Settings
@@ -67,6 +72,10 @@ class LocalSandbox:
         self.uid = uid
         self.runs = 0
         self.cgroup_dirs: list[str] = []
+        """The slot's cgroups (the supervisor lives in them)."""
+        self.program_dirs: list[str] = []
+        """The program's: the slot's, or a ``run`` group of its own inside (memory, cpuacct)."""
+        self._program_cgroups: _supervisor.Cgroups | None = None
         self._backend = backend
         self._lock = lock
         self._process: anyio.abc.Process | None = None
@@ -95,10 +104,10 @@ class LocalSandbox:
         self.runs = 0
 
     def _adopt_supervisor(self, pid: int) -> None:
-        """Put the supervisor into the slot's cgroups once (its programs are then born there;
-        an attach per run would cost an RCU grace period), out of the OOM killer's reach, and
-        at nice -20 so a fork bomb sharing its CPU quota cannot starve it (its programs run at
-        nice 0)."""
+        """Put the supervisor into the slot's cgroups once (its programs are born there, or in
+        the ``run`` groups its zygote joined once), out of the OOM killer's reach, and at nice
+        -20 so a fork bomb cannot starve it where they share a CPU quota (v2; its programs run
+        at nice 0)."""
         for path in self.cgroup_dirs:
             with open(os.path.join(path, "cgroup.procs"), "w") as f:
                 f.write(str(pid))
@@ -168,17 +177,27 @@ class LocalSandbox:
         result.sandbox_id = self.id
         return result
 
+    def _cgroups(self) -> _supervisor.Cgroups:
+        """The program's cgroups (where it runs: a program cannot leave them)."""
+        if self._program_cgroups is None:
+            self._program_cgroups = _supervisor.Cgroups(self.program_dirs)
+        return self._program_cgroups
+
     async def is_clean(self) -> bool:
-        """No anomaly: the supervisor alive and answering, nothing left in the cgroups."""
+        """No anomaly: the supervisor alive and answering, nothing left in the cgroups but the
+        supervisor and its helpers (children of the supervisor still running as root, which no
+        program process is once it runs)."""
         if self._broken or self._process is None or self._process.returncode is not None:
             return False
-        return not _supervisor.Cgroups(self.cgroup_dirs).members() - {self._process.pid}
+        supervisor = self._process.pid
+        left = self._cgroups().members() - {supervisor}
+        return all(host.is_helper(pid, supervisor) for pid in left)
 
     def _kill_program(self) -> None:
         """SIGKILL everything in the slot's cgroups but the supervisor, which then reaps it,
         finishes its run and stays usable for a clean shutdown (no orphans left to PID 1)."""
         keep = {self._process.pid} if self._process is not None else set()
-        group = _supervisor.Cgroups(self.cgroup_dirs)
+        group = self._cgroups()
         group.kill(group.members() - keep)
 
     async def _stop(self, grace_s: float = 2.0) -> None:
@@ -302,7 +321,9 @@ class LocalBackend:
         sandbox = LocalSandbox(self, index, uid, lock)
         self._sandboxes[index] = sandbox
         try:
-            sandbox.cgroup_dirs = host.make_slot_cgroups(self._pool_dirs, index, self.cpus)
+            sandbox.cgroup_dirs, sandbox.program_dirs = host.make_slot_cgroups(
+                self._pool_dirs, index, self.cpus
+            )
         except BaseException:
             self._close_slot(sandbox)
             raise
@@ -323,7 +344,7 @@ class LocalBackend:
         envelope = {
             "uid": sandbox.uid,
             "gid": sandbox.uid,
-            "cgroup": sandbox.cgroup_dirs,
+            "cgroup": sandbox.program_dirs,
             "bwrap": {
                 "argv": self._argv,
                 "post_argv": ["--remount-ro", "/", "--remount-ro", "/dev"],

@@ -9,40 +9,56 @@ Input, one JSON object on stdin::
     {"request": <RunRequest>, "scratch_root": "/scratch", "uid": 65534|null, "gid": 65534|null,
      "cgroup": null | "<dir>" | ["<dir>", ...]}
 
-Optional keys (the local backend uses them): ``env`` (the program's whole environment),
+Optional keys (the backends use them): ``env`` (the program's whole environment),
 ``python``/``bash`` (interpreters), ``nice`` (the program's), ``max_processes``,
 ``max_open_files``, ``max_file_mb``, ``rlimit_as_mb`` (null: no RLIMIT_AS; default the
-request's ``memory_mb``) and ``bwrap``: ``{"argv": [bwrap and its mount options], "post_argv":
-[...], "workdir": "/work", "main_dir": "/opt/agentrl"}`` to run the program inside bubblewrap;
-the request's files are then copied into the sandbox by bubblewrap itself (``--file FD``) and
-the scratch dir is its tmpfs. A supervisor that lives in the cgroups itself (the local backend's
-warm one) spares each run a cgroup attach, is never killed with the program and gets 32 MB of
-memory headroom.
+request's ``memory_mb``), ``deny_syscalls`` (names the seccomp filter refuses with EPERM;
+default the keyring calls ``add_key``, ``request_key``, ``keyctl``), ``meter`` (``"container"``:
+account memory and CPU through the container's own counters, see ``ContainerMeter``) and
+``bwrap``: ``{"argv": [bwrap and its mount options], "post_argv": [...], "workdir": "/work",
+"main_dir": "/opt/agentrl"}`` to run the program inside bubblewrap; the request's files are
+then copied into the sandbox by bubblewrap itself (``--file FD``), the scratch dir is its tmpfs
+and the seccomp filter goes through ``--seccomp FD``. The cgroup dirs are where the program
+runs; a supervisor already in one of them (the local backend's warm one lives in its slot's
+groups, the program in ``run`` groups of its own) spares the program that attach, is never
+killed or counted with the program, and gets 32 MB of memory headroom when it shares the
+program's memory group.
 
 Output, exactly one line on stdout: a RunResult object (status, exit_code, stdout, stderr,
 stdout_truncated, stderr_truncated, wall_s, cpu_s, peak_memory_mb, signal, error). Exit code 0
 whenever a result was printed. ``--serve`` reads one such object per line and answers one line
 each, until EOF (a warm supervisor; the local backend keeps one per slot; the container
-backends run ``run_job`` the same way, one per container, through ``_exec_wrapper.py``).
+backends run ``run_job`` the same way, one per container, through ``_exec_wrapper.py``). A warm
+supervisor starts its programs from a *zygote* already in the cgroups they must join, so no
+request waits for a cgroup attach (an RCU grace period).
 ``--selftest [--uid N]`` checks a few programs and prints what failed.
 
 What it does per request: a fresh scratch dir (files written with O_NOFOLLOW|O_EXCL through
 directory fds, never following a symlink, never leaving the dir); the program in a new session,
 in the cgroups, with rlimits (CPU, AS, NPROC when non-root, FSIZE, CORE=0, NOFILE), as
-``uid``/``gid`` with no supplementary groups, no-new-privs and a parent-death SIGKILL; stdin fed
-without blocking (a program may exit before reading it); stdout/stderr read into buffers capped
-at ``output_limit_bytes`` (past it: killed, ``output_limit``); a wall deadline (in bubblewrap
-mode backed by a kernel timer on bubblewrap itself, see ``BACKSTOP_S``). When the program
-exits (or is killed), everything it left is killed: its process group; then, with cgroups, every
-member (a pidfd each; ``pids.max`` set to 0 and the CPU quota lifted for the sweep, so a fork
-bomb cannot refill the group nor starve the sweep) until ``cgroup.procs`` is empty (a program
-cannot leave its cgroup); without
-them, every process of ``uid`` (a forked child becomes ``uid`` and calls ``kill(-1, SIGKILL)``),
-so setsid/double-forked daemons die too. This process is a child subreaper: orphans come back to
-it and are reaped. Then the status is classified (``oom``: the cgroup's OOM kill count rose, or
-MemoryError-like words end stderr; ``timeout`` also for SIGXCPU), the scratch dir removed, and
-the result printed. Peak memory is the cgroup's peak, else the largest ``ru_maxrss`` (which
-includes the ~10 MB the forked supervisor had before the exec).
+``uid``/``gid`` with no supplementary groups, a fresh session keyring, ``oom_score_adj`` 1000
+(the kernel's OOM killer takes the program, never its supervisor), no-new-privs, a seccomp
+filter and a parent-death SIGKILL; stdin fed without blocking (a program may exit before
+reading it); stdout/stderr read into buffers capped at ``output_limit_bytes`` (past it: killed,
+``output_limit``); a wall deadline (in bubblewrap mode backed by a kernel timer on bubblewrap
+itself, see ``BACKSTOP_S``). ``memory_mb`` and ``cpu_time_s`` bound the request, not one
+process: with a memory cgroup of the program's own the kernel enforces ``memory_mb`` for
+everything charged to it (anonymous memory, tmpfs files, memfds, System V shared memory, every
+child); in a container the supervisor samples the container's counters every ``SAMPLE_S`` and
+kills the program past ``memory_mb``; an explicit ``cpu_time_s`` is checked against the CPU time
+of all the request's processes (the cgroup's ``cpuacct``, else live processes plus reaped ones)
+every ``CPU_SAMPLE_S``. When the program exits (or is killed), everything it left is killed: its
+process group; then, with cgroups, every member (a pidfd each; ``pids.max`` set to 0 and the
+CPU quota lifted for the sweep, so a fork bomb cannot refill the group nor starve the sweep)
+until ``cgroup.procs`` is empty (a program cannot leave its cgroup); without them, every
+process of ``uid`` (a forked child becomes ``uid`` and calls ``kill(-1, SIGKILL)``), so
+setsid/double-forked daemons die too. This process is a child subreaper: orphans come back to it
+and are reaped. Then the status is classified (``oom``: the program's memory passed
+``memory_mb``, the cgroup's OOM kill count rose, or MemoryError-like words end stderr;
+``timeout`` also for the CPU limit), the scratch dir removed, and the result printed.
+``peak_memory_mb`` and ``cpu_s`` come from the same accounting as the limits (the cgroup's
+high-water mark less what it held before the request; the container's sampled usage), else the
+largest ``ru_maxrss`` (which includes the ~10 MB the forked supervisor had before the exec).
 """
 
 import json
@@ -51,6 +67,7 @@ import os
 import resource
 import select
 import signal
+import struct
 import sys
 import time
 
@@ -64,8 +81,16 @@ SUPERVISOR_HEADROOM_MB = 32
 # death), which makes the kernel kill every process in the namespace. It only matters when this
 # supervisor is late, e.g. throttled by a fork bomb sharing its CPU quota on a many-core host.
 BACKSTOP_S = 0.25
+SAMPLE_S = 0.01  # memory sampling period where no cgroup of the program's own enforces it,
+SAMPLE_SHARE = 0.025  # longer where one sample costs more than this share (gVisor: ~1 ms)
+CPU_SAMPLE_S = 0.05  # CPU-time sampling period for an explicit cpu_time_s
+# A memory group that still holds this much from earlier requests (page cache of files they
+# read) is reclaimed before the next one, so its high-water mark is the program's own.
+RECLAIM_ABOVE = 32 * MB
+OOM_SCORE_ADJ = 1000  # the program's: the kernel's OOM killer takes it first (no privilege)
 SELFTEST_UID = 64999
 OOM_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "Out of memory")
+DEFAULT_DENY = ("add_key", "request_key", "keyctl")
 _libc = None
 
 
@@ -73,17 +98,26 @@ class Invalid(Exception):
     """The request broke a rule; ``args[0]`` names the field."""
 
 
-def _prctl(option, arg):
-    """prctl(2) through ctypes; silently nothing where ctypes or libc is missing."""
+def _libc_handle():
+    """libc through ctypes, or None where ctypes or libc is missing."""
     global _libc
-    try:
-        if _libc is None:
-            _libc = False
+    if _libc is None:
+        _libc = False
+        try:
             import ctypes
 
             _libc = ctypes.CDLL(None, use_errno=True)
-        if _libc:
-            _libc.prctl(option, arg, 0, 0, 0)
+        except Exception:
+            pass
+    return _libc or None
+
+
+def _prctl(option, arg):
+    """prctl(2) through ctypes; silently nothing where ctypes or libc is missing."""
+    try:
+        libc = _libc_handle()
+        if libc:
+            libc.prctl(option, arg, 0, 0, 0)
     except Exception:
         pass
 
@@ -112,6 +146,12 @@ def _read_text(path):
         return ""
 
 
+def _read_int(path):
+    """The first integer in a file, or None."""
+    text = _read_text(path).split()
+    return int(text[0]) if text and text[0].lstrip("-").isdigit() else None
+
+
 def _split_path(path):
     """Components of a safe relative path, or ``Invalid`` naming the field."""
     field = f"files[{path!r}]"
@@ -125,37 +165,185 @@ def _split_path(path):
     return parts
 
 
+# -- seccomp and keyrings ----------------------------------------------------------------------
+# Syscall numbers per audit architecture (linux/audit.h), for the names a filter may deny.
+_SYSCALLS = {
+    0xC000003E: {  # x86_64 (x32 calls, nr | 0x40000000, are all refused)
+        "add_key": 248, "request_key": 249, "keyctl": 250, "mq_open": 240, "mq_unlink": 241,
+        "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
+    },
+    0x40000003: {  # i386 (int 0x80 on an x86_64 kernel)
+        "add_key": 286, "request_key": 287, "keyctl": 288, "mq_open": 277, "mq_unlink": 278,
+        "mq_timedsend": 279, "mq_timedreceive": 280, "mq_notify": 281, "mq_getsetattr": 282,
+    },
+    0xC00000B7: {  # aarch64
+        "add_key": 217, "request_key": 218, "keyctl": 219, "mq_open": 180, "mq_unlink": 181,
+        "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185,
+    },
+}  # fmt: skip
+_X32_BIT = 0x40000000
+_KEYCTL_NR = {"x86_64": 250, "aarch64": 219, "i686": 288, "i386": 288}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def seccomp_program(deny):
+    """A classic BPF seccomp program (bytes of ``struct sock_filter``) that answers EPERM to the
+    syscalls named in ``deny`` on every architecture above, and to every call of an unknown
+    architecture or of the x32 ABI; everything else is allowed."""
+    unknown = sorted(set(deny) - set(_SYSCALLS[0xC000003E]))
+    if unknown:
+        raise Invalid(f"deny_syscalls: unknown names {unknown}")
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, |JGE|K, BPF_RET|K
+    allow, eperm = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    arches = list(_SYSCALLS)
+    code = [(ld, "", "", 4)]  # seccomp_data.arch
+    for i, arch in enumerate(arches):
+        code.append((jeq, f"arch{i}", "", arch))
+    code.append((ret, "", "", eperm))
+    for i, arch in enumerate(arches):
+        code.append((ld, "", "", 0, f"arch{i}"))  # seccomp_data.nr
+        if arch == 0xC000003E:
+            code.append((jge, "deny", "", _X32_BIT))
+        for name in sorted(deny):
+            code.append((jeq, "deny", "", _SYSCALLS[arch][name]))
+        code.append((ret, "", "", allow))
+    code.append((ret, "", "", eperm, "deny"))
+    labels = {ins[4]: n for n, ins in enumerate(code) if len(ins) > 4}
+    out = b""
+    for n, (op, jt, jf, k, *_) in enumerate(code):
+        offsets = [labels[t] - n - 1 if t else 0 for t in (jt, jf)]
+        if not all(0 <= off < 256 for off in offsets):
+            raise Invalid("deny_syscalls: too many names for one filter")
+        out += struct.pack("=HBBI", op, offsets[0], offsets[1], k)
+    return out
+
+
+_FPROGS = {}
+
+
+def _fprog(program):
+    """A ``struct sock_fprog`` for ``program`` (made once, before a fork: the child only calls
+    prctl with it)."""
+    if program not in _FPROGS:
+        import ctypes
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        buf = ctypes.create_string_buffer(program, len(program))
+        _FPROGS[program] = (buf, SockFprog(len(program) // 8, ctypes.addressof(buf)))
+    return _FPROGS[program][1]
+
+
+def install_seccomp(program):
+    """Install ``program`` on the calling thread (no-new-privs must be set); raise on failure."""
+    import ctypes
+
+    libc = _libc_handle()
+    if not libc:
+        raise OSError("seccomp: no libc through ctypes")
+    if libc.prctl(22, 2, ctypes.byref(_fprog(program)), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"seccomp: {os.strerror(errno)}")
+
+
+_KEYRINGS = None  # whether this kernel lets us join keyrings (found once, see keyrings_work)
+
+
+def join_fresh_session_keyring():
+    """Give the calling process a new, empty session keyring (keyctl JOIN_SESSION_KEYRING with
+    no name), so nothing the supervisor's session holds is possessed by the program. Returns
+    False where keyrings are refused (a container's own seccomp profile, gVisor)."""
+    nr = _KEYCTL_NR.get(os.uname().machine)
+    libc = _libc_handle()
+    if nr is None or not libc:
+        return False
+    return libc.syscall(nr, _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
+
+
+def keyrings_work():
+    """Whether programs can be given a fresh session keyring here: this supervisor joins one
+    itself once (harmless: nothing of its session is its programs' business either). Where
+    that is refused, no program could use a keyring at all."""
+    global _KEYRINGS
+    if _KEYRINGS is None:
+        _KEYRINGS = join_fresh_session_keyring()
+    return _KEYRINGS
+
+
+# -- cgroups -----------------------------------------------------------------------------------
 class Cgroups:
-    """The cgroup dirs (v1 controllers or one v2 group) the program joins and is killed through."""
+    """The cgroup dirs (v1 controllers or v2 groups) the program joins and is killed through."""
+
+    helpers = set()  # this supervisor's own processes in the program's groups (its zygote)
 
     def __init__(self, dirs):
         self.dirs = [d for d in dirs if d and os.path.isdir(d)]
         self.oom_before = 0
         self.saved = None  # once contained: the CPU quota files lifted, with their texts
         self.me = os.getpid()
-        # A warm supervisor may live in the cgroups itself (the local backend puts it there):
-        # its children are born inside, sparing each run a cgroup attach (an RCU grace period,
-        # ~10 ms). It is then never killed or counted as a member, and gets some headroom.
-        self.inside = bool(self.dirs) and all(
-            str(self.me) in _read_text(os.path.join(d, "cgroup.procs")).split() for d in self.dirs
-        )
+        self._inside = None
+
+    _membership = {}  # dir -> whether this process is in it (a supervisor never moves)
+
+    @property
+    def inside(self):
+        """The dirs this supervisor lives in itself (the local backend's lives in its slot's):
+        its children are born there, sparing each run an attach (an RCU grace period, ~10 ms).
+        It is never killed or counted as a member."""
+        if self._inside is None:
+            known = Cgroups._membership
+            for d in self.dirs:
+                if (self.me, d) not in known:
+                    procs = _read_text(os.path.join(d, "cgroup.procs")).split()
+                    known[self.me, d] = str(self.me) in procs
+            self._inside = {d for d in self.dirs if known[self.me, d]}
+        return self._inside
+
+    @property
+    def to_join(self):
+        return [d for d in self.dirs if d not in self.inside]
+
+    _where = {}  # (dirs, control file) -> the dir that has it (cgroup dirs keep their files)
+
+    def _dir(self, name):
+        key = (tuple(self.dirs), name)
+        if key not in Cgroups._where:
+            Cgroups._where[key] = next(
+                (d for d in self.dirs if os.path.exists(os.path.join(d, name))), None
+            )
+        return Cgroups._where[key]
 
     def _file(self, name):
-        for d in self.dirs:
-            if os.path.exists(os.path.join(d, name)):
-                return os.path.join(d, name)
-        return None
+        d = self._dir(name)
+        return os.path.join(d, name) if d else None
+
+    def shares(self, name):
+        """Whether this supervisor is in the group that provides control file ``name``."""
+        return self._dir(name) in self.inside
 
     def prepare(self, memory_bytes, max_processes):
         """Set the memory (no swap) and pids limits; reset the peak; remember the oom count."""
-        if self.inside:
+        if self.shares("memory.limit_in_bytes") or self.shares("memory.max"):
             memory_bytes += SUPERVISOR_HEADROOM_MB * MB
         max_processes += 4  # the supervisor and its short-lived uid sweeper
         limit = self._file("memory.limit_in_bytes")
         if limit:
+            if not self.shares("memory.limit_in_bytes"):
+                # the program's own group: what it still holds from earlier requests (page
+                # cache, this supervisor's zygote) is reclaimed past RECLAIM_ABOVE, and the
+                # rest is on top of memory_mb (peak_memory_mb leaves it out too)
+                usage = self.usage_bytes() or 0
+                if usage > RECLAIM_ABOVE:
+                    write_best_effort(self._file("memory.force_empty") or limit, "0")
+                    usage = self.usage_bytes() or 0
+                memory_bytes += usage
             swap = self._file("memory.memsw.limit_in_bytes")
-            for name in ([limit, swap] if swap else [limit]) * 2:  # either order may be refused
-                write_best_effort(name, str(memory_bytes))
+            # memory+swap may never be below memory: raise it first, lower it last
+            raising = memory_bytes > (_read_int(limit) or 0)
+            for name in [swap, limit] if raising else [limit, swap]:
+                if name:
+                    write_best_effort(name, str(memory_bytes))
             if int(_read_text(limit) or 0) != memory_bytes:  # usage above it: reclaim, retry
                 _write_file(self._file("memory.force_empty") or limit, "0")
                 _write_file(limit, str(memory_bytes))
@@ -172,9 +360,8 @@ class Cgroups:
         self.oom_before = self.oom_kills()
 
     def join(self, pid):
-        if not self.inside:
-            for d in self.dirs:
-                _write_file(os.path.join(d, "cgroup.procs"), str(pid))
+        for d in self.to_join:
+            _write_file(os.path.join(d, "cgroup.procs"), str(pid))
 
     def oom_kills(self):
         for name in ("memory.oom_control", "memory.events"):
@@ -183,21 +370,38 @@ class Cgroups:
                     return int(line.split()[1])
         return 0
 
+    def usage_bytes(self):
+        for name in ("memory.usage_in_bytes", "memory.current"):
+            value = _read_int(self._file(name) or "/nonexistent")
+            if value is not None:
+                return value
+        return None
+
     def peak_bytes(self):
         for name in ("memory.max_usage_in_bytes", "memory.peak"):
-            text = _read_text(self._file(name) or "/nonexistent").strip()
-            if text.isdigit():
-                return int(text)
+            value = _read_int(self._file(name) or "/nonexistent")
+            if value is not None:
+                return value
+        return None
+
+    def cpu_ns(self):
+        """CPU time of the group in ns (v1 ``cpuacct.usage``, v2 ``cpu.stat``), or None."""
+        value = _read_int(self._file("cpuacct.usage") or "/nonexistent")
+        if value is not None:
+            return value
+        for line in _read_text(self._file("cpu.stat") or "/nonexistent").splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) * 1000
         return None
 
     def members(self):
-        """Processes in the cgroups, but this supervisor."""
+        """Processes in the cgroups, but this supervisor and its helpers."""
         pids = set()
         for d in self.dirs:
             for line in _read_text(os.path.join(d, "cgroup.procs")).split():
                 pids.add(int(line))
         pids.discard(self.me)
-        return pids
+        return pids - self.helpers
 
     def contain(self):
         """Before a kill sweep: no new process may start (``pids.max`` 0: a fork bomb cannot
@@ -214,10 +418,11 @@ class Cgroups:
                 write_best_effort(path, unlimited)
         pids = self._file("pids.max")
         if pids:
+            self.saved[pids] = _read_text(pids).strip()
             write_best_effort(pids, "0")
 
     def release(self):
-        """Put back the CPU quota ``contain`` lifted (``prepare`` resets ``pids.max``)."""
+        """Put back the CPU quota and ``pids.max`` that ``contain`` changed."""
         for path, text in (self.saved or {}).items():
             if text:
                 write_best_effort(path, text)
@@ -258,6 +463,486 @@ def _kill_pid_if(pid, still_ours):
             os.close(pidfd)
 
 
+# -- accounting --------------------------------------------------------------------------------
+def _schedstat_ns(pid):
+    """CPU time of a single-threaded process in ns (``/proc/PID/schedstat``), or None."""
+    return _read_int(f"/proc/{pid}/schedstat")
+
+
+def _own_cpu_ns():
+    ns = _schedstat_ns("self")
+    if ns is None:
+        ns = int(time.process_time() * 1e9)
+    return ns
+
+
+def _uid_cpu_s(uid):
+    """CPU time (their own and their waited-for children's) of the live processes of ``uid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        status = _read_text(f"/proc/{name}/status")
+        real = status.split("\nUid:", 1)[-1].split()[:1]  # the real uid (not /proc's owner,
+        if real != [str(uid)]:  # which a non-dumpable process turns to root)
+            continue
+        fields = _read_text(f"/proc/{name}/stat").rsplit(")", 1)[-1].split()
+        if len(fields) > 14:
+            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total / tick
+
+
+class Meter:
+    """Memory and CPU of one request's processes: start, sample, totals. The base reads only
+    what the supervisor sees of its own children (reaped usage, live processes of ``uid``)."""
+
+    samples_memory = False  # the supervisor must sample memory to hold the program to it
+    period = SAMPLE_S
+
+    def __init__(self, run):
+        self.run = run
+        self.peak = None  # sampled high-water mark of the program's memory (bytes)
+        self.cpu_seen = 0.0
+
+    def start(self):
+        pass
+
+    def memory_used(self):
+        return None
+
+    def _cpu_source(self):
+        return None
+
+    def cpu_used(self):
+        """CPU seconds of the request so far (never less than what was reaped)."""
+        total = self._cpu_source()
+        if total is None:
+            if self.run.uid is None:
+                total = self.run.cpu_s
+            else:
+                total = self.run.cpu_s + _uid_cpu_s(self.run.uid)
+        self.cpu_seen = max(self.cpu_seen, total)
+        return self.cpu_seen
+
+    def sample(self):
+        used = self.memory_used()
+        if used is not None:
+            self.peak = max(self.peak or 0, used)
+        return used
+
+    def oom_killed(self):
+        return False
+
+    def peak_bytes(self):
+        return self.peak
+
+    def final_cpu(self):
+        """After the sweep: the whole request's CPU time (never less than seen while it ran)."""
+        total = self._cpu_source()
+        return max(self.run.cpu_s if total is None else total, self.run.cpu_s, self.cpu_seen)
+
+
+class CgroupMeter(Meter):
+    """The program's own cgroups: the kernel limits its memory; its high-water mark, OOM kill
+    count and ``cpuacct`` usage are exact, less what the group held before the request (and
+    this supervisor's own CPU time where it shares the CPU group)."""
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.cg = run.cgroups
+        self.mem0 = 0
+        self.cpu0 = None
+        self.own0 = 0
+        self.shared = False
+        self.helper = None  # the zygote the program came from: in its group, not the program
+        self.helper0 = 0
+
+    def start(self):
+        self.mem0 = self.cg.usage_bytes() or 0
+        self.cpu0 = self.cg.cpu_ns()
+        self.shared = self.cg.shares("cpuacct.usage") or self.cg.shares("cpu.stat")
+        self.own0 = _own_cpu_ns() if self.shared else 0
+
+    def memory_used(self):
+        usage = self.cg.usage_bytes()
+        return None if usage is None else max(usage - self.mem0, 0)
+
+    def _cpu_source(self):
+        now = self.cg.cpu_ns()
+        if now is None or self.cpu0 is None:
+            return None
+        if self.shared:
+            now -= _own_cpu_ns() - self.own0
+        if self.helper is not None:
+            now -= self.helper.cpu_ns() - self.helper0
+        return max(now - self.cpu0, 0) / 1e9
+
+    def oom_killed(self):
+        return self.cg.oom_kills() > self.cg.oom_before
+
+    def peak_bytes(self):
+        peak = self.cg.peak_bytes()
+        if peak is None:
+            return self.peak
+        return max(peak - self.mem0, self.peak or 0)
+
+
+_MEMINFO = ("AnonPages", "Cached", "Shmem")
+
+
+class ContainerMeter(Meter):
+    """A container's own counters, read-only: the whole container's memory (its cgroup's
+    ``memory.usage_in_bytes``/``memory.current`` under runc; under gVisor, which has no cgroup
+    files, ``AnonPages + Cached - Shmem`` of its ``/proc/meminfo``) and CPU (``cpuacct.usage``/
+    ``cpu.stat`` less this supervisor's and init's own; under gVisor the live processes of the
+    program's uid plus what was reaped). The program's share is the growth since the request
+    began, less the output this supervisor buffered; ``memory_mb`` is held by sampling every
+    ``SAMPLE_S``, or less often where one sample costs more than ``SAMPLE_SHARE`` of that
+    (the container's own cap stays the kernel's hard limit, and the program's
+    ``oom_score_adj`` makes it the OOM killer's choice there)."""
+
+    samples_memory = True
+    V1 = "/sys/fs/cgroup/memory/"
+    V2 = "/sys/fs/cgroup/"
+
+    SOURCES = None  # what this container offers, found once per process
+
+    def __init__(self, run):
+        super().__init__(run)
+        if ContainerMeter.SOURCES is None:
+            ContainerMeter.SOURCES = self._find_sources()
+        self.mem_file, self.peak_file, self.events_file, self.cpu_file, self.meminfo = (
+            ContainerMeter.SOURCES
+        )
+        self.mem0 = self.peak0 = 0
+        self.oom0 = 0
+        self.cpu0 = None
+        self.others0 = 0
+
+    @classmethod
+    def _find_sources(cls):
+        mem_file = peak_file = events_file = cpu_file = None
+        for base, usage, peak, events in (
+            (cls.V1, "memory.usage_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control"),
+            (cls.V2, "memory.current", "memory.peak", "memory.events"),
+        ):
+            if _read_int(base + usage) is not None:
+                mem_file, peak_file, events_file = base + usage, base + peak, base + events
+                break
+        for path in ("/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu.stat"):
+            if os.path.exists(path):
+                cpu_file = path
+                break
+        meminfo = mem_file is None and "AnonPages:" in _read_text("/proc/meminfo")
+        return mem_file, peak_file, events_file, cpu_file, meminfo
+
+    def _usage(self):
+        if self.mem_file:
+            return _read_int(self.mem_file)
+        if self.meminfo:
+            text = _read_text("/proc/meminfo")
+            try:  # gVisor: AnonPages holds anonymous, tmpfs and memfd pages; Cached less
+                # Shmem is file cache (MemFree only falls: freed pages stay with the sandbox)
+                kb = {k: int(text.split("\n" + k + ":", 1)[1].split()[0]) for k in _MEMINFO}
+            except (IndexError, ValueError):
+                return None
+            return (kb["AnonPages"] + kb["Cached"] - kb["Shmem"]) * 1024
+        return None
+
+    def _oom(self):
+        if not self.events_file:
+            return 0
+        for line in _read_text(self.events_file).splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def _cpu_ns(self):
+        if self.cpu_file is None:
+            return None
+        if self.cpu_file.endswith("cpu.stat"):
+            for line in _read_text(self.cpu_file).splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) * 1000
+            return None
+        return _read_int(self.cpu_file)
+
+    @staticmethod
+    def _others_ns():
+        """This supervisor's and init's CPU time: in the container's count, not the program's."""
+        return _own_cpu_ns() + (_schedstat_ns(1) or 0)
+
+    def start(self):
+        began = time.perf_counter()
+        self.mem0 = self._usage() or 0
+        self.period = max(SAMPLE_S, (time.perf_counter() - began) / SAMPLE_SHARE)
+        if self.mem_file:
+            self.peak0 = _read_int(self.peak_file) or 0
+            self.oom0 = self._oom()
+        if self.cpu_file:
+            self.cpu0 = self._cpu_ns()
+            self.others0 = self._others_ns()
+
+    def memory_used(self):
+        usage = self._usage()
+        if usage is None:
+            return None
+        buffered = len(self.run.out[1]) + len(self.run.out[2])
+        return max(usage - self.mem0 - buffered, 0)
+
+    def _cpu_source(self):
+        now = self._cpu_ns()
+        if now is None or self.cpu0 is None:
+            return None
+        return max(now - self.cpu0 - (self._others_ns() - self.others0), 0) / 1e9
+
+    def oom_killed(self):
+        return self._oom() > self.oom0
+
+    def peak_bytes(self):
+        peak = _read_int(self.peak_file) if self.peak_file else None
+        if peak is not None and peak > self.peak0:  # a new high of the container: this request's
+            return max(peak - self.mem0, self.peak or 0)
+        return self.peak
+
+
+# -- the zygote --------------------------------------------------------------------------------
+def _children_but_helpers():
+    """Whether this process has children (zombies too) besides its helpers."""
+    if not Cgroups.helpers:
+        return True
+    text = _read_text(f"/proc/self/task/{os.getpid()}/children")
+    return bool({int(pid) for pid in text.split()} - Cgroups.helpers)
+
+
+def can_have_helpers():
+    """Helpers need /proc/PID/task/TID/children to tell the program's children from theirs."""
+    return os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+class Zygote:
+    """A helper of a warm supervisor that lives in the cgroups its programs must join (those the
+    supervisor is not in), moved there once: each program's process is made by it, born there,
+    so no request waits for a cgroup attach (an RCU grace period). Per request it gets the plan
+    and its fds over a socketpair and clones the program's process with CLONE_PARENT: a child
+    of the supervisor, which waits for it as for any child; its pid comes back on the socket.
+    The zygote asks for ``oom_score_adj`` -1000 (below the program's 1000 where a host refuses
+    that), is excluded from its groups' members (``Cgroups.helpers``) and its CPU time from the
+    program's, and dies with the supervisor (parent-death SIGKILL, EOF)."""
+
+    def __init__(self, dirs):
+        import socket  # only a warm supervisor with cgroups to join needs it
+
+        self.dirs = tuple(dirs)
+        self.pid = None
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the zygote: nothing here may return
+            try:
+                parent.close()
+                _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+                if os.getppid() != me:
+                    os._exit(0)
+                _zygote_main(child, me)
+            finally:
+                os._exit(127)
+        child.close()
+        self.pid = pid
+        self.sock = parent
+        try:
+            write_best_effort(f"/proc/{pid}/oom_score_adj", "-1000")
+            Cgroups(self.dirs).join(pid)
+        except OSError:
+            self.discard()
+            raise
+        Cgroups.helpers.add(pid)
+
+    def launch(self, plan, fds):
+        """Have the zygote start the program; False if the zygote is gone (it is then
+        discarded: the caller forks the program itself). ``pid`` tells the program's pid."""
+        import socket
+
+        data = json.dumps(plan).encode()
+        message = struct.pack("=I", len(data)) + data
+        try:
+            sent = socket.send_fds(self.sock, [message], fds)
+            self.sock.sendall(message[sent:])
+        except OSError:
+            self.discard()
+            return False
+        return True
+
+    def pid_of_launched(self):
+        """The pid of the program ``launch`` started (it comes while the program starts), or
+        None if the zygote failed (it is then discarded)."""
+        try:
+            answer = b""
+            while len(answer) < 4:
+                chunk = self.sock.recv(4 - len(answer))
+                if not chunk:
+                    raise OSError("the zygote went away")
+                answer += chunk
+        except OSError:
+            self.discard()
+            return None
+        pid = struct.unpack("=i", answer)[0]
+        if pid <= 0:
+            self.discard()
+            return None
+        return pid
+
+    def alive(self):
+        return self.pid is not None and self.pid in Cgroups.helpers  # not reaped as dead
+
+    def cpu_ns(self):
+        return (_schedstat_ns(self.pid) or 0) if self.alive() else 0
+
+    def discard(self):
+        if self.alive():
+            Cgroups.helpers.discard(self.pid)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except OSError:
+                pass
+        self.pid = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _recv_plan(sock):
+    """One plan and its fds from the socket, or (None, []) at EOF."""
+    import socket
+
+    head = b""
+    fds = []
+    while len(head) < 4:
+        data, got, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+        fds += got
+        if not data:
+            return None, fds
+        head += data
+    size = struct.unpack("=I", head[:4])[0]
+    data = head[4:]
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None, fds
+        data += chunk
+    return json.loads(data), fds
+
+
+_CLONE_NR = {"x86_64": 56, "aarch64": 220, "i686": 120, "i386": 120}
+_CLONE_PARENT = 0x8000
+
+
+def _clone_sibling():
+    """clone(2) with CLONE_PARENT: a copy of this process (as fork makes) whose parent is this
+    process's parent. 0 in the copy, its pid here, -1 if refused. Raw: neither glibc's nor
+    Python's fork handlers run, so the copy must only call ``os``/``ctypes`` and exec or
+    ``_exit`` (``_child_main`` does)."""
+    nr = _CLONE_NR.get(os.uname().machine)
+    libc = _libc_handle()
+    if nr is None or not libc:
+        return -1
+    return libc.syscall(nr, _CLONE_PARENT | signal.SIGCHLD, None, None, None, None)
+
+
+def _zygote_main(sock, supervisor):
+    """In the zygote: for each plan, start the program's process as a child of the supervisor
+    (``_clone_sibling``), born in the zygote's cgroups; its pid goes back on the socket."""
+    while True:
+        plan, fds = _recv_plan(sock)
+        if plan is None or len(fds) != len(plan["fd_roles"]):
+            os._exit(0)
+        program = _clone_sibling()
+        if program == 0:  # the program's process
+            try:
+                sock.close()
+                if os.getppid() != supervisor:
+                    os._exit(127)
+                _place_fds(fds, plan["fd_roles"])
+                _child_main(plan, join=None)
+            finally:
+                os._exit(127)
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(struct.pack("=i", program))
+
+
+def _place_fds(fds, roles):
+    """Put each received fd at the number it had in the supervisor (the plan names those):
+    first above all of them, then in place."""
+    import fcntl
+
+    floor = max([2, *roles]) + 1
+    moved = []
+    for fd in fds:
+        moved.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor))
+        os.close(fd)
+    for i, fd in enumerate(moved):
+        os.dup2(fd, roles[i], inheritable=False)
+        os.close(fd)
+
+
+def _child_main(plan, join):
+    """The program's process from fork to exec (``plan`` holds everything it needs); on any
+    failure it writes the stage and error to ``plan["fail_fd"]`` and exits 127."""
+    stage = "setup"
+    fail_fd = plan["fail_fd"]
+    try:
+        os.setsid()
+        stage = "cgroup"
+        if join is not None:
+            join.join(os.getpid())
+        stage = "fds"
+        os.dup2(plan["stdin_fd"], 0)
+        os.dup2(plan["stdout_fd"], 1)
+        os.dup2(plan["stderr_fd"], 2)
+        keep = plan["keep"]
+        for fd in keep:
+            os.set_inheritable(fd, True)
+        _close_fds_but(set(keep) | {fail_fd})
+        dfl = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGALRM)
+        for sig in dfl:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if plan["itimer"]:  # the kernel's backstop (survives exec; see BACKSTOP_S)
+            signal.setitimer(signal.ITIMER_REAL, plan["itimer"])
+        stage = "rlimits"
+        for res, soft, hard in plan["limits"]:
+            resource.setrlimit(res, (soft, hard))
+        if plan["nice"] is not None:  # a boosted supervisor's programs
+            os.setpriority(os.PRIO_PROCESS, 0, int(plan["nice"]))
+        stage = "oom_score_adj"
+        _write_file("/proc/self/oom_score_adj", str(OOM_SCORE_ADJ))
+        stage = "uid"
+        if plan["uid"] is not None:
+            os.setgroups([])
+            os.setresgid(plan["gid"], plan["gid"], plan["gid"])
+            os.setresuid(plan["uid"], plan["uid"], plan["uid"])
+        if plan.get("keyring", True):
+            stage = "keyring"
+            join_fresh_session_keyring()
+        _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
+        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (after setuid, which clears it)
+        if plan["seccomp"]:
+            stage = "seccomp"
+            install_seccomp(bytes.fromhex(plan["seccomp"]))  # cached: built before the fork
+        stage = "exec"
+        os.chdir(plan["cwd"])
+        os.execvpe(plan["argv"][0], plan["argv"], plan["env"])
+    except BaseException as exc:
+        try:
+            os.write(fail_fd, (f"{stage}: {type(exc).__name__}: {exc}").encode())
+        finally:
+            os._exit(127)
+
+
 class Run:
     """One request: set up, spawn, watch, kill everything, classify."""
 
@@ -281,6 +966,7 @@ class Run:
             raise Invalid("files: must map relative paths to text")
         self.timeout = float(req.get("timeout_s") or 10.0)
         cpu = req.get("cpu_time_s")
+        self.cpu_explicit = bool(cpu)  # then summed over all the request's processes
         # Without an explicit CPU limit RLIMIT_CPU is only a backstop one second past the
         # wall clock, so a busy single-threaded program is always ended by the wall timer
         # (SIGKILL) rather than by whichever of the two limits the scheduler happens to hit first.
@@ -306,9 +992,11 @@ class Run:
         self.cgroups = Cgroups([dirs] if isinstance(dirs, str) else list(dirs or []))
         self.bwrap = job.get("bwrap")
         self.max_processes = int(job.get("max_processes") or 256)
+        deny = job.get("deny_syscalls")
+        self.seccomp = _seccomp_for(DEFAULT_DENY if deny is None else deny)
         self.pid = None
         self.status = None  # wait status of the program
-        self.reason = None  # "timeout" / "output_limit" when we killed it
+        self.reason = None  # why we killed it: "timeout", "output_limit", "memory", "cpu"
         self.cpu_s = 0.0
         self.maxrss_kb = 0
         self.out = {1: bytearray(), 2: bytearray()}
@@ -321,6 +1009,12 @@ class Run:
         self.status_fd = None
         self.status_text = ""
         self.t0 = self.t1 = time.monotonic()
+        if job.get("meter") == "container":
+            self.meter = ContainerMeter(self)
+        elif self.cgroups.dirs:
+            self.meter = CgroupMeter(self)
+        else:
+            self.meter = Meter(self)
 
     # -- setup ---------------------------------------------------------------------------------
     def _make_scratch(self):
@@ -378,8 +1072,11 @@ class Run:
             os.close(fd)
 
     def _memfd(self, name, text):
+        return self._memfd_bytes(name, text.encode())
+
+    def _memfd_bytes(self, name, data):
         fd = os.memfd_create(name, 0)  # no MFD_CLOEXEC: bubblewrap reads it
-        data = memoryview(text.encode())
+        data = memoryview(data)
         while data:
             data = data[os.write(fd, data) :]
         os.lseek(fd, 0, os.SEEK_SET)
@@ -419,6 +1116,10 @@ class Run:
             status_r, status_w = os.pipe()
             self.status_fd = status_r
             keep_fds.append(status_w)
+            if self.seccomp:  # bubblewrap installs it right before it runs the program
+                fd = self._memfd_bytes("seccomp", self.seccomp)
+                keep_fds.append(fd)
+                argv += ["--seccomp", str(fd)]
             argv += ["--chdir", workdir] + list(self.bwrap.get("post_argv") or [])
             argv += ["--json-status-fd", str(status_w), "--"] + program
             cwd = "/"
@@ -459,63 +1160,54 @@ class Run:
         return limits
 
     # -- spawn ---------------------------------------------------------------------------------
-    def spawn(self):
+    def spawn(self, zygote=None):
+        """Start the program: through ``zygote`` (already in the cgroups) when it was made for
+        this request's cgroups, else as a freshly forked child."""
         keep = self.keep_fds
         argv, cwd, env = self._command(keep)
         self.cgroups.prepare(self.memory_mb * MB, self.max_processes)
-        limits = self._rlimits()
+        self.meter.start()
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         fail_r, fail_w = os.pipe()
+        plan = {
+            "argv": argv,
+            "cwd": cwd,
+            "env": env,
+            "limits": self._rlimits(),
+            "nice": self.job.get("nice"),
+            "uid": self.uid,
+            "gid": self.gid,
+            "itimer": self.timeout + BACKSTOP_S if self.bwrap else None,
+            "keyring": keyrings_work(),
+            "seccomp": None if self.bwrap or not self.seccomp else self.seccomp.hex(),
+            "keep": list(keep),
+            "stdin_fd": in_r,
+            "stdout_fd": out_w,
+            "stderr_fd": err_w,
+            "fail_fd": fail_w,
+        }
         self.t0 = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # child: nothing here may return
-            stage = "setup"
-            try:
-                os.setsid()
-                stage = "cgroup"
-                self.cgroups.join(os.getpid())
-                stage = "fds"
-                os.dup2(in_r, 0)
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                for fd in keep:
-                    os.set_inheritable(fd, True)
-                _close_fds_but(set(keep) | {fail_w})
-                dfl = (
-                    signal.SIGPIPE,
-                    signal.SIGXFSZ,
-                    signal.SIGCHLD,
-                    signal.SIGINT,
-                    signal.SIGALRM,
-                )
-                for sig in dfl:
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_SETMASK, [])
-                if self.bwrap:  # the kernel's backstop (survives exec; see BACKSTOP_S)
-                    signal.setitimer(signal.ITIMER_REAL, self.timeout + BACKSTOP_S)
-                stage = "rlimits"
-                for res, soft, hard in limits:
-                    resource.setrlimit(res, (soft, hard))
-                if self.job.get("nice") is not None:  # a boosted supervisor's programs
-                    os.setpriority(os.PRIO_PROCESS, 0, int(self.job["nice"]))
-                stage = "uid"
-                if self.uid is not None:
-                    os.setgroups([])
-                    os.setresgid(self.gid, self.gid, self.gid)
-                    os.setresuid(self.uid, self.uid, self.uid)
-                _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
-                _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (after setuid, which clears it)
-                stage = "exec"
-                os.chdir(cwd)
-                os.execvpe(argv[0], argv, env)
-            except BaseException as exc:
-                try:
-                    os.write(fail_w, (f"{stage}: {type(exc).__name__}: {exc}").encode())
-                finally:
-                    os._exit(127)
-        self.pid = pid
+        if zygote is not None and zygote.alive() and zygote.dirs == tuple(self.cgroups.to_join):
+            self.meter.helper = zygote
+            self.meter.helper0 = zygote.cpu_ns()
+            plan["fd_roles"] = [in_r, out_w, err_w, fail_w, *keep]
+            if zygote.launch(plan, plan["fd_roles"]):
+                # the pid comes right after the clone, while the program starts; a zygote that
+                # died (its fds never reached a program) leaves the fork below to start it
+                self.pid = zygote.pid_of_launched()
+            if self.pid is None:  # a program it may have cloned before dying must not run too
+                for pid in self.cgroups.members():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        if self.pid is None:
+            self.meter.helper = None
+            self.pid = os.fork()
+            if self.pid == 0:  # child: nothing here may return
+                _child_main(plan, join=self.cgroups)
         for fd in (in_r, out_w, err_w, fail_w, *keep):
             os.close(fd)
         keep.clear()
@@ -546,14 +1238,26 @@ class Run:
         else:
             self._close_stdin(poller)
         deadline = self.t0 + self.timeout
+        period = self.meter.period
+        next_memory = self.t0 + period if self.meter.samples_memory else math.inf
+        next_cpu = self.t0 + CPU_SAMPLE_S if self.cpu_explicit else math.inf
         while self.status is None and self.reason is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 self.reap()  # an exit (or the backstop's kill) we were too late to see
                 if self.status is None:
                     self.reason = "timeout"
                 break
-            for fd, event in poller.poll(max(1, math.ceil(remaining * 1000))):
+            if now >= next_memory:
+                self._check_memory()
+                next_memory = now + period
+            if now >= next_cpu:
+                self._check_cpu()
+                next_cpu = now + CPU_SAMPLE_S
+            if self.reason is not None:
+                break
+            wait = min(deadline, next_memory, next_cpu) - now
+            for fd, event in poller.poll(max(1, math.ceil(wait * 1000))):
                 if fd == self.wake_fd:
                     _drain(fd)
                     self.reap()
@@ -575,6 +1279,17 @@ class Run:
                 "the kernel's backstop timer ended the program: this supervisor was starved "
                 "past the deadline"
             )
+
+    def _check_memory(self):
+        """Past ``memory_mb`` (sampled; no cgroup of the program's own holds it): end it."""
+        used = self.meter.sample()
+        if used is not None and used > self.memory_mb * MB and self.status is None:
+            self.reason = "memory"
+
+    def _check_cpu(self):
+        """All the request's processes together past ``cpu_time_s``: end it."""
+        if self.meter.cpu_used() >= self.cpu_limit and self.status is None:
+            self.reason = "cpu"
 
     def _feed(self, poller, event):
         try:
@@ -621,14 +1336,18 @@ class Run:
             buf += data
 
     def reap(self):
-        """Reap every exited child (orphans come to us as subreaper), summing their usage."""
+        """Reap every exited child (orphans come to us as subreaper), summing their usage;
+        whether children (this supervisor's helpers aside) are left."""
         while True:
             try:
                 pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return False  # no children left
             if pid == 0:
-                return True  # children alive
+                return _children_but_helpers()
+            if pid in Cgroups.helpers:  # a helper died (killed from outside): not the program
+                Cgroups.helpers.discard(pid)
+                continue
             self.cpu_s += usage.ru_utime + usage.ru_stime
             self.maxrss_kb = max(self.maxrss_kb, usage.ru_maxrss)
             if pid == self.pid:
@@ -744,8 +1463,9 @@ class Run:
     def result(self):
         stdout = bytes(self.out[1]).decode("utf-8", "replace")
         stderr = bytes(self.out[2]).decode("utf-8", "replace")
-        peak = self.cgroups.peak_bytes()
+        peak = self.meter.peak_bytes()
         peak_mb = round(peak / MB, 2) if peak is not None else round(self.maxrss_kb / 1024, 2)
+        self.cpu_s = self.meter.final_cpu()
         res = {
             "status": "sandbox_error",
             "exit_code": None,
@@ -769,13 +1489,15 @@ class Run:
             exit_code, sig = self._bwrap_status(exit_code, sig, res)
             if res["error"]:
                 return res
-        oom = self.cgroups.oom_kills() > self.cgroups.oom_before
+        oom = self.meter.oom_killed()
         res["exit_code"], res["signal"] = exit_code, sig
         if self.reason == "spawn":
             res["error"] = "; ".join(self.notes)
             return res
-        if self.reason == "timeout":
+        if self.reason in ("timeout", "cpu"):
             res["status"], res["signal"] = "timeout", signal.SIGKILL
+        elif self.reason == "memory":
+            res["status"], res["signal"] = "oom", signal.SIGKILL
         elif self.reason == "output_limit":
             res["status"], res["signal"] = "output_limit", signal.SIGKILL
         elif self.status is None:
@@ -810,7 +1532,7 @@ class Run:
             if isinstance(doc, dict) and "exit-code" in doc:
                 reported = int(doc["exit-code"])
         if reported is None:
-            if self.cgroups.oom_kills() > self.cgroups.oom_before:
+            if self.meter.oom_killed():
                 return exit_code, sig
             res["error"] = "bubblewrap failed before the program ran: " + res["stderr"][-2000:]
             return exit_code, sig
@@ -889,12 +1611,28 @@ def _error_result(status, message):
             "peak_memory_mb": None, "signal": None, "error": message}  # fmt: skip
 
 
-def run_job(job, wake_fd):
-    """One request from a decoded envelope to a result dict; never raises."""
+_SECCOMP_CACHE = {}
+
+
+def _seccomp_for(deny):
+    """The seccomp program denying ``deny`` (built once per list), or None for an empty list."""
+    if not isinstance(deny, (list, tuple)) or not all(isinstance(n, str) for n in deny):
+        raise Invalid("deny_syscalls: must be a list of syscall names")
+    key = tuple(sorted(set(deny)))
+    if key and key not in _SECCOMP_CACHE:
+        _SECCOMP_CACHE[key] = program = seccomp_program(key)
+        if _libc_handle():
+            _fprog(program)  # ready before the fork
+    return _SECCOMP_CACHE.get(key)
+
+
+def run_job(job, wake_fd, zygote=None):
+    """One request from a decoded envelope to a result dict; never raises. ``zygote``: the
+    warm supervisor's (see ``Zygote``), used when it joined the request's cgroups."""
     run = None
     try:
         run = Run(job, wake_fd)
-        run.spawn()
+        run.spawn(zygote)
         if run.reason is None:
             run.watch()
         run.kill_everything()
@@ -930,14 +1668,40 @@ def _emit(result, out):
     out.flush()
 
 
-def _one(line, wake_fd):
+def _parse(line):
+    """The envelope of one input line, or an error result."""
     try:
         job = json.loads(line)
         if not isinstance(job, dict):
             raise ValueError("the input is not a JSON object")
     except ValueError as exc:
-        return _error_result("sandbox_error", f"supervisor: bad input: {exc}")
-    return run_job(job, wake_fd)
+        return None, _error_result("sandbox_error", f"supervisor: bad input: {exc}")
+    return job, None
+
+
+def _one(line, wake_fd):
+    job, error = _parse(line)
+    return error or run_job(job, wake_fd)
+
+
+def zygote_for(job, zygote):
+    """The zygote for ``job``'s cgroups: ``zygote`` when it fits and lives, else a new one
+    (None when the program joins no cgroup of its own, or a new one cannot be made)."""
+    dirs = job.get("cgroup") if isinstance(job, dict) else None
+    try:
+        to_join = tuple(Cgroups([dirs] if isinstance(dirs, str) else list(dirs or [])).to_join)
+    except Exception:
+        to_join = ()
+    if zygote is not None and zygote.alive() and zygote.dirs == to_join:
+        return zygote
+    if zygote is not None:
+        zygote.discard()
+    if not to_join or not can_have_helpers():
+        return None
+    try:
+        return Zygote(to_join)
+    except OSError:
+        return None  # each request forks its own child
 
 
 def selftest(uid):
@@ -970,9 +1734,15 @@ def main(argv):
     wake = _install_wakeup()
     out = sys.stdout.buffer
     if "--serve" in argv:
+        zygote = None
         for line in sys.stdin.buffer:
             if line.strip():
-                _emit(_one(line, wake), out)
+                job, error = _parse(line)
+                if job is not None:
+                    zygote = zygote_for(job, zygote)
+                _emit(error or run_job(job, wake, zygote), out)
+        if zygote is not None:
+            zygote.discard()
         return 0
     _emit(_one(sys.stdin.buffer.read(), wake), out)
     return 0

@@ -17,6 +17,7 @@ from agentrl.sandboxes import (
     DockerConfig,
     GVisorConfig,
     PoolConfig,
+    SandboxError,
     build_image,
     open_sandbox_pool,
 )
@@ -54,7 +55,10 @@ async def test_container_is_locked_down(container_backend, client):
         assert "no-new-privileges" in host["SecurityOpt"]
         assert host["Memory"] == 512 * 2**20 and host["MemorySwap"] == 512 * 2**20
         assert host["NanoCpus"] == 10**9
-        assert set(host["Tmpfs"]) == {"/scratch", "/tmp"}
+        tmpfs = host["Tmpfs"]
+        assert set(tmpfs) == {"/scratch", "/tmp", "/dev/shm"}
+        assert "nr_inodes=65536" in tmpfs["/scratch"] and "nr_inodes=4096" in tmpfs["/dev/shm"]
+        assert host["Sysctls"]["kernel.shmall"] == str(16 * 256)  # pages of shm_mb
         labels = attrs["Config"]["Labels"]
         assert labels["agentrl.sandbox"] == "1" and labels["agentrl.pool"] == pool._backend.pool_id
         if container_backend.name == "gvisor":
@@ -64,7 +68,11 @@ async def test_container_is_locked_down(container_backend, client):
         names = {g.name: g.available for g in pool.guarantees()}
         assert names["network_isolation"] and names["readonly_root"]
         assert names["kernel_isolation"] is (container_backend.name == "gvisor")
-        assert names["pids_limit"]
+        assert names["pids_limit"] and names["seccomp"] and names["kernel_objects"]
+        assert not names["memory_hard_limit"]  # a gap, said plainly
+        gvisor = container_backend.name == "gvisor"
+        for gap in ("tmpfs_inodes", "posix_mqueue", "cpu_time_per_request"):
+            assert names[gap] is not gvisor, gap
 
 
 async def test_program_identity_and_environment(container_backend):
@@ -386,3 +394,35 @@ def test_image_build_command_runs_as_a_user_would():
     )
     assert proc.returncode == 0, proc.stderr
     assert DEFAULT_IMAGE in proc.stdout
+
+
+async def test_a_probe_that_cannot_look_fails_closed(container_backend, monkeypatch):
+    """The leftover probe must list every writable dir: one it cannot list (here a dir that
+    does not exist) leaves it blind, and a blind probe never hands a container out: not even
+    the health check of a new one passes."""
+    from agentrl.sandboxes import _docker
+
+    for name in ("PROBE_DIRS", "GVISOR_PROBE_DIRS"):
+        monkeypatch.setattr(_docker, name, [*getattr(_docker, name), "/nonexistent-dir"])
+    with pytest.raises(SandboxError, match="unknown=.*/nonexistent-dir"):
+        async with container_backend.open(size=1):
+            pass
+
+
+async def test_a_program_that_fills_the_container_is_the_one_killed(container_backend):
+    """Memory no process's RSS shows (a memfd) past the request's memory_mb, which is clamped
+    to the container's cap less the supervisor's share: the program ends as oom and the same
+    container keeps serving (the supervisor was neither the sampler's nor the kernel's victim)."""
+    code = (
+        "import os\n"
+        "while True:\n"  # memfds of 128 MB each (RLIMIT_FSIZE caps a file at 256 MB)
+        "    fd = os.memfd_create('fill')\n"
+        "    for _ in range(32):\n"
+        "        os.write(fd, b'1' * (4 << 20))\n"
+    )
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(py(code, memory_mb=4096, timeout_s=20))
+        assert result.status == "oom", result
+        assert 400 <= result.peak_memory_mb <= 512, result
+        again = await pool.run(py("print('same container')", timeout_s=20))
+        assert again.status == "ok" and again.sandbox_id == result.sandbox_id, again

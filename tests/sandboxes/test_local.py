@@ -98,9 +98,20 @@ async def local_pool(scratch_root: Path, **pool: Any) -> AsyncIterator[SandboxPo
 def test_guarantees_report_this_host():
     guarantees = {g.name: g for g in LocalBackend(LocalConfig()).guarantees()}
     assert all(g.detail for g in guarantees.values())
-    for name in ("bubblewrap", "user_ns", "network_isolation", "readonly_root", "separate_uid"):
+    for name in (
+        "bubblewrap",
+        "user_ns",
+        "network_isolation",
+        "readonly_root",
+        "separate_uid",
+        "session_keyring",
+        "kernel_objects",
+        "tmpfs_inodes",
+    ):
         assert guarantees[name].available, guarantees[name]
-    assert not guarantees["seccomp"].available and not guarantees["kernel_isolation"].available
+    assert guarantees["seccomp"].available == ("--seccomp" in FACTS.bwrap_options)
+    assert not guarantees["kernel_isolation"].available  # a gap, said plainly
+    assert guarantees["cpu_time_per_request"].available == ("cpuacct" in FACTS.cgroup_v1)
     kind = FACTS.cgroup_kind
     assert guarantees["memory_limit"].available == (kind is not None)
     if kind is not None:
@@ -112,7 +123,10 @@ def test_guarantees_report_this_host():
 
 @pytest.mark.parametrize(
     ("require", "message"),
-    [(["seccomp"], "seccomp: not provided"), (["no_such_guarantee"], "unknown guarantee")],
+    [
+        (["kernel_isolation"], "kernel_isolation: shares the host kernel"),
+        (["no_such_guarantee"], "unknown guarantee"),
+    ],
 )
 async def test_a_required_guarantee_that_is_missing_refuses_to_start(
     scratch_root, require, message
@@ -219,7 +233,7 @@ async def test_a_fork_bomb_is_bounded(scratch_root):
         # the sweep set pids.max to 0 and lifted the CPU quota: the quota is back, and the next
         # run may start processes again
         for name, value in (("cpu.cfs_quota_us", "100000"), ("cpu.max", "100000 100000")):
-            for path in [Path(d, name) for d in sandbox.cgroup_dirs if Path(d, name).exists()]:
+            for path in [Path(d, name) for d in sandbox.program_dirs if Path(d, name).exists()]:
                 assert path.read_text().strip() == value
         forks = "import subprocess\nprint([subprocess.run(['true']).returncode for _ in range(3)])"
         assert (await pool.run(py(forks))).stdout == "[0, 0, 0]\n"
@@ -330,3 +344,41 @@ async def test_p50_latency_of_a_trivial_program(scratch_root):
     p50 = statistics.median(walls)
     print(f"local backend p50 {p50 * 1000:.1f} ms")
     assert p50 < 0.5
+
+
+# -- the program's own cgroups and the zygote ------------------------------------------------------
+@pytest.mark.skipif(FACTS.cgroup_kind != "v1", reason="no writable cgroup v1 controllers")
+async def test_the_program_runs_in_groups_of_its_own_entered_once(scratch_root):
+    """Memory, CPU time and processes are accounted in ``run`` groups holding only the program
+    and the supervisor's zygote (which forks the programs there, so no request waits for a
+    cgroup attach). A zygote that dies is replaced; the request meanwhile forks its own child."""
+    code = "print(sorted(set(open('/proc/self/cgroup').read().split())))"
+    async with local_pool(scratch_root) as pool:
+        (sandbox,) = pool._backend._sandboxes.values()
+        supervisor = sandbox._process.pid
+        runs = [d for d in sandbox.program_dirs if d.endswith("/run")]
+        hierarchies = {Path(d).parent.parent.parent.name for d in runs}
+        assert hierarchies >= {"memory", "cpuacct", "pids"} and "cpu" not in hierarchies, runs
+        assert (await pool.run(py(code))).status == "ok"
+
+        def zygote() -> int | None:
+            members = {int(p) for d in runs for p in Path(d, "cgroup.procs").read_text().split()}
+            assert len(members) <= 1, members
+            return members.pop() if members else None
+
+        first = await wait_for(zygote, "a zygote", 5.0)
+        status = Path(f"/proc/{first}/status").read_text()
+        assert f"PPid:\t{supervisor}\n" in status and "\nUid:\t0\t" in status
+        # below the program's 1000 (-1000 where the host allows lowering it)
+        assert int(Path(f"/proc/{first}/oom_score_adj").read_text()) <= 0
+        assert await sandbox.is_clean()
+        for _ in range(3):  # the same zygote serves every request
+            assert (await pool.run(py("print(1)"))).stdout == "1\n"
+            assert zygote() == first
+        os.kill(first, signal.SIGKILL)
+        result = await pool.run(py("print('after the zygote died')"))
+        assert result.status == "ok" and result.stdout == "after the zygote died\n", result
+        result = await pool.run(py("x = bytearray(50 << 20)", memory_mb=128))
+        assert result.status == "ok" and 50 <= result.peak_memory_mb < 70, result
+        second = await wait_for(zygote, "a new zygote", 5.0)
+        assert second != first

@@ -48,6 +48,7 @@ def supervise(code: str, language: str = "python", *, scratch: Path, **fields: A
     """Run one request through a fresh supervisor; the envelope's keys come from ``fields``
     (``uid``, ``cgroup``, ...), the rest is the request."""
     envelope_keys = {"uid", "gid", "cgroup", "max_processes", "rlimit_as_mb", "env"}
+    envelope_keys.add("deny_syscalls")
     envelope: dict[str, Any] = {
         "uid": PROGRAM_UID,
         "gid": PROGRAM_UID,
@@ -318,3 +319,134 @@ def test_selftest():
         [sys.executable, str(SUPERVISOR), "--selftest"], capture_output=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout.decode()
+
+
+# -- seccomp, keyrings, the OOM killer's choice ----------------------------------------------------
+_SYSCALLS = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "out = []\n"
+    "for nr, args in ((248, (b'user', b'k', b'v', 1, -3)), (249, (b'user', b'k', None, -3)),\n"
+    "                 (250, (0, -3, 0)), (0x40000000 | 39, ())):\n"  # the last: x32 getpid
+    "    out.append((libc.syscall(nr, *args) >= 0, ctypes.get_errno()))\n"
+    "print(out, open('/proc/self/oom_score_adj').read().strip())\n"
+)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
+def test_keyring_and_x32_syscalls_answer_eperm(scratch):
+    r = supervise(_SYSCALLS, scratch=scratch)
+    assert r["status"] == "ok", r
+    assert r["stdout"] == "[(False, 1), (False, 1), (False, 1), (False, 1)] 1000\n", r
+    # the filter is what refuses them: without it the keyring calls work
+    r = supervise(_SYSCALLS, scratch=scratch, deny_syscalls=[])
+    assert r["stdout"].startswith("[(True, 0), (True, 0), (True, 0)"), r
+
+
+@pytest.mark.parametrize("deny", [["no_such_call"], "keyctl", [5]])
+def test_a_bad_deny_list_is_an_invalid_request(scratch, deny):
+    r = supervise("print(1)", scratch=scratch, deny_syscalls=deny)
+    assert r["status"] == "invalid_request" and "deny_syscalls" in r["error"], r
+
+
+def test_the_program_does_not_share_the_supervisors_session_keyring(scratch):
+    """A supervisor started under a session keyring holding a key (systemd's services, SSH
+    logins): its programs get a fresh one and cannot even see that key in /proc/keys."""
+    envelope = {
+        "request": {"language": "python", "code": "print(open('/proc/keys').read())"},
+        "uid": PROGRAM_UID,
+        "scratch_root": str(scratch),
+        "python": SYSTEM_PYTHON,
+        "deny_syscalls": [],  # the fresh keyring alone keeps the key out of reach
+    }
+    under_a_keyring = (
+        "import ctypes, os, sys\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.syscall(250, 1, b'agentrl-test-service') > 0\n"  # JOIN_SESSION_KEYRING
+        "assert libc.syscall(248, b'user', b'agentrl-service-secret', b's', 1, -3) > 0\n"
+        "os.execv(sys.executable, [sys.executable, sys.argv[1]])\n"
+    )
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86_64 syscall numbers")
+    proc = subprocess.run(
+        [sys.executable, "-c", under_a_keyring, str(SUPERVISOR)],
+        input=json.dumps(envelope).encode(),
+        capture_output=True,
+        timeout=60,
+    )
+    r = answer(proc.stdout)
+    assert r["status"] == "ok", r
+    assert "_ses" in r["stdout"] and "agentrl-service-secret" not in r["stdout"], r
+
+
+# -- cpu_time_s over all processes, without cgroups ------------------------------------------------
+def test_cpu_time_is_summed_over_the_programs_processes(scratch):
+    code = (
+        "import os\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        while True:\n"
+        "            pass\n"
+        "os.wait()\n"
+    )
+    r = supervise(code, scratch=scratch, timeout_s=20.0, cpu_time_s=1.0)
+    assert r["status"] == "timeout" and r["signal"] == 9, r
+    # sampled every 50 ms on this host's CPUs (no quota here): past the limit by little
+    limit = 1.0 + 0.05 * (os.cpu_count() or 1) + 0.5
+    assert 1.0 <= r["cpu_s"] <= limit and r["wall_s"] < 10, r
+    assert uid_processes() == []
+
+
+def test_without_cpu_time_s_the_wall_clock_decides(scratch):
+    # the sum only applies to an explicit cpu_time_s: two busy processes run to the wall clock
+    code = "import os\nos.fork()\nwhile True:\n    pass\n"
+    r = supervise(code, scratch=scratch, timeout_s=1.5)
+    assert r["status"] == "timeout" and r["wall_s"] >= 1.5, r
+
+
+# -- the container's leftover probe (``_exec_wrapper``), against a real kernel ---------------------
+_WRAPPER = SUPERVISOR.with_name("_exec_wrapper.py")
+_PROBE_IPC = """
+import ctypes, json, sys
+wrapper = {"__name__": "agentrl_wrapper"}
+exec(compile(open(sys.argv[1]).read(), "wrapper", "exec"), wrapper)
+ipc = wrapper["SysvIpc"]()
+libc = ctypes.CDLL(None, use_errno=True)
+out = {"blind": sorted(ipc.blind)}
+unknown = []
+out["clean"] = ipc.leftovers(unknown)
+libc.msgget(0, 0o1600), libc.shmget(0, 4096, 0o1600), libc.semget(0, 1, 0o1600)
+out["left"] = ipc.leftovers(unknown)
+
+class Blind(wrapper["SysvIpc"]):
+    def count(self, kind):  # a kernel whose count never moves (cannot look)
+        return 0
+
+blind = Blind()
+out["blind_kinds"] = sorted(blind.blind)
+out["blind_left"] = blind.leftovers(unknown)
+out["unknown"] = unknown
+print(json.dumps(out))
+"""
+
+
+def test_the_ipc_probe_counts_through_syscalls_and_fails_closed_when_blind():
+    """In a fresh IPC namespace: the canary proves the count works, three leftovers are
+    counted; a count that cannot see the canary marks every kind unknown (the host recycles)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare(1) is missing")
+    proc = subprocess.run(
+        [unshare, "--ipc", sys.executable, "-c", _PROBE_IPC, str(_WRAPPER)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    out = json.loads(proc.stdout)
+    assert out["blind"] == [] and out["clean"] == 0 and out["left"] == 3, out
+    assert out["blind_kinds"] == ["msg", "sem", "shm"] and out["blind_left"] == 0, out
+    assert [u.split(":")[0] for u in out["unknown"]] == [
+        "sysvipc msg",
+        "sysvipc shm",
+        "sysvipc sem",
+    ], out
