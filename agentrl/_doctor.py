@@ -63,25 +63,6 @@ def checks() -> list[tuple[str, bool, str]]:
     return rows
 
 
-def sandbox_gaps() -> list[tuple[str, str, str]]:
-    """(backend, what, why) for each thing a sandbox backend does not guarantee on this host:
-    a backend that cannot run here, and every guarantee of one that can but is not given.
-    Never raises."""
-    try:
-        from .sandboxes._report import host_report
-
-        rows = host_report()
-    except Exception as exc:
-        return [("sandboxes", "cannot probe", f"{type(exc).__name__}: {exc}")]
-    gaps = []
-    for backend, available, detail, guarantees in rows:
-        if not available:
-            gaps.append((backend, "unavailable", detail))
-            continue
-        gaps += [(backend, g.name, g.detail) for g in guarantees if not g.available]
-    return gaps
-
-
 def run_doctor(console: Any) -> int:
     from rich.table import Table
 
@@ -89,8 +70,4 @@ def run_doctor(console: Any) -> int:
     for name, ok, detail in checks():
         table.add_row(name, "[green]yes[/]" if ok else "[yellow]no[/]", detail)
     console.print(table)
-    gaps = Table("backend", "not guaranteed", "why", title="sandbox gaps on this host")
-    for backend, what, why in sandbox_gaps():
-        gaps.add_row(backend, f"[yellow]{what}[/]", why)
-    console.print(gaps)
     return 0

@@ -537,7 +537,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     console = _console()
     run_doctor(console)
     try:
-        from .sandboxes._report import host_report
+        from .sandboxes._report import gaps, host_report
 
         rows = host_report()
     except Exception as exc:  # doctor never crashes: say why
@@ -555,6 +555,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         for g in guarantees:
             table.add_row(g.name, "[green]yes[/]" if g.available else "[yellow]no[/]", g.detail)
         console.print(table)
+    missing = Table("backend", "not guaranteed", "why", title="sandbox gaps on this host")
+    for backend, what, why in gaps(rows):
+        missing.add_row(backend, f"[yellow]{what}[/]", why)
+    console.print(missing)
     return 0
 
 

@@ -91,3 +91,16 @@ def host_report() -> list[tuple[str, bool, str, list[Guarantee]]]:
         )
     )
     return rows
+
+
+def gaps(rows: list[tuple[str, bool, str, list[Guarantee]]]) -> list[tuple[str, str, str]]:
+    """(backend, what, why) for each thing a backend does not guarantee on this host, from
+    ``host_report()``'s rows: a backend that cannot run here, and every guarantee of one that
+    can but is not given."""
+    out = []
+    for backend, available, detail, guarantees in rows:
+        if not available:
+            out.append((backend, "unavailable", detail))
+            continue
+        out += [(backend, g.name, g.detail) for g in guarantees if not g.available]
+    return out

@@ -231,7 +231,9 @@ def test_the_example_script_runs_as_documented(tmp_path, tiny_model_path):
         "-n", "2", "--check", "--dry-run", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    first, second = read_trajectories(str(out / "trajectories.jsonl"))
+    # written in the order they finished: sort by task
+    trajectories = read_trajectories(str(out / "trajectories.jsonl"))
+    first, second = sorted(trajectories, key=lambda t: t.task_id)
     assert first.task_id == "train-L0-0-0" and first.reward == 1.0
     assert [r.output for r in first.tool_calls] == ["5"]
     assert [r.output for r in second.tool_calls] == ["42"] and second.status == "done"

@@ -11,8 +11,7 @@ import os
 import subprocess
 import sys
 
-from agentrl._doctor import sandbox_gaps
-from agentrl.sandboxes._report import host_report
+from agentrl.sandboxes._report import gaps, host_report
 
 # gaps the design has on any host (said in docs/sandboxes.md, "Gaps that remain")
 ALWAYS = {
@@ -25,9 +24,9 @@ ALWAYS = {
 def test_every_guarantee_not_given_is_a_named_gap():
     rows = host_report()
     assert [row[0] for row in rows] == ["local", "docker", "gvisor"]
-    gaps = sandbox_gaps()
+    named_gaps = gaps(rows)
     for backend, available, detail, guarantees in rows:
-        named = {(what, why) for b, what, why in gaps if b == backend}
+        named = {(what, why) for b, what, why in named_gaps if b == backend}
         if not available:
             assert named == {("unavailable", detail)}, (backend, named)
             continue
@@ -49,5 +48,5 @@ def test_doctor_prints_the_gaps_per_backend():
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout.split("sandbox gaps on this host", 1)[1]
     lines = [line for line in text.splitlines() if "│" in line or "|" in line]
-    for backend, what, _ in sandbox_gaps():
+    for backend, what, _ in gaps(host_report()):
         assert any(backend in line and what in line for line in lines), (backend, what, text)

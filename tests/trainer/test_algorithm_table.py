@@ -71,7 +71,8 @@ def test_the_config_reads_names_and_defaults_from_the_table(registered):
     assert not AlgorithmConfig(name=registered.name, kl_coef=0).needs_reference
     assert AlgorithmConfig(name=registered.name, clip_low=0.1).resolved().clip_low == 0.1
     with pytest.raises(ConfigError, match="needs groups: set rollout.group_size >= 2"):
-        load_train_config(None, [f"algorithm.name={registered.name}"])
+        load_train_config(None, [f"algorithm.name={registered.name}", "rollout.group_size=1"])
+    assert load_train_config(None, [f"algorithm.name={registered.name}"]).rollout.group_size == 4
     assert registered.name in algorithm_names()
     assert f"| `{registered.name}` | `best_baseline_advantages` | `cispo` |" in config_reference()
 
