@@ -12,12 +12,13 @@ import json
 import os
 from pathlib import Path
 
+import anyio
 import pytest
 from tool_model import teach_tool_call
 
 import agentrl
 from agentrl import ConfigError, read_trajectories
-from agentrl.loop import TaskStream, load_train_config, read_ledger, train
+from agentrl.loop import TaskStream, aevaluate, load_train_config, read_ledger, train
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
@@ -100,6 +101,19 @@ def test_python_math_trains_with_a_local_sandbox(tool_model, tmp_path):
     result = train(cfg, tmp_path / "run")
     assert result.steps == 2 and result.policy_version == 2
     _check_sandboxed_run(tmp_path / "run", 2)
+
+
+@pytest.mark.slow
+def test_evaluate_runs_the_programs_in_the_configured_sandbox(tool_model, tmp_path):
+    """``agentrl eval``'s path: the same composition, its counts in the summary."""
+    if not Path("/usr/bin/bwrap").exists():
+        pytest.skip("bubblewrap is not installed (scripts/services start installs it)")
+    cfg = load_train_config(math_config(tmp_path, tool_model, "local"))
+    metrics = anyio.run(lambda: aevaluate(cfg, tool_model, out=tmp_path / "eval"))
+    evaluated = read_trajectories(str(tmp_path / "eval" / "eval_trajectories.jsonl"))
+    ran = [c for t in evaluated for c in t.tool_calls if c.name == "run_python" and c.ok]
+    assert ran and all("42" in c.output for c in ran), [t.messages[-1].content for t in evaluated]
+    assert metrics["sandbox/execs"] == len(ran) and metrics["sandbox/exec_s_p50"] > 0
 
 
 @pytest.mark.slow
