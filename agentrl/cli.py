@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--config",
         default=None,
-        help="YAML/JSON file with a 'rollout' (and optional 'engine') section",
+        help="YAML/JSON file with a 'rollout' (and optional 'engine' and 'sandbox') section",
     )
     r.add_argument("--out", default=None, help="run directory (default runs/<env>-<time>)")
     exists = r.add_mutually_exclusive_group()
@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--sandbox",
         default=None,
-        help="sandbox for code-running envs: local | docker | gvisor | http(s)://HOST:PORT "
-        "(default: local when the env takes a sandbox)",
+        help="sandbox for code-running envs: local | docker | gvisor | "
+        "http(s)://HOST:PORT[,HOST:PORT...] | a PoolConfig file (wins over the config's "
+        "'sandbox:' key; an env that runs code needs one of the two)",
     )
 
     i = sub.add_parser("inspect", help="re-render saved trajectories")
@@ -168,11 +169,14 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     console = _console()
     data: dict[str, Any] = {}
     engine_data: dict[str, Any] = {}
+    args.sandbox_where = "--sandbox"
     if args.config:
         loaded = _load_config_file(args.config)
         _refuse_moved_settings(loaded, args.config)
         data = dict(loaded.get("rollout", {}))
         engine_data = dict(loaded.get("engine", {}))
+        if args.sandbox is None and loaded.get("sandbox") is not None:
+            args.sandbox, args.sandbox_where = loaded["sandbox"], f"{args.config}: sandbox"
     args.engine_options = engine_options(engine_data)
     overrides = {
         "group_size": args.group,
@@ -271,26 +275,16 @@ def _previous_elapsed(out: Path, elapsed_s: float) -> float | None:
 async def _rollout_with_resources(
     args: argparse.Namespace, cfg, out: Path, progress, if_exists: str, stop
 ):
-    """Open what the env needs for this rollout (a shared sandbox pool or client), then run."""
-    from contextlib import AsyncExitStack
-
+    """Open what the env needs for this rollout (the run's sandbox), then run."""
     from ._registry import spec
     from ._runner import arollout
+    from .envs import open_env_sandbox
 
     env_spec = spec(args.env)
-    async with AsyncExitStack() as stack:
-        resources: dict[str, Any] = {}
-        from .envs._sandbox import open_sandbox_runner, wants_sandbox
-
-        if args.sandbox or wants_sandbox(env_spec.entry_point):
-            try:
-                resources["sandbox"] = await stack.enter_async_context(
-                    open_sandbox_runner(args.sandbox or "local")
-                )
-            except ValueError as exc:
-                from ._errors import ConfigError
-
-                raise ConfigError(f"--sandbox {args.sandbox!r}: {exc}") from None
+    sandbox = open_env_sandbox(
+        args.sandbox, args.env, env_spec.entry_point, where=args.sandbox_where
+    )
+    async with sandbox as resources:
         return await arollout(
             args.env,
             engine=_rollout_engine(args),

@@ -1,9 +1,9 @@
 """How environments get a sandbox from the runtime.
 
-The runtime opens **one** sandbox runner per rollout — an in-process ``SandboxPool`` for
-``--sandbox local|docker|gvisor`` or a ``SandboxClient`` for ``--sandbox http(s)://HOST:PORT`` —
-with ``open_sandbox_runner(spec)``, and passes it to the environment factory as the keyword
-argument ``sandbox`` (only to environments whose factory takes one: ``wants_sandbox``). Each
+The runtime opens **one** sandbox runner per run — an in-process ``SandboxPool`` for
+``sandbox: local|docker|gvisor`` or ``SandboxClient``s for ``sandbox: http(s)://HOST:PORT`` —
+with ``open_env_sandbox`` (``_sandbox_open``), and passes it to the environment factory as the
+keyword argument ``sandbox`` (only to environments whose factory takes one: ``wants_sandbox``). Each
 environment instance (one per trajectory) wraps it in a ``SandboxLease``: the trajectory's handle,
 which waits and retries when the pool is over capacity (nothing ran, so retrying is safe) and
 refuses use after ``close()``.
@@ -13,34 +13,21 @@ runs alone): ``sandbox_errors`` translates them into ``agentrl.SandboxError`` (t
 ``__cause__``), so ``except agentrl.AgentRLError`` sees every failure that crosses it.
 
 This module lives in ``agentrl.envs`` (which may import ``agentrl.sandboxes``) so that the core
-never imports sandboxes; the composition root (``agentrl.cli``) imports it.
+never imports sandboxes; the composition roots (``agentrl.cli``, ``agentrl.loop``) import it.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-import os
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
 
-from agentrl import ConfigError, SandboxError
+from agentrl import SandboxError
 from agentrl import sandboxes as _sandboxes
-from agentrl.sandboxes import (
-    PoolBusy,
-    PoolConfig,
-    RunRequest,
-    RunResult,
-    SandboxClient,
-    SandboxRunner,
-    open_sandbox_pool,
-)
-
-BACKENDS = ("local", "docker", "gvisor")
-TOKEN_ENV = "AGENTRL_SANDBOX_TOKEN"
+from agentrl.sandboxes import PoolBusy, RunRequest, RunResult, SandboxRunner
 
 
 def wants_sandbox(factory: Callable[..., Any]) -> bool:
@@ -60,49 +47,6 @@ def sandbox_errors(where: str) -> Iterator[None]:
         yield
     except _sandboxes.SandboxError as exc:
         raise SandboxError(f"{where}: {type(exc).__name__}: {exc}") from exc
-
-
-def _pool_config(spec: str, size: int | None) -> PoolConfig:
-    if spec in BACKENDS:
-        data: dict[str, Any] = {"backend": {"type": spec}}
-    elif spec.endswith(".json") and os.path.isfile(spec):
-        try:
-            with open(spec) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"sandbox config {spec}: {exc}") from exc
-    else:
-        raise ConfigError(
-            f"unknown sandbox {spec!r}: expected one of {', '.join(BACKENDS)}, "
-            "http(s)://HOST:PORT, or a PoolConfig .json file"
-        )
-    if size is not None:
-        data["size"] = size
-    try:
-        return PoolConfig.model_validate(data)
-    except ValueError as exc:  # pydantic's ValidationError names the field
-        raise ConfigError(f"sandbox config {spec}: {exc}") from exc
-
-
-@asynccontextmanager
-async def open_sandbox_runner(
-    spec: str, *, size: int | None = None, token: str | None = None
-) -> AsyncIterator[SandboxRunner]:
-    """Open the sandbox a rollout shares: ``local``/``docker``/``gvisor`` (an in-process pool of
-    ``size`` warm sandboxes), ``http(s)://HOST:PORT`` (the service; bearer token from ``token``
-    or ``$AGENTRL_SANDBOX_TOKEN``), or a path to a ``PoolConfig`` JSON file.
-
-    Raises ``agentrl.ConfigError`` for a bad ``spec`` and ``agentrl.SandboxError`` when the
-    sandbox cannot be opened (backend unavailable, service unreachable)."""
-    with sandbox_errors(f"sandbox {spec}"):
-        if spec.startswith(("http://", "https://")):
-            client = SandboxClient(spec, token=token or os.environ.get(TOKEN_ENV) or None)
-            async with client:
-                await client.health()  # fail now, clearly, if the service is not there
-                yield client
-            return
-        async with open_sandbox_pool(_pool_config(spec, size)) as pool:
-            yield pool
 
 
 class SandboxLease:
@@ -139,9 +83,9 @@ class SandboxLease:
             raise SandboxError(f"{self._env_id}: the sandbox lease is closed")
         if self._runner is None:
             raise SandboxError(
-                f"{self._env_id} needs a sandbox: run `agentrl rollout --sandbox "
-                "local|docker|gvisor|http://HOST:PORT`, or pass sandbox=<SandboxPool or "
-                "SandboxClient> to the environment"
+                f"{self._env_id} needs a sandbox: set `sandbox:` in the run's config or run "
+                "`agentrl rollout --sandbox local|docker|gvisor|http://HOST:PORT`, or pass "
+                "sandbox=<SandboxPool or SandboxClient> to the environment"
             )
         return self._runner
 

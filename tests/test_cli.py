@@ -220,6 +220,29 @@ def test_bad_sandbox_spec_is_a_clear_error(tmp_path, tiny_model_path):
 
 
 @pytest.mark.parametrize(
+    ("config", "flag", "needle"),
+    [
+        (None, None, "python-math-v0 runs code in a sandbox and none is configured: set "
+                     "`sandbox:`"),
+        ({"sandbox": "nonsense"}, None, "sandbox: unknown sandbox 'nonsense'"),
+        ({"sandbox": {"size": 0}}, None, "sandbox.size"),
+        ({"sandbox": "local"}, "bogus", "--sandbox: unknown sandbox 'bogus'"),  # the flag wins
+    ],
+)  # fmt: skip
+def test_the_rollout_sandbox_comes_from_the_flag_or_the_config(tmp_path, config, flag, needle):
+    """Refused before the model is loaded (the model named does not exist)."""
+    args = ["rollout", "--env", "python-math-v0", "--model", "no-such-model", "-n", "1"]
+    if config is not None:
+        (tmp_path / "run.yaml").write_text(json.dumps(config))
+        args += ["--config", str(tmp_path / "run.yaml")]
+    if flag is not None:
+        args += ["--sandbox", flag]
+    proc = agentrl(*args, "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
     ("engine", "needle", "code"),
     [
         ({"max_batch_size": 2, "device": "cpu"}, None, 0),

@@ -23,6 +23,8 @@ import pydantic_core
 from agentrl._config import RolloutConfig, validate_config
 from agentrl._errors import ConfigError
 from agentrl.engine import EngineOptions
+from agentrl.envs import SandboxSpec, sandbox_spec
+from agentrl.sandboxes import PoolConfig
 from agentrl.trainer import AlgorithmConfig, DeepSpeedSection, OptimizerConfig
 
 MOVED_SETTINGS: dict[tuple[str, ...], str] = {
@@ -163,6 +165,23 @@ class TrainConfig(_Section):
     """TensorBoard, progress, trajectory files."""
     eval: EvalSection = pydantic.Field(default_factory=EvalSection)
     """Held-out evaluation."""
+    sandbox: SandboxSpec | None = None
+    """Where an environment that runs code (``python-math-v0``, ``code-tests-v0``) runs it:
+    ``local`` | ``docker`` | ``gvisor`` (an in-process pool of warm sandboxes),
+    ``http(s)://HOST:PORT[,HOST:PORT…]`` (``agentrl sandbox serve``; the least busy address
+    takes each request), a path to a pool file (.json, .yaml), or the pool's options as a
+    mapping (``{backend: {type: docker}, size: 8}``). Opened once per run, shared by training
+    and evaluation, closed at the end. Required by an environment that runs code, refused for
+    one that takes no sandbox. ``agentrl rollout --sandbox`` wins over it."""
+
+    @pydantic.field_validator("sandbox", mode="before")
+    @classmethod
+    def _sandbox(cls, value: Any) -> Any:
+        """A backend name, service addresses or a file path, checked (the pool's options are
+        validated with their field names in ``_read``)."""
+        if value is None or isinstance(value, dict | PoolConfig):
+            return value
+        return sandbox_spec(value, where="")  # the error is located at `sandbox` already
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -188,6 +207,7 @@ class TrainConfig(_Section):
                         "input": value,
                     }
                 )
+        errors += _sandbox_option_errors(data.get("sandbox"))
         if errors:
             raise pydantic_core.ValidationError.from_exception_data(cls.__name__, errors)
         rollout = _default_context(data.get("rollout"), data.get("train"))
@@ -212,11 +232,11 @@ class TrainConfig(_Section):
     def hash(self) -> str:
         """sha256 (16 hex) of what decides the training trajectory: everything except
         ``train.max_steps``/``num_threads``/``max_steps_without_update``, checkpointing,
-        logging, eval, engine options, the servers and rollout concurrency (those may change on
-        resume)."""
+        logging, eval, engine options, the servers, the sandbox and rollout concurrency (those
+        may change on resume)."""
         data = self.model_dump(mode="json")
         data["algorithm"] = self.algorithm.resolved().model_dump(mode="json")
-        for section in ("checkpoint", "logging", "eval", "engine", "server"):
+        for section in ("checkpoint", "logging", "eval", "engine", "server", "sandbox"):
             data.pop(section)
         data["train"].pop("max_steps")
         data["train"].pop("num_threads")
@@ -224,6 +244,26 @@ class TrainConfig(_Section):
         data["rollout"].pop("concurrency")
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _sandbox_option_errors(value: Any) -> list[Any]:
+    """The errors of a ``sandbox:`` mapping as ``PoolConfig`` options, located under
+    ``sandbox`` (``sandbox.backend.type``, ``sandbox.size``)."""
+    if not isinstance(value, dict):
+        return []
+    try:
+        PoolConfig.model_validate(value)
+    except pydantic.ValidationError as exc:
+        return [
+            {
+                "type": err["type"],
+                "loc": ("sandbox", *err["loc"]),
+                "input": err["input"],
+                **({"ctx": err["ctx"]} if "ctx" in err else {}),
+            }
+            for err in exc.errors()
+        ]
+    return []
 
 
 def _lookup(data: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:

@@ -16,6 +16,7 @@ from agentrl._errors import ConfigError
 from agentrl._rollout import RolloutContext, derive_seed
 from agentrl._runner import run_groups
 from agentrl._types import TrajectoryWriter
+from agentrl.envs import check_env_sandbox, open_env_sandbox
 from agentrl.trainer import (
     consolidated_state_dict,
     export_checkpoint,
@@ -25,7 +26,7 @@ from agentrl.trainer import (
 )
 
 from ._config import TrainConfig
-from ._train import checkpoint_root, eval_metrics
+from ._train import checkpoint_root, eval_metrics, sandbox_metrics
 
 
 def find_checkpoint(path: str | os.PathLike[str]) -> Path | None:
@@ -54,6 +55,8 @@ async def aevaluate(
     from agentrl.engine import engine_options, open_embedded_engine
     from agentrl.formats import get_format
 
+    spec = env_spec(cfg.env)
+    check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     found = find_checkpoint(checkpoint)
     version, weights = 0, None
     if found is not None:
@@ -63,7 +66,6 @@ async def aevaluate(
     else:
         model_path = str(resolve_model(checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    spec = env_spec(cfg.env)
     env = spec.make(**cfg.rollout.env_kwargs)
     tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
     rollout = cfg.rollout.model_copy(
@@ -77,7 +79,10 @@ async def aevaluate(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     options = engine_options(cfg.engine)
-    async with open_embedded_engine(model_path, options) as engine:
+    async with (
+        open_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point) as resources,
+        open_embedded_engine(model_path, options) as engine,
+    ):
         if weights is not None:
             await engine.update_weights(version, weights)
         ctx = RolloutContext(
@@ -87,6 +92,7 @@ async def aevaluate(
             config=rollout,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
             model_name=cfg.model,
+            env_resources=resources,
         )
         writer = None
         if out_dir is not None:
@@ -97,7 +103,9 @@ async def aevaluate(
         finally:
             if writer is not None:
                 writer.close()
-    metrics = eval_metrics(trajs, cfg.train.pass_threshold, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        metrics = eval_metrics(trajs, cfg.train.pass_threshold, elapsed)
+        metrics.update(sandbox_metrics(resources))
     metrics.update(
         checkpoint=str(found or checkpoint), policy_version=version, num_tasks=len(tasks)
     )

@@ -44,6 +44,8 @@ from agentrl._errors import AgentRLError, ConfigError
 from agentrl._rollout import RolloutContext, derive_seed
 from agentrl._runner import config_diff, run_groups
 from agentrl._types import Trajectory, TrajectoryWriter
+from agentrl.envs import check_env_sandbox, open_env_sandbox
+from agentrl.envs._sandbox_open import interval_metrics
 from agentrl.trainer import (
     Learner,
     LearnerSettings,
@@ -202,7 +204,7 @@ def _check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
         f"{state.config_hash}, this run's is {cfg.hash()}): "
         + ("; ".join(changed) if changed else "the checkpoint's configuration is unknown")
         + " (only max_steps, num_threads, max_steps_without_update, checkpointing, logging, eval,"
-        " engine, server and rollout concurrency may change on resume)"
+        " engine, server, sandbox and rollout concurrency may change on resume)"
     )
 
 
@@ -268,6 +270,7 @@ async def atrain(
 
     out = Path(out)
     spec = env_spec(cfg.env)
+    check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     model_path = str(resolve_model(cfg.model))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -331,6 +334,10 @@ async def atrain(
     last: dict[str, Any] = {}
     refill_rounds = cfg.train.refill_rounds if learner.settings.algorithm.dynamic_sampling else 0
     async with AsyncExitStack() as stack:
+        # the run's one sandbox (code-running envs): shared by training and evaluation
+        resources = await stack.enter_async_context(
+            open_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)
+        )
         if cfg.server.urls:  # SGLang / agentrl serve: publish snapshots through the disk
             engine = await stack.enter_async_context(
                 SGLangEngine(
@@ -359,6 +366,7 @@ async def atrain(
             config=cfg.rollout,
             tokenizer_fingerprint=fingerprint,
             model_name=cfg.model,
+            env_resources=resources,
         )
         files = _RunFiles(cfg, out, step, purge_step) if lead else None
         if files is not None:
@@ -396,6 +404,7 @@ async def atrain(
                 interrupted = True
                 break
             rollout_s = time.perf_counter() - started
+            sandbox = sandbox_metrics(resources)  # the step's rollouts (evaluation's apart)
             stats = learner.train_step(mine)
             t0 = time.perf_counter()
             weights = learner.state_dict()
@@ -410,6 +419,7 @@ async def atrain(
                 rollout_s,
             )  # fmt: skip
             record.update(refill)
+            record.update(sandbox)
             record.update(publish_s=publish_s, gather_s=gather_s, checkpoint_s=checkpoint_s)
             checkpoint_s = 0.0  # reported once, on the step after the write
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
@@ -458,6 +468,15 @@ async def atrain(
         checkpoint=latest_checkpoint(ckpt_root),
         resumed_from=resume_from,
     )
+
+
+def sandbox_metrics(resources: dict[str, Any], prefix: str = "sandbox") -> dict[str, Any]:
+    """The run's sandbox activity since the previous call, every rank's (``sandbox/…`` ledger
+    fields; see docs/training.md), or nothing when the env runs no code."""
+    runner = resources.get("sandbox")
+    if runner is None:
+        return {}
+    return interval_metrics(gather(runner.take_interval()), prefix)
 
 
 def _trained_on_nothing(record: dict[str, Any]) -> bool:
@@ -616,7 +635,8 @@ class _Evaluator:
         if self.files is not None:
             for traj in trajs:
                 self.files.eval_trajectories.write(traj)
-        return eval_metrics(trajs, self.cfg.train.pass_threshold, time.perf_counter() - started)
+        metrics = eval_metrics(trajs, self.cfg.train.pass_threshold, time.perf_counter() - started)
+        return {**metrics, **sandbox_metrics(self.ctx.env_resources, "eval_sandbox")}
 
 
 def eval_metrics(trajs: list[Trajectory], threshold: float, elapsed: float) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from sandbox_service import scratch_root
 
 import agentrl
 from agentrl._rollout import RolloutContext, run_trajectory
+from agentrl.envs import SandboxLease, open_sandbox_runner, wants_sandbox
 from agentrl.envs._code_tasks import TASKS
-from agentrl.envs._sandbox import SandboxLease, open_sandbox_runner, wants_sandbox
 from agentrl.envs.calc import CalcEnv
 from agentrl.envs.code_tests import CodeTestsEnv, extract_code
 from agentrl.envs.python_math import LEVELS, PythonMathEnv
