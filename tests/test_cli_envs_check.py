@@ -3,13 +3,10 @@ when any fails (the others still checked), ``--all`` for every registered id."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "200"}
+from cli_helpers import REPO, run_cli
 
 BROKEN = '''
 import itertools
@@ -47,14 +44,7 @@ class Fine(Shuffled):
 
 
 def agentrl_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_cli(*args, cwd=cwd, columns=200)
 
 
 def test_check_one_env_passes():

@@ -297,17 +297,7 @@ def _default_group_size(rollout: Any, algorithm: Any) -> Any:
         needs_groups = algo.spec.needs_groups
     except (pydantic.ValidationError, ValueError, KeyError):
         return rollout
-    if not needs_groups:
-        return rollout
-    if rollout is None:
-        return {"group_size": TRAIN_GROUP_SIZE}
-    if isinstance(rollout, RolloutConfig):
-        if "group_size" in rollout.model_fields_set:
-            return rollout
-        return rollout.model_copy(update={"group_size": TRAIN_GROUP_SIZE})
-    if isinstance(rollout, dict) and "group_size" not in rollout:
-        return {**rollout, "group_size": TRAIN_GROUP_SIZE}
-    return rollout
+    return _fill(rollout, "group_size", TRAIN_GROUP_SIZE) if needs_groups else rollout
 
 
 def _default_context(rollout: Any, train: Any) -> Any:
@@ -319,15 +309,25 @@ def _default_context(rollout: Any, train: Any) -> Any:
         )
     except pydantic.ValidationError:
         return rollout
-    limit = section.micro_batch_tokens
+    return _fill(rollout, "max_context_tokens", section.micro_batch_tokens)
+
+
+def _fill(rollout: Any, field: str, value: Any) -> Any:
+    """``rollout`` (a mapping, a ``RolloutConfig`` or absent) with ``field`` set to ``value``
+    where the config leaves it unset (or null, where null is the field's own default meaning
+    "choose for me"); anything else is returned for validation to judge."""
+    null_is_unset = RolloutConfig.model_fields[field].default is None
     if rollout is None:
-        return {"max_context_tokens": limit}
+        return {field: value}
     if isinstance(rollout, RolloutConfig):
-        if rollout.max_context_tokens is None:
-            return rollout.model_copy(update={"max_context_tokens": limit})
-        return rollout
-    if isinstance(rollout, dict) and rollout.get("max_context_tokens") is None:
-        return {**rollout, "max_context_tokens": limit}
+        current = getattr(rollout, field)
+        if field in rollout.model_fields_set and not (null_is_unset and current is None):
+            return rollout
+        return rollout.model_copy(update={field: value})
+    if isinstance(rollout, dict) and (
+        field not in rollout or (null_is_unset and rollout[field] is None)
+    ):
+        return {**rollout, field: value}
     return rollout
 
 

@@ -6,21 +6,18 @@ calc-v0 and python-math-v0 (local sandbox) with the mask and boundary checks."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import pytest
+from cli_helpers import REPO, run_cli
 
 import agentrl
 from agentrl import ConfigError, EngineError, SamplingParams, read_trajectories
 from agentrl.engine import Engine, ScriptedEngine, read_script
 from agentrl.formats import check_boundary
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "160"}
 STOP_IDS = [0, 2]  # <|endoftext|>, <|im_end|>
 
 
@@ -140,14 +137,7 @@ def test_no_matching_script_is_an_engine_error(tokenizer, tmp_path):
 
 
 def agentrl_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_cli(*args, cwd=cwd, columns=160)
 
 
 def _check_masks(trajectories, tokenizer) -> None:
