@@ -243,14 +243,15 @@ def sdpa_rounding(dtype: torch.dtype, device: str) -> dict[str, float]:
     math backend pre-scales q and k and stores scores and probabilities in the working dtype,
     flash backends round the probabilities before ``P @ V``, all accumulate in fp32 and cast
     the output; CPU flash attention's exponential is a fast approximation (``exp_u20``, taken
-    as 32 ulps); on CUDA, fp32 attention runs the memory-efficient kernel, whose products are
-    split tf32 products (``SPLIT_FP32_UNIT_ROUNDOFF``)."""
+    as 32 ulps); on CUDA, fp32 attention runs the memory-efficient kernel, whose products, in
+    ``Q Kᵀ`` and in ``P V`` alike, are split tf32 products (``SPLIT_FP32_UNIT_ROUNDOFF``)."""
     exp = 32 * unit_roundoff(torch.float32)
     if dtype != torch.float32:
         u = unit_roundoff(dtype)
         return {"u_operand": u, "u_score": u, "u_prob": u, "u_out": u, "exp_error": exp}
     if device == "cuda":
-        return {"u_operand": SPLIT_FP32_UNIT_ROUNDOFF, "exp_error": exp}
+        split = SPLIT_FP32_UNIT_ROUNDOFF
+        return {"u_operand": split, "u_prob": split, "exp_error": exp}
     return {"exp_error": exp}
 
 

@@ -93,12 +93,13 @@ def variants():
             for splits in (1, 4):
                 label = f"paged decode {dtype} group={group} dim={dim} splits={splits}"
                 yield (label, pa._paged_decode_fwd_kernel, ptrs, {"qk_scale"},
-                       const | {"NUM_SPLITS": splits}, {"num_warps": 4})  # fmt: skip
+                       const | {"NUM_SPLITS": splits}, {"num_warps": 4, **pa.COMPILE_OPTIONS})  # fmt: skip
             ptrs = {"PARTIAL_OUT": "fp32", "PARTIAL_LSE": "fp32", "OUT": dtype}
             const = {"HEAD_DIM": dim, "BLOCK_D": block_d, "NUM_SPLITS": 4, "BLOCK_SPLITS": 4}
             const |= {"PRECISE": dtype == "fp32"}
             label = f"paged decode merge {dtype} dim={dim}"
-            yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, {"num_warps": 4}
+            options = {"num_warps": 4, **pa.COMPILE_OPTIONS}
+            yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, options
 
 
 def ptxas_report(ptx: str, arch: int) -> str:
@@ -136,6 +137,9 @@ def main() -> None:
             print(f"FAILED {label}: {type(exc).__name__}: {exc}", flush=True)
             raise SystemExit(1) from exc
         assert compiled.asm.get("cubin"), f"{label}: no cubin"
+        if options.get("enable_fp_fusion") is False and "fma.rn.f32" in compiled.asm["ptx"]:
+            print(f"FAILED {label}: fp fusion is off yet the PTX has fma.rn.f32", flush=True)
+            raise SystemExit(1)
         count += 1
         report = f" {ptxas_report(compiled.asm['ptx'], args.arch)}" if args.report else ""
         print(
