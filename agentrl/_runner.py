@@ -66,12 +66,14 @@ async def run_groups(
     on_trajectory: Callable[[Trajectory], None] | None = None,
     first_sample: Mapping[str, int] | None = None,
     stop: anyio.Event | None = None,
+    suffix: str = "",
 ) -> list[Trajectory]:
     """Run ``group_size`` samples of every task, at most ``concurrency`` at once.
 
     One failing trajectory never cancels its siblings (failures are recorded on it). Sample
     indices of a group start at ``first_sample[group_id]`` (default 0). When ``stop`` is set the
-    trajectories still running are cancelled and the finished ones are returned."""
+    trajectories still running are cancelled and the finished ones are returned. Group ids are
+    ``env/task`` + ``suffix``."""
     cfg = ctx.config
     limiter = anyio.CapacityLimiter(cfg.concurrency)
     if ctx.tool_limiter is None:
@@ -80,7 +82,7 @@ async def run_groups(
 
     async def one(task_index: int, task: Any, sample: int) -> None:
         async with limiter:
-            group_id = f"{ctx.spec.id}/{task.id}"
+            group_id = f"{ctx.spec.id}/{task.id}{suffix}"
             seed = derive_seed(cfg.seed, ctx.spec.id, task.id, sample)
             traj = await run_trajectory(
                 ctx, task, group_id=group_id, sample_index=sample, seed=seed

@@ -60,6 +60,9 @@ class LoopState:
     file_lengths: dict[str, int] = field(default_factory=dict)
     """Byte length of each append-only run file (``ledger.jsonl``, ...) at checkpoint time."""
     created: float = 0.0
+    tasks: dict[str, Any] = field(default_factory=dict)
+    """The loop's task accounting (``agentrl.loop``'s ``TaskLedger.state()``): which task slots
+    were settled; empty in checkpoints that predate it (``data_cursor`` then says it all)."""
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:

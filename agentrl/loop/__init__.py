@@ -1,9 +1,12 @@
 """The training loop (a composition root: it may import everything).
 
 ``_config`` (the one YAML run config, ``--set`` overrides) → ``_ledger`` (ledger.jsonl,
-TensorBoard, progress) → ``_train`` (the synchronous on-policy loop and ``EngineWeightSink``, the
-``WeightSink`` over an engine) → ``_eval`` (``agentrl eval`` / ``export``) → ``_cli`` (the
-commands, registered into ``agentrl.cli``).
+TensorBoard, progress) → the runtime's roles: ``_tasks`` (the task stream and its accounting),
+``_actors`` (rollouts on the engines), ``_buffer`` (the trajectory buffer), ``_learner`` (what
+each step trains on, and the update), ``_publisher`` (weights to the engines),
+``_checkpointer`` (the loop's checkpoints) → ``_runtime`` (composes them: ``atrain``) →
+``_eval`` (``agentrl eval`` / ``export``) → ``_cli`` (the commands, registered into
+``agentrl.cli``).
 
 Only ``add_train_commands`` is imported eagerly (``agentrl --help`` stays fast); the rest loads
 torch, DeepSpeed and transformers on first use.
@@ -24,12 +27,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from ._ledger import Ledger as Ledger
     from ._ledger import read_ledger as read_ledger
     from ._ledger import rollout_metrics as rollout_metrics
-    from ._train import EngineWeightSink as EngineWeightSink
-    from ._train import TaskStream as TaskStream
-    from ._train import TrainingStalled as TrainingStalled
-    from ._train import TrainResult as TrainResult
-    from ._train import atrain as atrain
-    from ._train import train as train
+    from ._publisher import EngineWeightSink as EngineWeightSink
+    from ._records import TrainingStalled as TrainingStalled
+    from ._runtime import TrainResult as TrainResult
+    from ._runtime import atrain as atrain
+    from ._runtime import train as train
+    from ._tasks import TaskStream as TaskStream
 
 _LAZY = {
     "TrainConfig": "_config",
@@ -42,12 +45,12 @@ _LAZY = {
     "Ledger": "_ledger",
     "read_ledger": "_ledger",
     "rollout_metrics": "_ledger",
-    "EngineWeightSink": "_train",
-    "TaskStream": "_train",
-    "TrainResult": "_train",
-    "TrainingStalled": "_train",
-    "atrain": "_train",
-    "train": "_train",
+    "EngineWeightSink": "_publisher",
+    "TaskStream": "_tasks",
+    "TrainResult": "_runtime",
+    "TrainingStalled": "_records",
+    "atrain": "_runtime",
+    "train": "_runtime",
 }
 
 __all__ = [

@@ -50,7 +50,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from agentrl._interrupt import run_until_interrupted
 
     from ._config import load_train_config
-    from ._train import atrain
+    from ._runtime import atrain
 
     if args.resume:
         run = Path(args.resume)

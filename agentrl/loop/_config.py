@@ -78,6 +78,23 @@ class TrainSection(_Section):
     """Stop the run (non-zero exit, ``stop_reason`` in the ledger) after this many consecutive
     steps that trained on nothing: every trajectory failed (e.g. the env's ``reward()`` raises)
     or dynamic sampling dropped every group. 0: never stop."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: each step samples with the newest policy (version lag 0; actors wait while the
+    learner trains). async: actors keep sampling while the learner trains, up to
+    ``max_version_lag`` versions ahead of it."""
+    max_version_lag: int = pydantic.Field(1, ge=0)
+    """async: the most policy versions a trained-on sample may lag the learner (k). Actors
+    start the groups of step ``s + j`` (j ≤ k) while step ``s`` trains; a sample older than k
+    versions when the learner takes it is discarded and counted, never trained on. 0 is the
+    synchronous schedule."""
+    partial_groups: Literal["wait", "drop", "fill"] = "wait"
+    """Groups with failed members or unfinished at ``group_timeout_s``: wait (train on every
+    group as it ends; failed members carry no reward), drop (train without them, counted in the
+    ledger), fill (drop them and sample as many fresh tasks once, in their place)."""
+    group_timeout_s: float | None = pydantic.Field(None, gt=0)
+    """drop/fill: seconds the learner waits for a step's groups once it asks for them; groups
+    still running then are cancelled and counted (``groups_timed_out``). None: no limit beyond
+    each trajectory's own ``rollout.trajectory_timeout_s``."""
 
 
 class CheckpointSection(_Section):
@@ -102,6 +119,10 @@ class LoggingSection(_Section):
     """A rich progress bar with ETA (on a terminal) and one line per step."""
     trajectories: bool = True
     """Append every training trajectory to OUT/trajectories.jsonl."""
+    interval_s: float = pydantic.Field(10.0, ge=0)
+    """Seconds between the runtime's interval records (``runtime.jsonl`` and TensorBoard's
+    ``runtime/``: tokens generated and trained, buffer backlog, in-flight groups, version lag,
+    idle fractions); 0: per step only."""
 
 
 class ServerSection(_Section):

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 
 from agentrl._errors import ConfigError
-from agentrl._rollout import RolloutContext, derive_seed
+from agentrl._rollout import RolloutContext
 from agentrl._runner import run_groups
 from agentrl._types import TrajectoryWriter
 from agentrl.envs import check_env_sandbox, open_env_sandbox
@@ -25,8 +25,9 @@ from agentrl.trainer import (
     step_dir,
 )
 
+from ._checkpointer import checkpoint_root
 from ._config import TrainConfig
-from ._train import checkpoint_root, eval_metrics, sandbox_metrics
+from ._evaluator import eval_metrics, eval_rollout, sandbox_metrics
 
 
 def find_checkpoint(path: str | os.PathLike[str]) -> Path | None:
@@ -42,6 +43,19 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+async def _policy(checkpoint: str) -> tuple[str, int, dict[str, Any] | None, str]:
+    """(model folder, policy version, weights or None, what was loaded) of a checkpoint, or
+    of a model name."""
+    from agentrl._models import resolve_model
+
+    found = find_checkpoint(checkpoint)
+    if found is None:
+        return str(resolve_model(checkpoint)), 0, None, checkpoint
+    state = read_state(found)
+    weights = await anyio.to_thread.run_sync(consolidated_state_dict, found)
+    return state.model_path, state.policy_version, weights, str(found)
+
+
 async def aevaluate(
     cfg: TrainConfig, checkpoint: str, *, out: str | os.PathLike[str] | None = None
 ) -> dict[str, Any]:
@@ -50,31 +64,18 @@ async def aevaluate(
     ``out/eval_summary.json`` with the trajectories)."""
     from transformers import AutoTokenizer
 
-    from agentrl._models import resolve_model, tokenizer_fingerprint
+    from agentrl._models import tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
     from agentrl.engine import engine_options, open_embedded_engine
     from agentrl.formats import get_format
 
     spec = env_spec(cfg.env)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
-    found = find_checkpoint(checkpoint)
-    version, weights = 0, None
-    if found is not None:
-        state = read_state(found)
-        model_path, version = state.model_path, state.policy_version
-        weights = await anyio.to_thread.run_sync(consolidated_state_dict, found)
-    else:
-        model_path = str(resolve_model(checkpoint))
+    model_path, version, weights, source = await _policy(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     env = spec.make(**cfg.rollout.env_kwargs)
     tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
-    rollout = cfg.rollout.model_copy(
-        update={
-            "group_size": 1,
-            "temperature": cfg.eval.temperature,
-            "seed": derive_seed(cfg.rollout.seed, "eval"),
-        }
-    )
+    rollout = eval_rollout(cfg)
     out_dir = Path(out) if out is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,9 +107,7 @@ async def aevaluate(
         elapsed = time.perf_counter() - started
         metrics = eval_metrics(trajs, cfg.train.pass_threshold, elapsed)
         metrics.update(sandbox_metrics(resources))
-    metrics.update(
-        checkpoint=str(found or checkpoint), policy_version=version, num_tasks=len(tasks)
-    )
+    metrics.update(checkpoint=source, policy_version=version, num_tasks=len(tasks))
     if out_dir is not None:
         (out_dir / "eval_summary.json").write_text(json.dumps(metrics, indent=2))
     return metrics

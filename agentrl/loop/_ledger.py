@@ -49,6 +49,19 @@ _GROUPS = {
     "tool_calls_per_trajectory": "rollout/tool_calls_per_trajectory",
     "tool_errors_per_trajectory": "rollout/tool_errors_per_trajectory",
 }
+# the runtime's own fields: one TensorBoard section is the runtime's dashboard
+_GROUPS.update(
+    {
+        key: f"runtime/{key}"
+        for key in (
+            "buffer_backlog", "in_flight_groups", "groups_produced", "groups_consumed",
+            "groups_trained", "groups_stale", "groups_dropped", "groups_timed_out",
+            "groups_surplus", "generated_tokens", "trained_tokens", "consumed_lag_max",
+            "consumed_lag_mean", "sample_age_s_mean", "actor_idle_fraction",
+            "learner_idle_fraction", "publish_bytes", "wait_s",
+        )
+    }
+)  # fmt: skip
 _TIME_FIELDS = ("rollout_s", "reference_s", "logprob_s", "update_s", "publish_s", "step_s")
 
 
@@ -132,6 +145,11 @@ class Ledger:
 
             self._tb = SummaryWriter(str(Path(out) / "tensorboard"), purge_step=purge_step)
 
+    @property
+    def tensorboard(self) -> Any:
+        """The TensorBoard writer (None when off)."""
+        return self._tb
+
     def write(self, record: dict[str, Any], *, rewards: Sequence[float] = ()) -> None:
         self._fh.write(json.dumps(record, sort_keys=False) + "\n")
         self._fh.flush()
@@ -143,6 +161,9 @@ class Ledger:
             if key == "termination" and isinstance(value, dict):
                 for reason, count in value.items():
                     self._tb.add_scalar(f"termination/{reason}", count, step)
+            elif key == "version_lag_hist" and isinstance(value, dict):
+                for lag, count in value.items():
+                    self._tb.add_scalar(f"runtime/version_lag_{lag}", count, step)
             elif isinstance(value, int | float) and not isinstance(value, bool):
                 if math.isfinite(value):
                     tag = _GROUPS.get(key) or (f"time/{key}" if key in _TIME_FIELDS else None)

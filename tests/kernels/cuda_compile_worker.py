@@ -90,10 +90,11 @@ def variants():
             const = {"GROUP": group, "BLOCK_GROUP": block_group, "HEAD_DIM": dim}
             const |= {"BLOCK_D": block_d, "KV_BLOCK_SIZE": 16, "TILE_N": tile_n}
             const |= {"PRECISE": dtype == "fp32"}  # fp32: libdevice exp2 and division
+            options = {"num_warps": 4, **pa.COMPILE_OPTIONS}
             for splits in (1, 4):
                 label = f"paged decode {dtype} group={group} dim={dim} splits={splits}"
                 yield (label, pa._paged_decode_fwd_kernel, ptrs, {"qk_scale"},
-                       const | {"NUM_SPLITS": splits}, {"num_warps": 4, **pa.COMPILE_OPTIONS})  # fmt: skip
+                       const | {"NUM_SPLITS": splits}, options)  # fmt: skip
             ptrs = {"PARTIAL_OUT": "fp32", "PARTIAL_LSE": "fp32", "OUT": dtype}
             const = {"HEAD_DIM": dim, "BLOCK_D": block_d, "NUM_SPLITS": 4, "BLOCK_SPLITS": 4}
             const |= {"PRECISE": dtype == "fp32"}

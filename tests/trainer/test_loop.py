@@ -355,7 +355,7 @@ def test_a_run_whose_masks_leave_nothing_to_train_stops(tmp_path):
     """No trajectory fails, but DAPO's overlong filter masks every one (tiny-random never stops
     within 8 tokens): after ``train.max_steps_without_update`` such steps the loop stops and
     says why, instead of "training" on nothing."""
-    from agentrl.loop._train import TrainingStalled
+    from agentrl.loop import TrainingStalled
 
     cfg = load_train_config(
         tiny_config(

@@ -1,0 +1,157 @@
+"""The checkpointer: saves the loop, not only the weights, and finds what to resume from.
+
+A checkpoint (``agentrl.trainer.save_checkpoint``) holds the learner (weights, optimizer, LR
+schedule, per-rank RNG), the policy version, the task accounting (``TaskLedger.state()``) and
+the byte length of every run file. The rule for work that was not settled when it was written
+(groups in flight or waiting in the buffer) is *re-queue*: a resumed run cuts the run files back
+to their recorded lengths and samples those task slots again, first, with the same seeds. In
+sync mode nothing is in flight at a checkpoint (it is written before the new weights are
+published), so a resumed run repeats the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from agentrl._errors import ConfigError
+from agentrl._runner import config_diff
+from agentrl.trainer import LoopState, latest_checkpoint, read_state, save_checkpoint, verify_state
+
+from ._config import TrainConfig, dump_config
+
+RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl", "runtime.jsonl")
+IN_FLIGHT_RULE = "requeue"
+"""What a checkpoint does with unsettled groups: their task slots are sampled again."""
+
+
+def checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+
+
+class Checkpointer:
+    """Saves the loop every ``checkpoint.every_steps`` steps (and at the end)."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, fingerprint: str, model_path: str) -> None:
+        self.cfg, self.out = cfg, out
+        self.root = checkpoint_root(cfg, out)
+        self.fingerprint, self.model_path = fingerprint, model_path
+        self.last_s = 0.0
+        """Seconds of the newest write (reported on the next step's record)."""
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        final = self.cfg.checkpoint.at_end and step == self.cfg.train.max_steps
+        return bool(every and step % every == 0) or final
+
+    def save(self, step: int, learner: Any, tasks: dict[str, Any], cursor: int) -> None:
+        t0 = time.perf_counter()
+        state = LoopState(
+            step=step,
+            policy_version=learner.version,
+            data_cursor=cursor,
+            tokenizer_fingerprint=self.fingerprint,
+            config_hash=self.cfg.hash(),
+            model_path=self.model_path,
+            in_flight=IN_FLIGHT_RULE,
+            file_lengths=file_lengths(self.out),
+            tasks=tasks,
+        )
+        save_checkpoint(self.root, learner, state, keep=self.cfg.checkpoint.keep)
+        self.last_s = time.perf_counter() - t0
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+
+def file_lengths(out: Path) -> dict[str, int]:
+    return {name: (out / name).stat().st_size for name in RUN_FILES if (out / name).exists()}
+
+
+def truncate_run_files(out: Path, lengths: dict[str, int]) -> None:
+    """Drop what was written after the checkpoint."""
+    for name in RUN_FILES:
+        path = out / name
+        if path.exists():
+            os.truncate(path, lengths.get(name, 0))
+
+
+def check_out(out: Path, *, resume: bool) -> None:
+    if not resume and (out / "ledger.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run; resume it with --resume {out}")
+
+
+def prepare_out(cfg: TrainConfig, out: Path, model_path: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
+    info["rollout"] = cfg.rollout.model_dump(mode="json")
+    (out / "config.json").write_text(json.dumps(info, indent=2))
+
+
+def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
+    """The checkpoint to resume from, refused early (before any model is built) when it
+    belongs to another tokenizer or configuration; None when the run never reached one (it
+    then starts over: its files are emptied)."""
+    if not (out / "config.yaml").is_file():
+        raise ConfigError(f"--resume: {out} is not a training run (no config.yaml)")
+    path = latest_checkpoint(checkpoint_root(cfg, out))
+    if path is None:
+        return None
+    state = read_state(path)
+    # the tokenizer first (ids would not mean the same thing), then the configuration
+    verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
+    if state.config_hash == cfg.hash():
+        return path
+    changed = _changed_fields(out, state.config_hash, cfg)
+    raise ConfigError(
+        f"--resume: configuration mismatch with checkpoint {path} (config hash "
+        f"{state.config_hash}, this run's is {cfg.hash()}): "
+        + ("; ".join(changed) if changed else "the checkpoint's configuration is unknown")
+        + " (only max_steps, num_threads, max_steps_without_update, checkpointing, logging, eval,"
+        " engine, server, sandbox and rollout concurrency may change on resume)"
+    )
+
+
+def _changed_fields(out: Path, old_hash: str, cfg: TrainConfig) -> list[str]:
+    """The hashed fields where ``cfg`` differs from the run's ``config.yaml`` (``old → new``),
+    when that file is the configuration the checkpoint was written with."""
+    from ._config import load_train_config
+
+    try:
+        old = load_train_config(out / "config.yaml")
+    except ConfigError:
+        return []
+    if old.hash() != old_hash:
+        return []
+    before, after = old.model_dump(mode="json"), cfg.model_dump(mode="json")
+    changed = []
+    for line in config_diff(before, after):
+        name = line.split(":", 1)[0]
+        probe = _with_leaf(before, name.split("."), after)
+        try:  # does this field alone change the hash?
+            alone = TrainConfig.model_validate(probe).hash() != old_hash
+        except pydantic.ValidationError:
+            alone = True
+        if alone:
+            changed.append(line)
+    return changed
+
+
+def _with_leaf(base: dict[str, Any], path: list[str], source: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with the value at ``path`` taken from ``source`` (or removed)."""
+    out = copy.deepcopy(base)
+    node, src = out, source
+    for key in path[:-1]:
+        node, src = node.setdefault(key, {}), (src or {}).get(key, {})
+    if path[-1] in (src or {}):
+        node[path[-1]] = copy.deepcopy(src[path[-1]])
+    else:
+        node.pop(path[-1], None)
+    return out

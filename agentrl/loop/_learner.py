@@ -1,0 +1,213 @@
+"""The learner role: takes each step's groups from the buffer, decides what it trains on,
+updates, and hands the weights to the checkpointer and the publisher.
+
+Step ``s`` (the learner holds version ``v``; the engines hold ``v`` too once it is published):
+
+1. *Admission*: the groups of steps up to ``s + k`` are started (``k = train.max_version_lag``
+   in async mode, 0 in sync mode), so actors sample ahead while this step trains, never more
+   than ``k`` versions ahead.
+2. *Collect* the step's groups (``train.partial_groups``): wait for them (at most
+   ``train.group_timeout_s`` under drop/fill; the groups still running then are cancelled);
+   each group gets a *fate*: ``trained``; ``stale`` (sampled more than ``k`` versions ago:
+   never trained on); ``dropped`` (a failed member, under drop/fill); ``timed_out``;
+   ``filtered``/``surplus`` (DAPO refill: no reward signal, or beyond ``tasks_per_step``).
+   ``fill`` samples as many fresh tasks once in place of the dropped and timed-out groups;
+   ``train.refill_rounds`` samples fresh tasks until enough groups carry a reward signal.
+3. *Train* (in a worker thread: the actors keep the event loop), then *checkpoint* when due
+   (before the publish: in sync mode nothing is in flight then), then *publish* version
+   ``v + 1``; the step's trajectories (each with its fate in ``info``) and its ledger record
+   are written together, and its task slots are settled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from agentrl._types import Trajectory
+
+from ._buffer import Group
+from ._ranks import gather, merge_stats, rank_world
+
+
+@dataclass
+class GroupView:
+    """A group as every rank sees it (picklable: gathered over the ranks)."""
+
+    slot: int
+    task_id: str
+    version: int
+    timed_out: bool
+    trajectories: list[Trajectory]
+    mine: bool = False
+    fate: str = ""
+    lag: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.timed_out or any(t.status == "error" for t in self.trajectories)
+
+    @property
+    def informative(self) -> bool:
+        rewards = {float(t.reward) for t in self.trajectories if t.reward is not None}
+        return len(rewards) > 1
+
+
+@dataclass
+class StepData:
+    """What one step collected."""
+
+    views: list[GroupView] = field(default_factory=list)
+    primary: list[int] = field(default_factory=list)
+    """The step's own task slots (``task_ids`` in the ledger)."""
+    extra: list[int] = field(default_factory=list)
+    """Slots sampled for this step in fill and refill rounds."""
+    refill_rounds: int = 0
+    fill_rounds: int = 0
+    wait_s: float = 0.0
+
+    @property
+    def trained(self) -> list[GroupView]:
+        return [v for v in self.views if v.fate == "trained"]
+
+
+def assign_fates(
+    views: list[GroupView], version: int, max_lag: int, rule: str, *, keep_informative: int | None
+) -> None:
+    """Give every undecided group its fate (see the module docs). ``keep_informative``: DAPO
+    refill — only groups with a reward signal are trained, at most this many in all."""
+    kept = sum(1 for v in views if v.fate == "trained")
+    for view in views:
+        if view.fate:
+            continue
+        view.lag = version - view.version
+        if view.timed_out:
+            view.fate = "timed_out"
+        elif view.lag > max_lag:
+            view.fate = "stale"
+        elif view.failed and rule != "wait":
+            view.fate = "dropped"
+        elif keep_informative is not None and not view.informative:
+            view.fate = "filtered"
+        elif keep_informative is not None and kept >= keep_informative:
+            view.fate = "surplus"
+        else:
+            view.fate = "trained"
+            kept += 1
+
+
+def views_of(groups: list[Group]) -> list[GroupView]:
+    """Every rank's groups (``groups`` are this rank's), in slot order."""
+    mine = [
+        GroupView(g.slot, str(g.task.id), g.version, g.timed_out, g.trajectories) for g in groups
+    ]
+    rank = rank_world()[0]
+    everyone = gather((rank, mine))
+    out = []
+    for owner, part in everyone:
+        for view in part:
+            view.mine = owner == rank
+            out.append(view)
+    return sorted(out, key=lambda v: v.slot)
+
+
+async def wait_groups(groups: list[Group], timeout_s: float | None) -> None:
+    """Wait for ``groups`` (at most ``timeout_s``); the ones still running then are
+    cancelled and marked ``timed_out``."""
+    with anyio.move_on_after(float("inf") if timeout_s is None else timeout_s):
+        for group in groups:
+            await group.done.wait()
+    late = [g for g in groups if not g.done.is_set()]
+    for group in late:
+        group.timed_out = True
+        group.scope.cancel()
+    for group in late:
+        await group.done.wait()
+
+
+class LearnerRole:
+    """One step at a time: admit, collect, train, checkpoint, publish, record."""
+
+    def __init__(self, cfg: Any, learner: Any, actor: Any, buffer: Any, tasks: Any) -> None:
+        self.cfg, self.learner, self.actor, self.buffer, self.tasks = (
+            cfg,
+            learner,
+            actor,
+            buffer,
+            tasks,
+        )
+        self.max_lag = cfg.train.max_version_lag if cfg.train.mode == "async" else 0
+        self.submitted = 0
+        self.primary: dict[int, list[int]] = {}
+        self.busy_s = 0.0
+        alg = learner.settings.algorithm
+        self.refill = cfg.train.refill_rounds if alg.dynamic_sampling else 0
+
+    def admit(self, step: int) -> None:
+        """Start the groups of every step up to ``step + k`` not started yet."""
+        self.submitted = max(self.submitted, step - 1)
+        last = min(step + self.max_lag, self.cfg.train.max_steps)
+        while self.submitted < last:
+            self.submitted += 1
+            self.primary[self.submitted] = self.actor.submit(
+                self.submitted, self.cfg.train.tasks_per_step
+            )
+
+    async def collect(self, step: int) -> StepData:
+        started = time.perf_counter()
+        data = StepData(primary=self.primary.pop(step))
+        block = self.buffer.block(step)
+        await self._round(data, list(block.groups))
+        if self.cfg.train.partial_groups == "fill":
+            missing = sum(v.fate in ("dropped", "timed_out") for v in data.views)
+            if missing:
+                data.fill_rounds = 1
+                await self._extra_round(data, step, missing)
+        want = self.cfg.train.tasks_per_step
+        while data.refill_rounds < self.refill:
+            need = want - len(data.trained)
+            if need <= 0:
+                break
+            data.refill_rounds += 1
+            await self._extra_round(data, step, need)
+        self.buffer.take(step)
+        data.wait_s = time.perf_counter() - started
+        return data
+
+    async def _extra_round(self, data: StepData, step: int, n: int) -> None:
+        before = len(self.buffer.block(step).groups)
+        data.extra += self.actor.submit(step, n)
+        await self._round(data, self.buffer.block(step).groups[before:])
+
+    async def _round(self, data: StepData, groups: list[Group]) -> None:
+        rule = self.cfg.train.partial_groups
+        await wait_groups(groups, self.cfg.train.group_timeout_s if rule != "wait" else None)
+        views = views_of(groups)
+        keep = self.cfg.train.tasks_per_step if self.refill else None
+        assign_fates(views, self.learner.version, self.max_lag, rule, keep_informative=keep)
+        data.views += views
+        by_slot = {g.slot: g for g in groups}
+        for view in views:
+            if view.mine:
+                self.buffer.consumed(by_slot[view.slot], view.fate, view.lag)
+
+    async def train(self, data: StepData) -> dict[str, Any]:
+        """Update on this rank's trained groups (in a worker thread); the merged statistics."""
+        mine = [t for v in data.trained if v.mine for t in v.trajectories]
+        t0 = time.perf_counter()
+        stats = await anyio.to_thread.run_sync(self.learner.train_step, mine)
+        self.busy_s += time.perf_counter() - t0
+        return merge_stats(gather(stats.as_dict()))
+
+    def settle(self, data: StepData, step: int) -> list[Trajectory]:
+        """Mark the step's slots settled; its trajectories, each with its fate and step."""
+        self.tasks.settle([v.slot for v in data.views])
+        out = []
+        for view in data.views:
+            for traj in view.trajectories:
+                traj.info = {**traj.info, "fate": view.fate, "step": str(step)}
+                out.append(traj)
+        return out

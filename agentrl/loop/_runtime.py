@@ -1,0 +1,442 @@
+"""The training runtime: composes the roles from the config and runs the steps.
+
+::
+
+    TaskStream ─► Actor ──groups──► TrajectoryBuffer ──► LearnerRole ──► Publisher ──► engines
+    (TaskLedger)  (rollouts on the      (blocks by step,     (fates, update,   (weights,    ▲
+                   engines, scored       accounting)           records)          versions)  │
+                   by the env's          ▲                          │                       │
+                   verifiers)            └──── admission: steps ≤ s + k ◄──┘  Checkpointer   │
+                      └──────────────────────── samples with ◄──────────────────────────────┘
+
+One process holds everything (colocated): the embedded engine's worker thread samples, the
+learner (DeepSpeed ZeRO-3) trains in a worker thread, the actor's trajectories and the
+scorers (each env's ``reward``, sandbox-backed verifiers included) run on the event loop, so a
+slow verifier holds no engine slot. With ``server.urls`` the engines are servers and the
+publisher writes safetensors snapshots they load from disk. ``train.mode: sync`` is the
+schedule ``max_version_lag = 0`` of the same runtime.
+
+With several processes (``torchrun``, sync mode) the ranks split each step's task slots and
+train data-parallel; rank 0 writes the run files.
+
+Resume (``resume=True``): the newest checkpoint restores the learner, the RNG states, the task
+accounting and the policy version; the run files are cut back to their length at that
+checkpoint, unsettled task slots are sampled again, and the engines get the checkpoint's
+weights before sampling. In sync mode a resumed run repeats the uninterrupted one exactly.
+
+Stopping: ``stop`` (set by the command's Ctrl-C handler) cancels the step in progress (its
+sampling, or its evaluation); nothing of that step is written, so the run is as if it had been
+killed after its last complete step. After ``train.max_steps_without_update`` consecutive
+steps that trained on nothing the loop writes the reason into that step's record and raises
+``TrainingStalled``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agentrl._errors import ConfigError
+from agentrl._rollout import RolloutContext
+
+from ._actors import Actor, actor_context
+from ._buffer import TrajectoryBuffer
+from ._checkpointer import (
+    Checkpointer,
+    check_out,
+    check_resume,
+    prepare_out,
+    truncate_run_files,
+)
+from ._config import TrainConfig
+from ._evaluator import Evaluator, sandbox_metrics
+from ._files import RunFiles
+from ._learner import LearnerRole
+from ._publisher import EngineWeightSink, Publisher
+from ._ranks import barrier
+from ._records import (
+    Clock,
+    TrainingStalled,
+    add_learner_stats,
+    stall_reason,
+    step_record,
+    trained_on_nothing,
+)
+from ._tasks import TaskLedger, TaskStream
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    """Complete steps (each in the ledger)."""
+    policy_version: int
+    last_record: dict[str, Any]
+    interrupted: bool = False
+    """``stop`` was set: the step in progress was dropped (resume from ``checkpoint``)."""
+    checkpoint: Path | None = None
+    """The newest checkpoint when the loop ended."""
+    resumed_from: Path | None = None
+    """The checkpoint a resumed run started from."""
+
+
+@dataclass
+class _Setup:
+    """What is decided before any event-loop work: the model, the learner, where to resume."""
+
+    cfg: TrainConfig
+    out: Path
+    spec: Any
+    model_path: str
+    tokenizer: Any
+    fingerprint: str
+    learner: Any
+    lead: bool
+    resume_from: Path | None = None
+    step: int = 0
+    tasks_state: dict[str, Any] = field(default_factory=dict)
+    cursor: int = 0
+    purge_step: int | None = None
+    engine_options: Any = None
+
+
+async def atrain(
+    cfg: TrainConfig,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    stop: anyio.Event | None = None,
+) -> TrainResult:
+    """Run (or resume) training into ``out``; returns a ``TrainResult``. Setting ``stop`` ends
+    the run at its next safe point (``interrupted=True``; see the module docs)."""
+    setup = _prepare(cfg, Path(out), resume)
+    async with AsyncExitStack() as stack:
+        runtime = await _compose(stack, setup)
+        return await runtime.run(stop)
+
+
+def _prepare(cfg: TrainConfig, out: Path, resume: bool) -> _Setup:
+    from transformers import AutoTokenizer
+
+    from agentrl._models import resolve_model, tokenizer_fingerprint
+    from agentrl._registry import spec as env_spec
+    from agentrl.envs import check_env_sandbox
+    from agentrl.trainer import init_distributed
+
+    spec = env_spec(cfg.env)
+    check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
+    model_path = str(resolve_model(cfg.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    resume_from = check_resume(cfg, out, fingerprint) if resume else None
+    check_out(out, resume=resume)
+    dist = init_distributed(num_threads=cfg.train.num_threads)
+    _check_world(cfg, dist.world_size)
+    lead = dist.rank == 0  # writes the run files
+    if lead:
+        prepare_out(cfg, out, model_path)
+    options = cfg.engine
+    if dist.world_size > 1 and options.num_threads is None:  # the ranks share the cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+        options = options.replace(num_threads=max(1, (os.cpu_count() or 1) // local))
+    learner = _make_learner(cfg, spec, model_path, tokenizer)
+    setup = _Setup(cfg, out, spec, model_path, tokenizer, fingerprint, learner, lead)
+    setup.engine_options = options
+    _restore(setup, resume_from, resume)
+    barrier()  # the run files are ready before anyone opens them
+    return setup
+
+
+def _check_world(cfg: TrainConfig, world: int) -> None:
+    if cfg.server.urls and world > 1:
+        raise ConfigError("server.urls: rollouts on servers run from one process (no torchrun)")
+    if world > 1 and cfg.train.mode == "async" and cfg.train.max_version_lag > 0:
+        raise ConfigError(
+            f"train.mode=async with {world} ranks: asynchronous training runs in one process "
+            "(its engines may be servers: server.urls); use train.mode=sync under torchrun"
+        )
+
+
+def _make_learner(cfg: TrainConfig, spec: Any, model_path: str, tokenizer: Any) -> Any:
+    from agentrl.trainer import Learner, LearnerSettings
+
+    max_turns = cfg.rollout.max_turns or spec.max_turns
+    max_new = cfg.rollout.max_new_tokens or spec.max_new_tokens
+    return Learner(
+        LearnerSettings(
+            model_path=model_path,
+            algorithm=cfg.algorithm,
+            optimizer=cfg.optimizer,
+            total_steps=cfg.train.max_steps,
+            temperature=cfg.rollout.temperature,
+            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+            packing=cfg.train.packing,
+            varlen_attention=cfg.train.attention == "varlen",
+            share_prefix=cfg.train.share_prefix,
+            gradient_checkpointing=cfg.train.gradient_checkpointing,
+            chunk_size=cfg.train.logprob_chunk_size,
+            kernels=cfg.train.kernels,
+            norm_length=float(max_turns * max_new),
+            deepspeed=cfg.deepspeed.overrides(),
+        )
+    )
+
+
+def _restore(setup: _Setup, resume_from: Path | None, resume: bool) -> None:
+    from agentrl.trainer import load_checkpoint
+
+    setup.purge_step = 0 if resume else None  # TensorBoard: drop the earlier run's redone steps
+    if resume_from is not None:
+        state = load_checkpoint(
+            resume_from,
+            setup.learner,
+            tokenizer_fingerprint=setup.fingerprint,
+            config_hash=setup.cfg.hash(),
+        )
+        if setup.lead:
+            truncate_run_files(setup.out, state.file_lengths)
+            print(
+                f"resuming from checkpoint step {state.step} ({resume_from}): policy version "
+                f"{state.policy_version}, data cursor {state.data_cursor}",
+                flush=True,
+            )
+        setup.step, setup.cursor, setup.tasks_state = state.step, state.data_cursor, state.tasks
+        setup.purge_step = state.step + 1
+        setup.resume_from = resume_from
+    elif resume and setup.lead:
+        truncate_run_files(setup.out, {})  # killed before its first checkpoint: start over
+        print(f"--resume: {setup.out} has no checkpoint yet: starting over from step 1", flush=True)
+
+
+async def _compose(stack: AsyncExitStack, setup: _Setup) -> _Runtime:
+    from agentrl.envs import open_env_sandbox
+    from agentrl.formats import get_format
+
+    cfg = setup.cfg
+    # the run's one sandbox (code-running envs): shared by training and evaluation
+    resources = await stack.enter_async_context(
+        open_env_sandbox(cfg.sandbox, cfg.env, setup.spec.entry_point)
+    )
+    engine, sink = await _open_engine(stack, setup)
+    base = RolloutContext(
+        spec=setup.spec,
+        engine=engine,
+        fmt=get_format("chatml-hermes", setup.tokenizer),
+        config=cfg.rollout,
+        tokenizer_fingerprint=setup.fingerprint,
+        model_name=cfg.model,
+        env_resources=resources,
+    )
+    files = RunFiles(cfg, setup.out, setup.step, setup.purge_step) if setup.lead else None
+    if files is not None:
+        stack.callback(files.close)
+    return _Runtime(setup, base, sink, files)
+
+
+async def _open_engine(stack: AsyncExitStack, setup: _Setup) -> tuple[Any, EngineWeightSink]:
+    from agentrl.engine import SGLangEngine, open_embedded_engine
+
+    cfg = setup.cfg
+    if cfg.server.urls:  # SGLang / agentrl serve: publish snapshots through the disk
+        engine = await stack.enter_async_context(
+            SGLangEngine(
+                cfg.server.urls,
+                max_context=cfg.rollout.max_context_tokens,
+                request_timeout_s=cfg.server.request_timeout_s,
+            )
+        )
+        sink = EngineWeightSink(
+            engine,
+            snapshot_dir=cfg.server.snapshot_dir or str(setup.out / "weights"),
+            model_path=setup.model_path,
+            keep=cfg.server.keep_snapshots,
+        )
+    else:
+        options = setup.engine_options
+        engine = await stack.enter_async_context(open_embedded_engine(setup.model_path, options))
+        sink = EngineWeightSink(engine)
+    # a server may hold another run's weights; the embedded engine starts from the base model
+    if setup.learner.version or cfg.server.urls:
+        await sink.publish(setup.learner.version, setup.learner.state_dict())
+    return engine, sink
+
+
+class _Runtime:
+    """The roles of one run, and its step loop."""
+
+    def __init__(self, setup: _Setup, base: RolloutContext, sink: EngineWeightSink, files: Any):
+        cfg = setup.cfg
+        self.setup, self.cfg, self.files = setup, cfg, files
+        self.learner = setup.learner
+        env = setup.spec.make(**cfg.rollout.env_kwargs)
+        self.stream = TaskStream(list(env.tasks("train", seed=cfg.train.seed)), cfg.train.seed)
+        eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+        self.tasks = TaskLedger.from_state(setup.tasks_state, setup.cursor)
+        self.buffer = TrajectoryBuffer()
+        ctx = actor_context(base, cfg.rollout.seed)
+        self.actor = Actor(ctx, self.stream, self.tasks, self.buffer)
+        self.actor.version = self.learner.version
+        self.publisher = Publisher(sink, self.actor)
+        self.role = LearnerRole(cfg, self.learner, self.actor, self.buffer, self.tasks)
+        self.checkpointer = Checkpointer(cfg, setup.out, setup.fingerprint, setup.model_path)
+        self.evaluate = Evaluator(cfg, base, eval_tasks, files)
+        self.resources = base.env_resources
+        self.clock = Clock(self.actor, self.role)
+        self.step = setup.step
+        self.last: dict[str, Any] = {}
+        self.idle_steps = 0
+
+    async def run(self, stop: anyio.Event | None) -> TrainResult:
+        try:
+            interrupted = await self._run(stop)
+        except BaseExceptionGroup as group:  # the task groups' wrapping: raise what happened
+            raise _first_error(group) from None
+        return TrainResult(
+            self.setup.out,
+            self.step,
+            self.learner.version,
+            self.last,
+            interrupted=interrupted,
+            checkpoint=self.checkpointer.latest(),
+            resumed_from=self.setup.resume_from,
+        )
+
+    async def _run(self, stop: anyio.Event | None) -> bool:
+        async with self.actor.running(), anyio.create_task_group() as tg:
+            if self.files is not None and self.cfg.logging.interval_s > 0:
+                tg.start_soon(self._intervals)
+            with anyio.CancelScope() as steps:
+                if stop is not None:
+                    tg.start_soon(_cancel_on, stop, steps)
+                await self._steps()
+            tg.cancel_scope.cancel()
+        return steps.cancelled_caught or (stop is not None and stop.is_set())
+
+    async def _steps(self) -> None:
+        if self.step == 0 and self.cfg.eval.at_start:
+            record = {"step": 0, "policy_version": 0, **await self.evaluate(0)}
+            if self.files is not None:
+                self.files.ledger.write(record)
+        while self.step < self.cfg.train.max_steps:
+            await self._one_step(self.step + 1)
+            self.step += 1
+
+    async def _one_step(self, step: int) -> None:
+        started = time.perf_counter()
+        self.role.admit(step)
+        data = await self.role.collect(step)
+        version = self.learner.version
+        with anyio.CancelScope(shield=True):  # an update is never half-applied
+            stats = await self.role.train(data)
+            t0 = time.perf_counter()
+            published = await self.publisher.publish(self.learner)
+            self.role.busy_s += time.perf_counter() - t0
+        cursor = self.tasks.low
+        record = step_record(
+            step, self.learner.version, data, self.stream, cursor, self.cfg.train.pass_threshold
+        )
+        add_learner_stats(record, stats)
+        record.update(self._runtime_fields(data, version, published))
+        if self.cfg.eval.every_steps and step % self.cfg.eval.every_steps == 0:
+            record.update(await self.evaluate(step))
+        record["step_s"] = time.perf_counter() - started
+        with anyio.CancelScope(shield=True):
+            self._commit(step, data, record)
+
+    def _runtime_fields(self, data: Any, version: int, published: dict[str, Any]) -> dict[str, Any]:
+        fields: dict[str, Any] = {"learner_version": version}
+        fields.update(sandbox_metrics(self.resources))  # the step's rollouts (evaluation's apart)
+        fields.update(published)
+        fields["checkpoint_s"] = self.checkpointer.last_s  # reported once, the step after
+        self.checkpointer.last_s = 0.0
+        if data.refill_rounds or self.role.refill:
+            fields["refill_rounds"] = data.refill_rounds
+            fields["refill_task_ids"] = [str(self.stream.at(s).id) for s in data.extra]
+            fields["groups_informative"] = len(data.trained)
+        if data.fill_rounds:
+            fields["fill_task_slots"] = list(data.extra)
+        window = self.buffer.take_window("step")
+        clock = self.clock.window("step")
+        fields.update(window.as_dict(clock["window_s"]))
+        fields.update({k: v for k, v in clock.items() if k != "window_s"})
+        fields["buffer_backlog"] = self.buffer.backlog
+        fields["in_flight_groups"] = self.buffer.in_flight
+        fields["wait_s"] = data.wait_s
+        return fields
+
+    def _commit(self, step: int, data: Any, record: dict[str, Any]) -> None:
+        """Settle the step's slots, write its trajectories and record, checkpoint when due."""
+        trajs = self.role.settle(data, step)
+        record["data_cursor"] = self.tasks.low
+        self.idle_steps = self.idle_steps + 1 if trained_on_nothing(record) else 0
+        record["steps_without_update"] = self.idle_steps
+        limit = self.cfg.train.max_steps_without_update
+        if limit and self.idle_steps >= limit:
+            record["stop_reason"] = stall_reason(self.idle_steps, record)
+        if self.files is not None:
+            for traj in trajs:
+                self.files.trajectory(traj)
+            trained = [t for v in data.trained for t in v.trajectories]
+            rewards = [float(t.reward) for t in trained if t.reward is not None]
+            self.files.ledger.write(record, rewards=rewards)
+            self.files.progress.update(record)
+        self.last = record
+        if "stop_reason" in record:
+            raise TrainingStalled(
+                f"{record['stop_reason']}; the run stopped at step {step} "
+                f"(train.max_steps_without_update={limit}; ledger: "
+                f"{self.setup.out / 'ledger.jsonl'})"
+            )
+        if self.checkpointer.due(step):
+            if self.files is not None:
+                self.files.sync()
+            self.checkpointer.save(step, self.learner, self.tasks.state(), self.tasks.low)
+
+    async def _intervals(self) -> None:
+        every = self.cfg.logging.interval_s
+        while True:
+            await anyio.sleep(every)
+            clock = self.clock.window("interval")
+            record: dict[str, Any] = {
+                "time_s": time.perf_counter() - self.clock.start,
+                "step": self.step,
+                "policy_version": self.learner.version,
+                "buffer_backlog": self.buffer.backlog,
+                "in_flight_groups": self.buffer.in_flight,
+            }
+            record.update(self.buffer.take_window("interval").as_dict(clock["window_s"]))
+            record.update({k: v for k, v in clock.items() if k != "window_s"})
+            assert self.files is not None
+            self.files.interval(record)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The one error a nest of task groups carries (the group itself when there are more)."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else group
+
+
+async def _cancel_on(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+    await stop.wait()
+    scope.cancel()
+
+
+def train(
+    cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool = False, backend: str = "trio"
+) -> TrainResult:
+    """Synchronous ``atrain`` on its own event loop."""
+    return anyio.run(lambda: atrain(cfg, out, resume=resume), backend=backend)

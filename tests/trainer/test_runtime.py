@@ -1,0 +1,218 @@
+"""The training runtime's roles: task accounting, the learner's fate rules, asynchronous
+training with bounded staleness (tiny-random on ``vowels-v0``), partial groups, the runtime's
+ledger fields and interval records."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from agentrl._types import read_trajectories
+from agentrl.loop import load_train_config, read_ledger, train
+from agentrl.loop._learner import GroupView, assign_fates
+from agentrl.loop._tasks import TaskLedger
+
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
+)
+
+
+def _config(tmp_path: Path, **sections) -> Path:
+    data = {
+        "model": "tiny-random",
+        "env": "vowels_env:vowels-v0",
+        "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 2},
+        "algorithm": {"name": "grpo"},
+        "optimizer": {"lr": 1e-3},
+        "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256},
+        "checkpoint": {"every_steps": 2, "keep": 2},
+        "logging": {"progress": False, "interval_s": 0.2},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(data))
+    return path
+
+
+# -- task accounting -----------------------------------------------------------------------------
+
+
+def test_task_ledger_requeues_what_was_not_settled():
+    ledger = TaskLedger()
+    assert ledger.take(3) == [0, 1, 2] and ledger.take(2) == [3, 4]
+    ledger.settle([1, 0, 3])
+    assert ledger.state() == {"low": 2, "settled": [3], "next": 5}
+    resumed = TaskLedger.from_state(ledger.state(), cursor=0)
+    assert resumed.take(3) == [2, 4, 5]  # the unsettled slots first, then fresh ones
+    with pytest.raises(AssertionError, match="settled twice"):
+        ledger.settle([3])
+    assert TaskLedger.from_state({}, cursor=7).take(1) == [7]  # an older checkpoint: its cursor
+
+
+# -- the learner's fate rules -------------------------------------------------------------------
+
+
+def _view(slot, version, *, rewards=(0.0, 1.0), failed=False, timed_out=False):
+    import msgspec
+    from trajectories import trajectory_from_pieces
+
+    from agentrl._types import TrajectoryError
+
+    trajs = []
+    for i, reward in enumerate(rewards):
+        traj = trajectory_from_pieces(
+            [("prompt", [1, 5, 6], 0), ("model", [7, 2], 0)],
+            logprob=lambda _: -1.0,
+            id=f"e/t@{slot}/{i}",
+            group_id=f"e/t@{slot}",
+            task_id="t",
+            reward=reward,
+            policy_version=version,
+        )
+        if failed and i == 0:
+            error = TrajectoryError("RuntimeError", "x", "reward", 0)
+            traj = msgspec.structs.replace(traj, status="error", reward=None, error=error)
+        trajs.append(traj)
+    return GroupView(slot, "t", version, timed_out, trajs)
+
+
+@pytest.mark.parametrize(
+    ("rule", "want"),
+    [
+        ("wait", ["trained", "stale", "trained", "timed_out", "trained"]),
+        ("drop", ["trained", "stale", "dropped", "timed_out", "trained"]),
+    ],
+)
+def test_fates_follow_the_lag_bound_and_the_partial_group_rule(rule, want):
+    views = [
+        _view(0, 5),
+        _view(1, 3),  # 5 - 3 = 2 > k = 1: never trained on
+        _view(2, 5, failed=True),
+        _view(3, 5, timed_out=True),
+        _view(4, 4),
+    ]
+    assign_fates(views, 5, 1, rule, keep_informative=None)
+    assert [v.fate for v in views] == want
+    assert [v.lag for v in views] == [0, 2, 0, 0, 1]
+
+
+def test_refill_keeps_only_informative_groups_up_to_the_step_size():
+    views = [_view(0, 0, rewards=(1.0, 1.0)), _view(1, 0), _view(2, 0), _view(3, 0)]
+    assign_fates(views, 0, 0, "wait", keep_informative=2)
+    assert [v.fate for v in views] == ["filtered", "trained", "trained", "surplus"]
+
+
+# -- asynchronous training ----------------------------------------------------------------------
+
+
+def _slot(traj) -> int:
+    return int(traj.group_id.rsplit("@", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("async")
+    cfg = load_train_config(
+        _config(tmp, train={"mode": "async", "max_version_lag": 1, "max_steps": 5})
+    )
+    result = train(cfg, tmp / "run")
+    return tmp / "run", result
+
+
+def test_async_samples_ahead_within_the_lag_bound(async_run):
+    out, result = async_run
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == [1, 2, 3, 4, 5] and result.policy_version == 5
+    assert [r["policy_version"] for r in ledger] == [1, 2, 3, 4, 5]
+    assert all(r["version_lag_max"] <= 1 for r in ledger)
+    # step s + 1's groups started while step s trained: they were sampled one version back
+    lags = Counter()
+    for r in ledger:
+        lags.update({int(k): v for k, v in r["version_lag_hist"].items()})
+    assert lags[1] > 0, lags
+    assert all(r["groups_stale"] == 0 for r in ledger)
+    for field in ("buffer_backlog", "in_flight_groups", "actor_idle_fraction", "publish_bytes"):
+        assert all(field in r for r in ledger), field
+    assert all(r["publish_bytes"] > 0 for r in ledger)
+
+
+def test_every_task_slot_is_trained_once_and_ids_are_unique(async_run):
+    out, _ = async_run
+    trajs = read_trajectories(str(out / "trajectories.jsonl"))
+    assert len({t.id for t in trajs}) == len(trajs)
+    per_slot = Counter(_slot(t) for t in trajs)
+    assert sorted(per_slot) == list(range(10))  # 5 steps × 2 tasks, none lost
+    assert set(per_slot.values()) == {2}  # each slot's group once (group size 2)
+    ledger = read_ledger(out / "ledger.jsonl")
+    for record in ledger:
+        step = str(record["step"])
+        slots = sorted({_slot(t) for t in trajs if t.info.get("step") == step})
+        assert slots == record["task_slots"], record
+        assert {t.info["fate"] for t in trajs if t.info.get("step") == step} == {"trained"}
+
+
+def test_interval_records_measure_the_runtime(async_run):
+    out, _ = async_run
+    lines = (out / "runtime.jsonl").read_text().splitlines()
+    assert lines, "no interval record in a run of several seconds with interval_s=0.2"
+    records = [json.loads(line) for line in lines]
+    times = [r["time_s"] for r in records]
+    assert times == sorted(times)
+    assert sum(r["generated_tokens"] for r in records) > 0
+    for r in records:
+        assert 0.0 <= r["actor_idle_fraction"] <= 1.0
+        assert 0.0 <= r["learner_idle_fraction"] <= 1.0
+        assert r["buffer_backlog"] >= 0 and r["in_flight_groups"] >= 0
+
+
+def test_drop_trains_without_failed_groups_and_counts_them(tmp_path):
+    cfg = load_train_config(
+        _config(
+            tmp_path,
+            rollout={"env_kwargs": {"fail_every": 2}},
+            train={"max_steps": 2, "tasks_per_step": 4, "partial_groups": "drop"},
+        )
+    )
+    train(cfg, tmp_path / "run")
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    trajs = read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))
+    dropped = [t for t in trajs if t.info["fate"] == "dropped"]
+    assert dropped and all(t.status == "error" for t in dropped)
+    assert sum(r["groups_dropped"] for r in ledger) == len({t.group_id for t in dropped})
+    assert all(
+        t.status != "error" for t in trajs if t.info["fate"] == "trained"
+    )  # a failed member never reaches the learner under drop
+    assert sum(r["trajectories_trained"] for r in ledger) == sum(
+        t.info["fate"] == "trained" for t in trajs
+    )
+
+
+def test_fill_replaces_stragglers_with_fresh_tasks(tmp_path):
+    cfg = load_train_config(
+        _config(
+            tmp_path,
+            rollout={"env_kwargs": {"slow_every": 3, "slow_s": 30.0}},
+            train={
+                "max_steps": 2,
+                "tasks_per_step": 3,
+                "partial_groups": "fill",
+                "group_timeout_s": 3.0,
+            },
+        )  # fmt: skip
+    )
+    train(cfg, tmp_path / "run")
+    ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    trajs = read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))
+    timed_out = sum(r["groups_timed_out"] for r in ledger)
+    assert timed_out > 0, "no group was slow: the test proves nothing"
+    trained = {_slot(t) for t in trajs if t.info["fate"] == "trained"}
+    for r in ledger:  # one fresh task in place of each of the step's own groups that timed out
+        missing = [s for s in r["task_slots"] if s not in trained]
+        assert len(r.get("fill_task_slots", [])) == len(missing), r
+    slots = [s for r in ledger for s in r["task_slots"] + r.get("extra_task_slots", [])]
+    assert len(slots) == len(set(slots))  # a straggler's slot is settled, never sampled again
+    assert {_slot(t) for t in trajs} <= set(slots)
