@@ -17,6 +17,8 @@ from agentrl._errors import ConfigError, EngineError
 from ._radix import RadixStatistics
 
 _GIB = 1 << 30
+IN_FLIGHT_RULES = ("finish", "abort", "partial")
+"""``EngineOptions.in_flight``'s values."""
 
 
 class EngineOptions(pydantic.BaseModel):
