@@ -14,6 +14,7 @@ from fakes import ScriptedEngine
 from safetensors.torch import load_file
 
 import agentrl
+from agentrl._report_term import fmt_versions
 from agentrl._rollout import RolloutContext, run_trajectory
 from agentrl._types import (
     NOT_SAMPLED,
@@ -90,6 +91,11 @@ async def test_the_rollout_records_each_sampled_tokens_version(chatml, tokenizer
     legacy.validate()
     assert legacy.token_versions == []
     assert legacy.sampled_versions() == [7 if m else NOT_SAMPLED for m in traj.loss_mask]
+
+    # the report's summary: each version with its sampled tokens, one version plainly
+    first_n, second_n = len(first), len(second)
+    assert fmt_versions(traj) == f"v7-v9 (v7: 3, v8: {first_n - 3}, v9: {second_n})"
+    assert fmt_versions(legacy) == "v7"
 
 
 async def test_validate_refuses_inconsistent_token_versions(chatml, tokenizer):
