@@ -120,3 +120,32 @@ async def test_partial_is_an_engine_option() -> None:
     assert EngineOptions().in_flight == "finish"
     with pytest.raises(ConfigError, match="in_flight"):
         engine_options({"in_flight": "later"})
+
+
+async def test_partial_inside_a_session_repins_kv_of_the_new_weights(tiny_dir: Path) -> None:
+    """A session's turn interrupted by the update continues on the new weights; the session's
+    pin is then the new weights' KV, and the next turn equals a fresh engine's on them."""
+    changed = new_weights(tiny_dir)
+    greedy = SamplingParams(max_new_tokens=300, temperature=0)
+    async with open_embedded_engine(tiny_dir, num_threads=2, in_flight="partial") as engine:
+        session = await engine.open_session()
+        results: list[GenerateResult] = []
+
+        async def turn() -> None:
+            results.append(await engine.generate(PROMPT, greedy, session=session))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turn)
+            await wait_until(lambda: engine.statistics().tokens_generated >= 4)
+            await engine.update_weights(2, changed)
+        (first,) = results
+        k = switch_point(first, 0, 2)
+        assert 0 < k < 300
+        context = PROMPT + first.token_ids + [198, 1, 520, 9531, 198]
+        second = await engine.generate(context, SamplingParams(16, temperature=0), session=session)
+        assert second.cached_tokens > 0 and second.token_versions == [2] * 16
+        await engine.close_session(session)
+    async with open_embedded_engine(tiny_dir, num_threads=2, radix_cache=False) as fresh:
+        await fresh.update_weights(2, changed)
+        want = await fresh.generate(context, SamplingParams(16, temperature=0))
+    assert second.token_ids == want.token_ids
