@@ -117,6 +117,19 @@ def fmt_reward(reward: float | None) -> str:
     return "none" if reward is None else f"{reward:.4g}"
 
 
+def fmt_versions(trajectory: Trajectory) -> str:
+    """The policy versions that sampled its tokens: ``v3``, or ``v3-v4 (v3: 120, v4: 80)``
+    with the sampled tokens of each when a weight update landed mid-trajectory."""
+    counts: dict[int, int] = {}
+    for version in trajectory.sampled_versions():
+        if version >= 0:
+            counts[version] = counts.get(version, 0) + 1
+    if len(counts) <= 1:
+        return f"v{next(iter(counts), trajectory.policy_version)}"
+    parts = ", ".join(f"v{v}: {n}" for v, n in sorted(counts.items()))
+    return f"v{min(counts)}-v{max(counts)} ({parts})"
+
+
 def _header(trajectory: Trajectory) -> Text:
     ok, err = tool_call_counts(trajectory)
     counts = trajectory.source_counts()
@@ -127,6 +140,7 @@ def _header(trajectory: Trajectory) -> Text:
         (trajectory.status, status_style),
         f" reason={trajectory.termination_reason} reward={fmt_reward(trajectory.reward)}"
         f" turns={num_turns(trajectory)} tool_calls ok={ok} err={err}"
+        f" versions={fmt_versions(trajectory)}"
         f"  tokens={len(trajectory.token_ids)} (" + " ".join(f"{s}={counts[s]}" for s in SOURCES),
         f" loss_mask={sum(trajectory.loss_mask)})",
     )

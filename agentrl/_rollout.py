@@ -28,6 +28,7 @@ from ._env import Episode, Responder, Reward, TurnRewarder
 from ._registry import EnvSpec
 from ._tools import BoundTool, collect_tools, env_tool_timeout, invoke_tool
 from ._types import (
+    NOT_SAMPLED,
     GenerateResult,
     Message,
     SamplingParams,
@@ -74,6 +75,8 @@ class TokenBuffer:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    """The policy version of each sampled token, ``NOT_SAMPLED`` on the others."""
 
     def add(self, ids: Sequence[int], source: SpanSource, turn: int) -> None:
         if not ids:
@@ -84,18 +87,34 @@ class TokenBuffer:
         self.token_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.logprobs.extend([None] * len(ids))
+        self.token_versions.extend([NOT_SAMPLED] * len(ids))
         self._span(start, source, turn)
 
-    def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float], turn: int) -> None:
-        if len(ids) != len(logprobs):
-            raise ValueError(f"engine returned {len(ids)} ids but {len(logprobs)} logprobs")
+    def add_sampled(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], turn: int
+    ) -> None:
+        """Append sampled ids with their logprobs and the policy version of each."""
+        if len(ids) != len(logprobs) or len(ids) != len(versions):
+            raise ValueError(
+                f"engine returned {len(ids)} ids but {len(logprobs)} logprobs and "
+                f"{len(versions)} token versions"
+            )
+        bad = [v for v in versions if int(v) < 0]
+        if bad:
+            raise ValueError(f"engine returned negative token versions {bad[:5]}")
         if not ids:
             return
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(float(x) for x in logprobs)
+        self.token_versions.extend(int(v) for v in versions)
         self._span(start, "model", turn)
+
+    def oldest_version(self) -> int | None:
+        """The oldest version that sampled any token (None before the first)."""
+        sampled = [v for v in self.token_versions if v != NOT_SAMPLED]
+        return min(sampled) if sampled else None
 
     def _span(self, start: int, source: SpanSource, turn: int) -> None:
         end = len(self.token_ids)
@@ -259,7 +278,7 @@ async def run_trajectory(
         env=ctx.spec.id,
         task_id=str(getattr(task, "id", task)),
         group_id=group_id,
-        policy_version=run.policy_version if run.policy_version is not None else 0,
+        policy_version=_policy_version(run),
         status=run.status,
         termination_reason=run.reason,
         reward=reward,
@@ -282,7 +301,16 @@ async def run_trajectory(
         format=ctx.fmt.name,
         timing=run.timing,
         info=_info(run),
+        token_versions=run.buf.token_versions,
     )
+
+
+def _policy_version(run: _Run) -> int:
+    """The oldest version that sampled a token; else the first turn's; 0 without a turn."""
+    oldest = run.buf.oldest_version()
+    if oldest is not None:
+        return oldest
+    return run.policy_version if run.policy_version is not None else 0
 
 
 TRACEBACK_FRAMES = 6
@@ -344,7 +372,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                 return run.finish("truncated", "deadline")
             if run.policy_version is None:
                 run.policy_version = result.weight_version
-            run.buf.add_sampled(result.token_ids, result.logprobs, run.turn)
+            run.buf.add_sampled(result.token_ids, result.logprobs, result.token_versions, run.turn)
             run.last = result
             run.last_model_ids = list(result.token_ids)
             run.turn += 1

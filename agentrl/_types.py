@@ -23,6 +23,8 @@ TerminationReason = Literal[
     "error",  # an exception in the env, engine or runtime (see Trajectory.error)
 ]
 FinishReason = Literal["stop", "length", "abort"]
+NOT_SAMPLED = -1
+"""``Trajectory.token_versions`` of a token the engine did not sample (prompt, template, tool)."""
 
 
 class Message(msgspec.Struct, omit_defaults=True):
@@ -78,7 +80,22 @@ class GenerateResult(msgspec.Struct):
     cached_tokens: int = 0
     """Context tokens whose KV was reused instead of computed."""
     weight_version: int = 0
-    """The policy version that sampled these tokens."""
+    """The policy version that sampled the first token (with no tokens: the engine's version
+    when the request ended). Under ``in_flight="partial"`` later tokens may come from newer
+    versions: see ``token_versions``."""
+    token_versions: list[int] = msgspec.field(default_factory=list)
+    """The policy version that sampled each token, aligned with ``token_ids`` (non-decreasing).
+    Left empty by an engine that cannot tell per token (SGLang): it is then filled with
+    ``weight_version`` for every token. A list of another length is refused (``ValueError``)."""
+
+    def __post_init__(self) -> None:
+        if not self.token_versions and self.token_ids:
+            self.token_versions = [self.weight_version] * len(self.token_ids)
+        elif len(self.token_versions) != len(self.token_ids):
+            raise ValueError(
+                f"token_versions has {len(self.token_versions)} entries for "
+                f"{len(self.token_ids)} token_ids"
+            )
 
 
 class Span(msgspec.Struct, array_like=False):
@@ -147,7 +164,9 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
 
     Invariants (checked by ``validate()``): ``len(token_ids) == len(loss_mask) == len(logprobs)``;
     ``loss_mask[i] == 1`` exactly where the engine sampled token ``i``; ``logprobs[i] is None``
-    exactly where ``loss_mask[i] == 0``; spans tile ``[0, len(token_ids))`` in order.
+    exactly where ``loss_mask[i] == 0``; spans tile ``[0, len(token_ids))`` in order; when
+    ``token_versions`` is present it has the same length, ``NOT_SAMPLED`` exactly where
+    ``loss_mask[i] == 0``, and its smallest version is ``policy_version``.
     """
 
     id: str
@@ -159,7 +178,9 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
     group_id: str
     """``env/task_id``: the samples of one task share it (a GRPO group)."""
     policy_version: int
-    """The weights that sampled the first turn."""
+    """The oldest policy version that sampled any of its tokens (the one its staleness is
+    measured by: ``learner version - policy_version``); the first turn's version when no token
+    was sampled, 0 when no turn ran. See ``token_versions`` for each token's."""
     status: TrajectoryStatus
     """done, truncated (a budget ended it) or error (see ``error``)."""
     termination_reason: TerminationReason
@@ -204,6 +225,19 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
     """Where its time went."""
     info: dict[str, str] = msgspec.field(default_factory=dict)
     """Free-form strings an engine or env attaches."""
+    token_versions: list[int] = msgspec.field(default_factory=list)
+    """The policy version that sampled each token, aligned with ``token_ids``;
+    ``NOT_SAMPLED`` (-1) on every token the engine did not sample (prompt, template, tool:
+    ``loss_mask == 0``). A trajectory continued across a weight update
+    (``in_flight="partial"``) holds several versions. Empty in files written before the field
+    existed: every sampled token then counts as ``policy_version`` (``sampled_versions()``)."""
+
+    def sampled_versions(self) -> list[int]:
+        """The version of each token, ``NOT_SAMPLED`` where ``loss_mask == 0``; for a trajectory
+        without ``token_versions`` (an older file), ``policy_version`` on every sampled token."""
+        if self.token_versions:
+            return list(self.token_versions)
+        return [self.policy_version if m else NOT_SAMPLED for m in self.loss_mask]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first broken invariant."""
@@ -232,6 +266,29 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
             pos = span.end
         if pos != n:
             raise ValueError(f"trajectory {self.id}: spans cover {pos} of {n} tokens")
+        self._validate_versions()
+
+    def _validate_versions(self) -> None:
+        versions = self.token_versions
+        if not versions:
+            return
+        if len(versions) != len(self.token_ids):
+            raise ValueError(
+                f"trajectory {self.id}: lengths differ: token_ids={len(self.token_ids)} "
+                f"token_versions={len(versions)}"
+            )
+        for i, (version, mask) in enumerate(zip(versions, self.loss_mask, strict=True)):
+            if (version == NOT_SAMPLED) != (mask == 0) or version < NOT_SAMPLED:
+                raise ValueError(
+                    f"trajectory {self.id}: token_versions[{i}]={version} with loss_mask={mask} "
+                    f"(sampled tokens carry a version >= 0, the others {NOT_SAMPLED})"
+                )
+        sampled = [v for v in versions if v != NOT_SAMPLED]
+        if sampled and min(sampled) != self.policy_version:
+            raise ValueError(
+                f"trajectory {self.id}: policy_version={self.policy_version} but the oldest "
+                f"token version is {min(sampled)}"
+            )
 
     def source_counts(self) -> dict[str, int]:
         counts = {"prompt": 0, "model": 0, "tool": 0, "template": 0}

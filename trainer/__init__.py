@@ -9,7 +9,8 @@ surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``
 (varlen attention) and ``_prefix`` (shared-prefix packing), ``_schedule`` (LR), ``_engine``
 (DeepSpeed ZeRO-3 policy / reference / critic; deepspeed is imported lazily), ``_deepspeed``
 (the config's ``deepspeed`` section, checked against DeepSpeed's own parser), ``_stats`` and
-``_learner`` (one training step), ``_checkpoint`` (atomic loop checkpoints, export) and
+``_learner`` (one training step), ``_in_flight`` (which objectives off-policy samples need),
+``_checkpoint`` (atomic loop checkpoints, export) and
 ``_sink`` (the ``WeightSink`` protocol the loop implements).
 """
 
@@ -62,6 +63,8 @@ from ._engine import init_distributed as init_distributed
 from ._engine import open_critic as open_critic
 from ._engine import open_policy as open_policy
 from ._engine import open_reference as open_reference
+from ._in_flight import IN_FLIGHT_RULES as IN_FLIGHT_RULES
+from ._in_flight import check_in_flight_objective as check_in_flight_objective
 from ._kl import KLEstimator as KLEstimator
 from ._kl import kl_estimate as kl_estimate
 from ._kl import kl_in_reward as kl_in_reward
@@ -95,6 +98,7 @@ __all__ = [
     "GAE",
     "GroupEstimator",
     "IN_FLIGHT_RULE",
+    "IN_FLIGHT_RULES",
     "KLEstimator",
     "LRSchedule",
     "Learner",
@@ -119,6 +123,7 @@ __all__ = [
     "barrier",
     "block_causal_mask",
     "causal_lm_token_logprobs",
+    "check_in_flight_objective",
     "consolidated_state_dict",
     "deepspeed_config",
     "dr_grpo_advantages",

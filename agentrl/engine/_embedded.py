@@ -13,17 +13,25 @@ SGLang's streaming sessions (see ``_session``): turn k+1 reuses all of turn k's 
 last sampled token. The caller still sends the whole context, and results never depend on
 what was reused beyond fp32 rounding (see below).
 
-Weight updates (``update_weights``) never mix versions inside one request. The rule for requests
-in flight is ``EngineOptions.in_flight``:
+Weight updates (``update_weights``). The rule for requests in flight is
+``EngineOptions.in_flight``:
 
 - ``"finish"`` (default): requests already started finish on the old weights; the update waits
   for them, and requests not yet started wait for the update.
 - ``"abort"``: started requests are thrown back into the queue with their output discarded and
   their seed's generator reset, then recompute from scratch on the new weights (the caller
   only sees the longer latency).
+- ``"partial"`` (interruptible generation, as in AReaL): the update is applied at the next step
+  boundary without waiting. Each running request keeps the tokens it sampled and their
+  logprobs; its KV, computed by the old weights, is dropped, and it re-queues at its place to
+  recompute its whole context (prompt and output so far) on the new weights through the
+  ordinary admission and chunked-prefill path, then continues decoding with the same sampling
+  generator. One result can then span versions.
 
-Either way the update then unpins every session, empties the radix cache and reports the new
-``weight_version`` on every later result.
+With ``"finish"`` and ``"abort"`` every token of a result comes from one version; with
+``"partial"`` ``GenerateResult.token_versions`` records the version of each token (non-decreasing)
+and ``weight_version`` is the first token's. Every rule then unpins every session, empties the
+radix cache and reports the new version on every later token.
 
 Numerics: fp32. A token's KV may come from a prefill chunk, a decode step or a cache hit, and a
 row may share a step with others; GEMMs of different shapes can differ in the last bits, so
@@ -211,6 +219,7 @@ class EmbeddedEngine:
             weight_version=self._worker.weight_version,
             cached_tokens=s.cached_tokens,
             preemptions=s.preemptions,
+            interruptions=s.interruptions,
             kv_blocks=pool.num_blocks,
             kv_blocks_free=pool.num_free,
             block_size=pool.block_size,

@@ -17,6 +17,8 @@ from agentrl._errors import ConfigError, EngineError
 from ._radix import RadixStatistics
 
 _GIB = 1 << 30
+IN_FLIGHT_RULES = ("finish", "abort", "partial")
+"""``EngineOptions.in_flight``'s values."""
 
 
 class EngineOptions(pydantic.BaseModel):
@@ -46,8 +48,12 @@ class EngineOptions(pydantic.BaseModel):
     """A session's pin is dropped after this long without a request."""
     session_cap_tokens: int | None = pydantic.Field(None, ge=0)
     """Most tokens all sessions pin together; default: half the pool."""
-    in_flight: Literal["finish", "abort"] = "finish"
-    """What a weight update does to started requests (see the module docs)."""
+    in_flight: Literal["finish", "abort", "partial"] = "finish"
+    """What a weight update does to started requests: ``"finish"`` them on the old weights
+    (the update waits), ``"abort"`` them (they restart from scratch on the new weights), or
+    continue them on the new weights (``"partial"``: their KV is recomputed, the tokens already
+    sampled are kept; ``GenerateResult.token_versions`` then holds several versions). See
+    ``EmbeddedEngine``."""
     num_threads: int | None = pydantic.Field(None, ge=1)
     """torch CPU threads of the worker (default: every core); on a GPU they only sample."""
     device: str = "cpu"
@@ -165,6 +171,8 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
     """Tokens whose KV was reused (radix tree or session pin) instead of computed."""
     preemptions: int = 0
+    interruptions: int = 0
+    """Running requests moved onto new weights mid-generation (``in_flight="partial"``)."""
     kv_blocks: int = 0
     kv_blocks_free: int = 0
     block_size: int = 16

@@ -20,7 +20,10 @@ last page too (a GRPO group's prompt is computed once, to the last token).
 
 Weight updates (``in_flight`` rule, see ``EmbeddedEngine``): ``hold_new`` stops admitting
 requests that have not started; ``abort_in_flight`` throws away in-flight work so it restarts
-from scratch; ``flush`` drops all cached and pinned KV once nothing runs.
+from scratch; ``interrupt_in_flight`` drops only the running requests' KV, keeping what they
+sampled, so they re-queue, recompute their whole context (prompt and output so far) on the new
+weights through the ordinary admission and prefill path, and continue; ``flush`` drops all
+cached and pinned KV once nothing runs.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Request:
     """Set by the caller when its task is cancelled; the worker then drops the request."""
     tokens: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each output token."""
     generator: torch.Generator = field(default_factory=torch.Generator)
     weight_version: int = 0
     cached_tokens: int = 0
@@ -74,6 +79,7 @@ class Request:
         """Forget all output (a weight update aborted the request): start over, same seed."""
         self.tokens = list(self.input_ids)
         self.output_logprobs = []
+        self.token_versions = []
         self.generator = make_generator(self.seed)
 
     @property
@@ -101,6 +107,8 @@ class SchedulerCounters:
     cached_tokens: int = 0
     """Tokens whose KV a (re)admission reused instead of computing."""
     preemptions: int = 0
+    interruptions: int = 0
+    """Running requests a weight update moved onto the new weights (``interrupt_in_flight``)."""
     deferred: int = 0
     steps: int = 0
 
@@ -223,10 +231,18 @@ class Scheduler:
     def abort_in_flight(self) -> None:
         """Throw away every running request's work and output; they re-queue from scratch."""
         for request in list(self.running):
-            self._requeue(request, cache=False)
+            self._requeue(request, cache=False, restart=True)
         for request in self.waiting:
             if request.started:
                 request.restart()
+
+    def interrupt_in_flight(self) -> None:
+        """Drop every running request's KV (computed by the weights being replaced) but keep
+        its output, logprobs and generator: it re-queues at its place and recomputes its whole
+        context on the next weights. Waiting requests hold no KV and need nothing."""
+        for request in list(self.running):
+            self._requeue(request, cache=False, restart=False)
+            self.counters.interruptions += 1
 
     def flush(self) -> None:
         """Drop every cached and pinned KV block (nothing may be running)."""
@@ -315,7 +331,7 @@ class Scheduler:
         while need > 0 and not self._make_room(need):
             victim = self.running[-1]
             assert len(self.running) > 1, f"the KV pool cannot hold one request of {tokens}"
-            self._requeue(victim, cache=True)
+            self._requeue(victim, cache=True, restart=False)
             self.counters.preemptions += 1
             if victim is request:
                 return False
@@ -328,12 +344,14 @@ class Scheduler:
                 return False
         return True
 
-    def _requeue(self, request: Request, *, cache: bool) -> None:
+    def _requeue(self, request: Request, *, cache: bool, restart: bool) -> None:
+        """Back to the queue at its arrival place, its KV released (full pages cached in the
+        tree if ``cache``); ``restart`` also forgets its output."""
         self.running.remove(request)
         assert request.kv is not None
         self.kv.release(request.kv, cache=cache)
         request.kv = None
-        if not cache:
+        if restart:
             request.restart()
         bisect.insort(self.waiting, request, key=lambda r: r.arrival)
 

@@ -19,7 +19,11 @@ Choices where SGLang leaves room, or where agentrl serve differs:
 - ``return_logprob`` with ``logprob_start_len=-1`` returns SGLang's one input entry
   ``[null, last_input_id, null]``; input-token logprobs at earlier positions are not computed
   (400). ``top_logprobs_num`` > 0 and ``stream=true`` are refused (400).
-- ``weight_version`` is an integer sent as a string (SGLang's type).
+- ``weight_version`` is an integer sent as a string (SGLang's type): the version of the first
+  output token. ``--in-flight`` chooses what a weight update does to running requests (the
+  engine's ``in_flight`` rule, reported as ``agentrl.in_flight`` by ``/get_model_info``); when a
+  reply's tokens span versions (``partial``), ``meta_info.token_versions`` lists each token's
+  version, a key SGLang clients ignore and that is absent otherwise.
 - ``/close_session`` of an unknown id answers 200 as SGLang does (body says it was not open).
 
 Errors: invalid input is a 400 ``{"error": {"message": ..., "field": ...}}`` naming the field;
@@ -55,7 +59,13 @@ from ._server_generate import (
     plan_generate,
     render_result,
 )
-from ._server_metrics import Counters, engine_statistics, kv_facts, prometheus_text
+from ._server_metrics import (
+    Counters,
+    engine_statistics,
+    kv_facts,
+    prometheus_text,
+    served_in_flight,
+)
 from ._server_sessions import SessionError, SessionTable, Turn
 
 _JSON = "application/json"
@@ -220,6 +230,7 @@ class _Server:
                 "engine": type(self.engine).__name__,
                 "max_context_length": self.engine.max_context,
                 "vocab_size": facts.vocab_size,
+                "in_flight": served_in_flight(self.engine),
                 **kv_facts(self.engine),
             },
         )
@@ -356,6 +367,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, help="model and KV dtype: float32 (default) or bfloat16"
     )
+    parser.add_argument(
+        "--in-flight",
+        dest="in_flight",
+        choices=("finish", "abort", "partial"),
+        default=None,
+        help="what a weight update does to running requests: finish them on the old weights "
+        "(default), abort (restart on the new ones) or partial (continue on the new ones)",
+    )
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -369,7 +388,15 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except AgentRLError as exc:
         print(f"agentrl serve: {exc}", file=sys.stderr)
         return 2
-    names = ("max_batch_size", "num_threads", "block_size", "kv_cache_tokens", "device", "dtype")
+    names = (
+        "max_batch_size",
+        "num_threads",
+        "block_size",
+        "kv_cache_tokens",
+        "device",
+        "dtype",
+        "in_flight",
+    )
     options = {k: getattr(args, k, None) for k in names}
     options = {k: v for k, v in options.items() if v is not None}
 

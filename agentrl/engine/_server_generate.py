@@ -272,6 +272,8 @@ def render_result(
         weight_version=str(result.weight_version),
         e2e_latency=time.perf_counter() - started,
     )
+    if any(v != result.weight_version for v in result.token_versions):
+        meta.token_versions = list(result.token_versions)  # the tokens span weight versions
     if item.return_logprob:
 
         def piece(token: int) -> str | None:

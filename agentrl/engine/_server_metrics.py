@@ -40,6 +40,14 @@ def kv_facts(engine: Engine) -> dict[str, int | bool | str | None]:
     return {"paged_kv": page is not None, "page_size": page}
 
 
+def served_in_flight(engine: Engine) -> str:
+    """The served engine's ``in_flight`` rule (``/get_model_info`` -> ``agentrl.in_flight``):
+    its ``options.in_flight``, else ``"finish"`` (an engine without the option finishes
+    requests in flight on the weights they started with, as SGLang does)."""
+    rule = getattr(getattr(engine, "options", None), "in_flight", None)
+    return rule if isinstance(rule, str) else "finish"
+
+
 def prometheus_text(
     counters: Counters, engine: Engine, open_sessions: int, served_name: str
 ) -> str:

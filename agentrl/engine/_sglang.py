@@ -42,6 +42,7 @@ from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 
 from . import _wire as w
+from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
 
 
@@ -79,7 +80,11 @@ class SGLangEngine:
 
     ``max_context`` defaults to the smallest ``max_model_len`` the servers report on
     ``/v1/models``; ``bos_token_id`` defaults to ``bos_token_id`` in the served model's
-    ``config.json`` when that folder exists on this machine.
+    ``config.json`` when that folder exists on this machine. ``in_flight``: the rule for
+    requests in flight across a weight update that every server must run (``EngineError`` when
+    connecting otherwise): SGLang runs ``"finish"``, ``agentrl serve`` reports its own.
+    ``GenerateResult.token_versions`` comes from ``agentrl serve``'s ``meta_info`` extension
+    when the tokens span versions, else every token gets the reply's ``weight_version``.
     """
 
     def __init__(
@@ -93,10 +98,16 @@ class SGLangEngine:
         connect_retries: int = 3,
         streaming_sessions: bool = True,
         session_timeout_s: float | None = 3600.0,
+        in_flight: str = "finish",
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise EngineError("SGLangEngine needs at least one server URL")
+        if in_flight not in IN_FLIGHT_RULES:
+            raise EngineError(
+                f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, got {in_flight!r}"
+            )
+        self.in_flight = in_flight
         self._servers = [Upstream(u.rstrip("/")) for u in urls]
         self._max_context = max_context
         self._bos = bos_token_id
@@ -156,6 +167,7 @@ class SGLangEngine:
         self._settle()
 
     def _settle(self) -> None:
+        self._check_in_flight()
         self._connected = True
         self._weight_version = min(s.weight_version for s in self._servers)
         contexts = [s.max_context for s in self._servers if s.max_context]
@@ -168,6 +180,19 @@ class SGLangEngine:
             except (OSError, ValueError):
                 bos = None
             self._bos = bos if isinstance(bos, int) else None
+
+    def _check_in_flight(self) -> None:
+        """Every server must run the ``in_flight`` rule this engine was opened with: the rule
+        is the server's (SGLang finishes requests in flight on their old weights and cannot
+        report per-token versions; ``agentrl serve --in-flight`` chooses)."""
+        wrong = [s for s in self._servers if s.in_flight != self.in_flight]
+        if wrong:
+            found = ", ".join(f"{s.url} runs {s.in_flight!r}" for s in wrong)
+            raise EngineError(
+                f"in_flight={self.in_flight!r} cannot be honoured: {found} (SGLang always "
+                "finishes requests in flight on their old weights; agentrl serve takes "
+                "--in-flight finish|abort|partial)"
+            )
 
     async def _ready(self) -> None:
         if self._closed:

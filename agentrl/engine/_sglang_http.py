@@ -45,6 +45,9 @@ class Upstream:
     max_context: int | None = None
     weight_version: int = 0
     model_path: str | None = None
+    in_flight: str = "finish"
+    """What it does to requests in flight on a weight update (``/get_model_info``'s
+    ``agentrl.in_flight``; SGLang reports none and finishes them on the old weights)."""
 
 
 class Transport:
@@ -115,8 +118,7 @@ class Transport:
             info = w.model_info_decoder.decode(await self.call(server, "GET", "/get_model_info"))
         except msgspec.DecodeError as exc:
             raise EngineError(f"{server.url}/get_model_info: unexpected reply: {exc}") from exc
-        server.model_path = info.model_path
-        server.weight_version = w.parse_weight_version(info.weight_version)
+        _read_info(server, info)
         try:
             models = w.model_list_decoder.decode(await self.call(server, "GET", "/v1/models"))
             server.max_context = models.data[0].max_model_len if models.data else None
@@ -131,11 +133,16 @@ class Transport:
                 models = client.get(server.url + "/v1/models").raise_for_status()
             except httpx.HTTPError as exc:
                 raise EngineError(f"cannot read model info from {server.url}: {exc}") from exc
-        parsed = w.model_info_decoder.decode(info.content)
-        server.model_path = parsed.model_path
-        server.weight_version = w.parse_weight_version(parsed.weight_version)
+        _read_info(server, w.model_info_decoder.decode(info.content))
         cards = w.model_list_decoder.decode(models.content).data
         server.max_context = cards[0].max_model_len if cards else None
+
+
+def _read_info(server: Upstream, info: w.WireModelInfo) -> None:
+    server.model_path = info.model_path
+    server.weight_version = w.parse_weight_version(info.weight_version)
+    rule = (info.agentrl or {}).get("in_flight")
+    server.in_flight = rule if isinstance(rule, str) else "finish"
 
 
 def wire_sampling(sampling: SamplingParams) -> w.WireSamplingParams:
@@ -190,6 +197,13 @@ def to_result(
         kind, matched = "stop", ids[-1]  # SGLang checks the length limit before stop ids
     elif kind not in ("length", "abort"):
         raise EngineError(f"{url}/generate: unknown finish_reason {finish!r}")
+    first = w.parse_weight_version(meta.weight_version, version)
+    versions = meta.token_versions  # agentrl serve's, when the tokens span versions
+    if versions is not None and (len(versions) != len(ids) or versions != sorted(versions)):
+        raise EngineError(
+            f"{url}/generate: meta_info.token_versions has {len(versions)} entries for "
+            f"{len(ids)} tokens, or decreases"
+        )
     return GenerateResult(
         ids,
         [float(lp) for lp in logprobs],  # type: ignore[arg-type]
@@ -197,5 +211,7 @@ def to_result(
         matched,
         prompt_tokens=meta.prompt_tokens,
         cached_tokens=meta.cached_tokens,
-        weight_version=w.parse_weight_version(meta.weight_version, version),
+        weight_version=versions[0] if versions else first,
+        # SGLang cannot tell per token: every token then counts as the reply's weight_version
+        token_versions=list(versions) if versions else [first] * len(ids),
     )

@@ -112,6 +112,9 @@ class WireMetaInfo(msgspec.Struct, omit_defaults=True):
     e2e_latency: float = 0.0
     output_token_logprobs: list[LogprobEntry] | None = None
     input_token_logprobs: list[LogprobEntry] | None = None
+    token_versions: list[int] | None = None
+    """agentrl's extension (SGLang clients ignore it): the weight version of each output token,
+    sent only when they differ (``in_flight="partial"``); absent: all are ``weight_version``."""
 
 
 class WireGenerateResp(msgspec.Struct, omit_defaults=True):

@@ -230,6 +230,8 @@ class Worker:
         """Apply pending updates now, or hold new requests until in-flight ones finish."""
         if self.in_flight == "abort":
             self.scheduler.abort_in_flight()
+        elif self.in_flight == "partial":
+            self.scheduler.interrupt_in_flight()
         elif self.scheduler.in_flight():
             self.scheduler.hold_new = True
             return
@@ -273,6 +275,7 @@ class Worker:
         token, logprob = sample_token(logits, request.sampling, request.generator)
         request.tokens.append(token)
         request.output_logprobs.append(logprob)
+        request.token_versions.append(self.weight_version)
         self.counters.tokens_generated += 1
         sampling = request.sampling
         output = request.output_ids
@@ -295,7 +298,10 @@ class Worker:
             matched_stop=matched,
             prompt_tokens=len(request.input_ids),
             cached_tokens=request.cached_tokens,
-            weight_version=request.weight_version,
+            weight_version=request.token_versions[0]
+            if request.token_versions
+            else request.weight_version,
+            token_versions=list(request.token_versions),
         )
         if reason != "abort":
             self.counters.requests_done += 1

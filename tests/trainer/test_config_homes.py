@@ -147,7 +147,10 @@ def test_hash_sees_resolved_algorithm_values():
         (["engine.max_batch_size=0"], "engine.max_batch_size: Input should be greater than or"),
         (["engine.device=tpu"], "engine.device: device must be 'cpu', 'cuda' or 'cuda:N'"),
         (["engine.dtype=float33"], "engine.dtype: unknown dtype 'float33'"),
-        (["engine.in_flight=later"], "engine.in_flight: Input should be 'finish' or 'abort'"),
+        (
+            ["engine.in_flight=later"],
+            "engine.in_flight: Input should be 'finish', 'abort' or 'partial'",
+        ),
     ],
 )
 def test_an_engine_typo_fails_at_load_with_its_name(sets, needle):
