@@ -42,7 +42,7 @@ def _config(args: argparse.Namespace, mode: str, lag: int, urls: list[str]) -> d
             "group_size": args.group,
             "seed": 7,
         },
-        "algorithm": {"name": "grpo"},
+        "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
         "optimizer": {"lr": args.lr},
         "train": {
             "max_steps": args.steps,
@@ -73,12 +73,11 @@ def _run(args: argparse.Namespace, name: str, cfg: dict, work: Path) -> dict:
     loop_s = sum(r["step_s"] - r.get("eval_s", 0.0) for r in ledger)
     trained = sum(r["trajectories_trained"] for r in ledger)
     spans = [r["step_s"] - r.get("eval_s", 0.0) for r in ledger]
-    weighted = lambda key: (
-        sum(  # noqa: E731
-            (r.get(key) or 0.0) * s for r, s in zip(ledger, spans, strict=True)
-        )
-        / max(sum(spans), 1e-9)
-    )
+    total = max(sum(spans), 1e-9)
+
+    def weighted(key: str) -> float:
+        return sum((r.get(key) or 0.0) * s for r, s in zip(ledger, spans, strict=True)) / total
+
     return {
         "loop_s": loop_s,
         "samples": trained,

@@ -26,7 +26,7 @@ CONFIG = {
     "model": "tiny-random",
     "env": "vowels_env:vowels-v0",
     "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": GROUP},
-    "algorithm": {"name": "grpo"},
+    "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
     "optimizer": {"lr": 1e-3},
     "train": {
         "max_steps": STEPS, "tasks_per_step": TASKS, "micro_batch_tokens": 256,

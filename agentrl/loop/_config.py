@@ -25,7 +25,12 @@ from agentrl._errors import ConfigError
 from agentrl.engine import EngineOptions
 from agentrl.envs import SandboxSpec, sandbox_spec
 from agentrl.sandboxes import PoolConfig
-from agentrl.trainer import AlgorithmConfig, DeepSpeedSection, OptimizerConfig
+from agentrl.trainer import (
+    AlgorithmConfig,
+    DeepSpeedSection,
+    OptimizerConfig,
+    check_in_flight_objective,
+)
 
 MOVED_SETTINGS: dict[tuple[str, ...], str] = {
     ("env_kwargs",): "rollout.env_kwargs",
@@ -248,6 +253,11 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"algorithm {self.algorithm.name} needs groups: set rollout.group_size >= 2"
             )
+        lag = self.train.max_version_lag if self.train.mode == "async" else 0
+        try:
+            check_in_flight_objective(self.engine.in_flight, self.algorithm, max_version_lag=lag)
+        except ConfigError as exc:
+            raise ValueError(f"train.mode: {self.train.mode}: {exc}") from None
         return self
 
     def hash(self) -> str:

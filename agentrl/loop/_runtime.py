@@ -250,6 +250,7 @@ async def _open_engine(stack: AsyncExitStack, setup: _Setup) -> tuple[Any, Engin
                 cfg.server.urls,
                 max_context=cfg.rollout.max_context_tokens,
                 request_timeout_s=cfg.server.request_timeout_s,
+                in_flight=cfg.engine.in_flight,
             )
         )
         sink = EngineWeightSink(

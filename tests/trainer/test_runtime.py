@@ -117,7 +117,11 @@ def _slot(traj) -> int:
 def async_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
     cfg = load_train_config(
-        _config(tmp, train={"mode": "async", "max_version_lag": 1, "max_steps": 5})
+        _config(
+            tmp,
+            algorithm={"old_logprobs": "recompute", "tis_cap": 2.0},
+            train={"mode": "async", "max_version_lag": 1, "max_steps": 5},
+        )
     )
     result = train(cfg, tmp / "run")
     return tmp / "run", result
@@ -216,3 +220,22 @@ def test_fill_replaces_stragglers_with_fresh_tasks(tmp_path):
     slots = [s for r in ledger for s in r["task_slots"] + r.get("extra_task_slots", [])]
     assert len(slots) == len(set(slots))  # a straggler's slot is settled, never sampled again
     assert {_slot(t) for t in trajs} <= set(slots)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.mode=async"],
+        ["engine.in_flight=partial"],
+        ["train.mode=async", "algorithm.old_logprobs=recompute"],
+    ],
+)
+def test_off_policy_training_needs_the_decoupled_objective(sets):
+    from agentrl import ConfigError
+
+    with pytest.raises(ConfigError, match="decoupled PPO") as info:
+        load_train_config(None, sets)
+    assert "old_logprobs: recompute" in str(info.value) or "tis_cap" in str(info.value)
+    ok = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2"]
+    assert load_train_config(None, [*sets, *ok]).train.mode in ("sync", "async")
+    assert load_train_config(None, ["train.mode=async", "train.max_version_lag=0"])  # the sync case
