@@ -42,13 +42,29 @@ class RolloutConfig(pydantic.BaseModel):
     """Deadline for one tool call, unless the tool's own ``timeout_s`` or the environment's
     ``tool_timeout_s`` attribute sets one (the tool's wins over the environment's)."""
     trajectory_timeout_s: float = pydantic.Field(1800.0, gt=0)
-    """Wall-clock deadline for a whole trajectory."""
+    """Wall-clock deadline for a whole trajectory (``reward`` and ``close`` run after it, under
+    their own deadlines)."""
+    env_timeout_s: float = pydantic.Field(60.0, gt=0)
+    """Deadline for each call into the environment other than tools and the verifier: ``reset``,
+    ``turn_reward``, ``respond``, ``close``. Past it the trajectory ends with ``status="error"``
+    and an error whose ``where`` names the call; the rest of the batch goes on."""
+    reward_timeout_s: float = pydantic.Field(600.0, gt=0)
+    """Deadline for the verifier (``reward``); generous because verifiers that run tests in a
+    sandbox can be slow. Past it the trajectory ends with ``status="error"``, ``where="reward"``."""
     tool_error_budget: int = pydantic.Field(3, ge=0)
     """A trajectory ends (``tool_error_budget``) after more failed tool calls than this."""
     max_tool_argument_bytes: int = pydantic.Field(16_384, ge=64)
     """Tool-call argument text above this size is refused (``oversize_arguments``)."""
     tool_threads: int = pydantic.Field(8, ge=1)
-    """Worker threads shared by all synchronous tool calls of one rollout."""
+    """Threads shared by all synchronous tool calls of one rollout (a call past its deadline
+    gives its thread's slot back at once; waiting for a slot is not part of any deadline)."""
+    max_abandoned_threads: int = pydantic.Field(32, ge=1)
+    """Python cannot stop a thread: a sync tool or env hook past its deadline runs on, abandoned.
+    While this many abandoned threads of the process still run, new sync calls are refused and
+    their trajectories end with an error, instead of threads piling up and starving the rest."""
+    tool_processes: int = pydantic.Field(4, ge=1)
+    """Worker processes shared by the calls of ``@agentrl.tool(isolation="process")`` tools of
+    one rollout (started on first use; a worker past its deadline is killed and replaced)."""
     use_sessions: bool = True
     """Open an engine session per trajectory so KV survives tool waits."""
     env_kwargs: dict[str, Any] = pydantic.Field(default_factory=dict)

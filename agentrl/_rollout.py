@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import inspect
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,9 @@ import anyio
 
 from ._config import RolloutConfig
 from ._env import Episode, Responder, Reward, TurnRewarder
+from ._errors import EnvError
 from ._registry import EnvSpec
+from ._threads import ThreadTimeout, abandoned_threads, run_in_daemon_thread
 from ._tools import BoundTool, collect_tools, env_tool_timeout, invoke_tool
 from ._types import (
     NOT_SAMPLED,
@@ -140,7 +143,9 @@ class RolloutContext:
     env_resources: dict[str, Any] = field(default_factory=dict)
     """Live objects passed to every env factory next to ``env_kwargs`` (e.g. ``sandbox``, a
     sandbox pool or client shared by the rollout); never written to the config snapshot."""
-    """``anyio.CapacityLimiter`` for sync tool threads (set by ``run_groups``)."""
+    tool_processes: Any = None
+    """``ToolProcesses`` for ``isolation="process"`` tools (set by ``run_groups``; without it
+    each such call starts and ends its own worker)."""
 
     @property
     def max_turns(self) -> int:
@@ -182,6 +187,8 @@ class _Run:
         self.tools: dict[str, BoundTool] = {}
         self.tool_timeout_s = ctx.config.tool_timeout_s
         self.abandoned_threads = 0
+        self.hook: str | None = None
+        """The env call in progress (``reset``, ``tool``, ...): an error's ``where``."""
         self.state = State.PROMPT
         self.prompt_messages = 0
 
@@ -241,7 +248,7 @@ async def run_trajectory(
     except Exception as exc:  # a bad rollout is data
         state = State.ERROR
         run.status, run.reason = "error", "error"
-        run.error = trajectory_error(exc, _where(run.state, exc), run.turn)
+        run.error = trajectory_error(exc, _where(run, exc), run.turn)
     finally:
         with anyio.CancelScope(shield=True):
             if run.session is not None:
@@ -254,7 +261,7 @@ async def run_trajectory(
     if state != State.ERROR and env is not None:
         t0 = time.perf_counter()
         try:
-            value = await env.reward(run.episode())
+            value = await call_env(run, "reward", env.reward, run.episode())
             if isinstance(value, Reward):
                 reward, breakdown = float(value.total), dict(value.breakdown)
             else:
@@ -264,12 +271,15 @@ async def run_trajectory(
             run.error = trajectory_error(exc, "reward", run.turn)
         run.timing.reward_s = time.perf_counter() - t0
     if env is not None:
+        # shielded, so a cancelled rollout still closes; bounded, so a close that never returns
+        # costs env_timeout_s and is recorded (the episode and its reward were complete: the
+        # trajectory keeps its status)
         with anyio.CancelScope(shield=True):
             try:
-                await env.close()
+                await call_env(run, "close", env.close)
             except Exception as exc:
                 if run.error is None:
-                    run.error = trajectory_error(exc, "env", run.turn)
+                    run.error = trajectory_error(exc, "close", run.turn)
     run.timing.wall_s = time.perf_counter() - started
     while len(run.turn_rewards) < run.turn:
         run.turn_rewards.append(0.0)
@@ -327,25 +337,69 @@ def trajectory_error(exc: BaseException, where: str, turn: int | None) -> Trajec
 
 
 def _info(run: _Run) -> dict[str, str]:
-    if not run.abandoned_threads:
-        return {}
-    # sync tools past their deadline: their threads could not be stopped and run on
-    return {"abandoned_tool_threads": str(run.abandoned_threads)}
+    info: dict[str, str] = {}
+    if run.abandoned_threads:
+        # sync tools past their deadline: their threads could not be stopped and run on
+        info["abandoned_tool_threads"] = str(run.abandoned_threads)
+    running = abandoned_threads()
+    if running:
+        # abandoned threads of the whole process (tools and env hooks) still running now
+        info["abandoned_threads_running"] = str(running)
+    return info
 
 
-def _where(state: State, exc: Exception) -> str:
+def _where(run: _Run, exc: Exception) -> str:
     from ._errors import EngineError
 
     if isinstance(exc, EngineError):
         return "engine"
-    return {State.PROMPT: "env", State.PARSE: "env", State.TOOL: "env"}.get(state, "runtime")
+    if run.hook is not None:
+        return run.hook
+    return {State.PROMPT: "env", State.PARSE: "env", State.TOOL: "env"}.get(run.state, "runtime")
+
+
+async def call_env(run: _Run, where: str, hook: Callable[..., Any], *args: Any) -> Any:
+    """``hook(*args)`` under its deadline (``reward_timeout_s`` for the verifier, else
+    ``env_timeout_s``); past it raise ``EnvError`` naming the call, the setting and its value.
+
+    An async hook is cancelled at the deadline, which works only if it awaits: one that blocks
+    the event loop cannot be interrupted. A sync hook runs in a daemon thread (abandoned at the
+    deadline, like a sync tool)."""
+    cfg = run.ctx.config
+    setting = "reward_timeout_s" if where == "reward" else "env_timeout_s"
+    timeout_s: float = getattr(cfg, setting)
+    run.hook = where
+    late = EnvError(
+        f"{run.ctx.spec.id}: {where}() did not finish within {timeout_s:g} s "
+        f"(rollout.{setting} = {timeout_s:g})"
+    )
+    with anyio.move_on_after(timeout_s) as scope:
+        if inspect.iscoroutinefunction(hook):
+            result = await hook(*args)
+        else:
+            try:
+                result = await run_in_daemon_thread(
+                    lambda: hook(*args),
+                    name=f"{run.ctx.spec.id}.{where}",
+                    timeout_s=timeout_s,
+                    max_abandoned=cfg.max_abandoned_threads,
+                    cap_setting="rollout.max_abandoned_threads",
+                )
+            except ThreadTimeout:
+                raise late from None
+            if inspect.isawaitable(result):
+                result = await result
+    if scope.cancelled_caught:
+        raise late
+    run.hook = None
+    return result
 
 
 async def _step(run: _Run, env: Any, state: State) -> State:
     ctx = run.ctx
     match state:
         case State.PROMPT:
-            messages = await env.reset(run.task)
+            messages = await call_env(run, "reset", env.reset, run.task)
             if not messages or not all(isinstance(m, Message) for m in messages):
                 raise TypeError(f"{ctx.spec.id}.reset() must return a non-empty list of Message")
             schemas = [b.spec.schema() for b in run.tools.values()]
@@ -401,7 +455,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                 return State.TOOL
             await _turn_reward(run, env)
             if isinstance(env, Responder):
-                reply = await env.respond(run.messages[-1])
+                reply = await call_env(run, "respond", env.respond, run.messages[-1])
                 if reply is None:
                     return run.finish("done", "stop")
                 run.pending = list(reply)
@@ -423,6 +477,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                     )
                 else:
                     t0 = time.perf_counter()
+                    run.hook = "tool"  # a ToolError (too many abandoned threads) ends the run
                     record = await invoke_tool(
                         run.tools,
                         call.name,
@@ -431,10 +486,13 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                         timeout_s=run.tool_timeout_s,
                         max_argument_bytes=ctx.config.max_tool_argument_bytes,
                         limiter=ctx.tool_limiter,
+                        max_abandoned=ctx.config.max_abandoned_threads,
+                        processes=ctx.tool_processes,
                     )
+                    run.hook = None
                     run.timing.tool_s += time.perf_counter() - t0
                     bound = run.tools.get(call.name)
-                    if record.error_kind == "tool_timeout" and bound and not bound.spec.is_async:
+                    if record.error_kind == "tool_timeout" and bound and _in_thread(bound):
                         run.abandoned_threads += 1  # a thread cannot be stopped: it runs on
                 run.tool_calls.append(record)
                 observations.append(Message("tool", record.output, name=call.name or None))
@@ -464,8 +522,12 @@ def _add_piece(run: _Run, piece: Piece) -> None:
 async def _turn_reward(run: _Run, env: Any) -> None:
     value = 0.0
     if isinstance(env, TurnRewarder):
-        value = float(await env.turn_reward(run.episode()))
+        value = float(await call_env(run, "turn_reward", env.turn_reward, run.episode()))
     run.turn_rewards.append(value)
+
+
+def _in_thread(bound: BoundTool) -> bool:
+    return not bound.spec.is_async and bound.spec.isolation == "thread"
 
 
 def _engine_error(message: str) -> Exception:

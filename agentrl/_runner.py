@@ -22,6 +22,7 @@ from ._config import RolloutConfig
 from ._errors import ConfigError
 from ._registry import spec as env_spec
 from ._rollout import RolloutContext, derive_seed, run_trajectory
+from ._tool_process import open_tool_processes
 from ._types import Trajectory, TrajectoryWriter, read_trajectories
 
 IfExists = Literal["error", "overwrite", "append"]
@@ -30,7 +31,7 @@ ROLLOUT_FILES = ("config.json", "trajectories.jsonl", "summary.json", "report.ht
 TRAINING_FILES = ("ledger.jsonl", "checkpoints")
 """Any of these (or a ``config.json`` saying ``"train": true``) marks a training run, which a
 rollout never writes into."""
-_APPEND_FREE = ("concurrency", "tool_threads")
+_APPEND_FREE = ("concurrency", "tool_threads", "tool_processes", "max_abandoned_threads")
 """Rollout settings that do not change what is sampled: an append may change them."""
 
 if TYPE_CHECKING:
@@ -91,23 +92,39 @@ async def run_groups(
         if on_trajectory is not None:
             on_trajectory(traj)
 
+    if stop is not None and stop.is_set():
+        return []
+    async with AsyncExitStack() as stack:
+        if ctx.tool_processes is None:  # isolation="process" tool workers, killed at the end
+            ctx.tool_processes = await stack.enter_async_context(
+                open_tool_processes(cfg.tool_processes)
+            )
+            stack.callback(setattr, ctx, "tool_processes", None)
+        await _run_all(ctx, tasks, one, first_sample, stop)
+    return [results[k] for k in sorted(results)]
+
+
+async def _run_all(
+    ctx: RolloutContext,
+    tasks: Sequence[Any],
+    one: Callable[[int, Any, int], Any],
+    first_sample: Mapping[str, int] | None,
+    stop: anyio.Event | None,
+) -> None:
     async def cancel_on_stop(scope: anyio.CancelScope) -> None:
         assert stop is not None
         await stop.wait()
         scope.cancel()
 
-    if stop is not None and stop.is_set():
-        return []
     async with anyio.create_task_group() as watch:
         if stop is not None:
             watch.start_soon(cancel_on_stop, watch.cancel_scope)
         async with anyio.create_task_group() as tg:
             for ti, task in enumerate(tasks):
                 start = (first_sample or {}).get(f"{ctx.spec.id}/{task.id}", 0)
-                for sample in range(start, start + cfg.group_size):
+                for sample in range(start, start + ctx.config.group_size):
                     tg.start_soon(one, ti, task, sample)
         watch.cancel_scope.cancel()
-    return [results[k] for k in sorted(results)]
 
 
 def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:

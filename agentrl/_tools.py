@@ -6,33 +6,47 @@ text and runs the tool under a deadline. Nothing a model writes can raise out of
 becomes a ``ToolCallRecord`` with ``ok=False`` and a clear observation for the model.
 
 Every call has a deadline: the tool's own ``timeout_s``, else its environment's
-``tool_timeout_s`` attribute, else the caller's default (``RolloutConfig.tool_timeout_s``). An
-async tool past its deadline is cancelled. A sync tool runs in a daemon thread, which Python
-cannot stop: past its deadline the call is recorded as ``tool_timeout`` and the thread is left
-to finish on its own (it never keeps the process from exiting).
+``tool_timeout_s`` attribute, else the caller's default (``RolloutConfig.tool_timeout_s``). The
+deadline measures the tool's own running time, never a wait for a free thread or worker. Where
+a tool runs (``isolation``):
+
+- async tools run on the event loop and are cancelled at their deadline (so they must never
+  block: a blocking async tool freezes every trajectory and cannot be cancelled);
+- sync tools (``isolation="thread"``, the default) run in a daemon thread, which Python cannot
+  stop: past its deadline the call is ``tool_timeout``, the thread is abandoned (it gives its
+  slot back at once, runs on, and never keeps the process from exiting) and counted; past
+  ``max_abandoned`` abandoned threads still running, new calls raise ``ToolError`` (the
+  trajectory fails loudly instead of every later call timing out);
+- ``isolation="process"`` tools (module-level sync functions) run in a worker process that is
+  killed at the deadline (``_tool_process.py``): for code that may hold the GIL or never end.
 """
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import json
 import numbers
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
-import anyio.to_thread
 import pydantic
 
 from ._errors import ToolError
+from ._threads import ThreadTimeout, TooManyAbandonedThreads, run_in_daemon_thread
+from ._tool_process import (
+    ToolException,
+    ToolProcesses,
+    WorkerFailed,
+    WorkerTimeout,
+    open_tool_processes,
+)
 from ._types import ToolCallRecord
+
+Isolation = Literal["thread", "process"]
 
 TOOL_ATTR = "__agentrl_tool__"
 DEFAULT_TOOL_TIMEOUT_S = 10.0
@@ -54,6 +68,8 @@ class ToolSpec:
     is_async: bool
     timeout_s: float | None
     is_method: bool
+    isolation: Isolation = "thread"
+    """Where a sync tool runs: a daemon thread, or a worker process killed at the deadline."""
 
     def schema(self) -> dict[str, Any]:
         """OpenAI/Hermes-style function schema."""
@@ -101,7 +117,11 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def _build_spec(
-    fn: Callable[..., Any], name: str | None, description: str | None, timeout_s: float | None
+    fn: Callable[..., Any],
+    name: str | None,
+    description: str | None,
+    timeout_s: float | None,
+    isolation: Isolation = "thread",
 ) -> ToolSpec:
     tool_name = name or fn.__name__
     if not _NAME_RE.match(tool_name):
@@ -119,6 +139,7 @@ def _build_spec(
     is_method = bool(params) and params[0].name in ("self", "cls")
     if is_method:
         params = params[1:]
+    _check_isolation(fn, tool_name, isolation, is_method)
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise ToolError(f"tool {tool_name!r}: *args/**kwargs are not allowed ({p.name})")
@@ -150,7 +171,27 @@ def _build_spec(
         is_async=inspect.iscoroutinefunction(fn),
         timeout_s=timeout_s,
         is_method=is_method,
+        isolation=isolation,
     )
+
+
+def _check_isolation(fn: Callable[..., Any], name: str, isolation: Any, is_method: bool) -> None:
+    if isolation not in ("thread", "process"):
+        raise ToolError(
+            f"tool {name!r}: isolation must be 'thread' or 'process', got {isolation!r}"
+        )
+    if isolation != "process":
+        return
+    if inspect.iscoroutinefunction(fn):
+        raise ToolError(
+            f"tool {name!r}: isolation='process' is for sync functions (an async tool runs on "
+            "the event loop and is cancelled at its deadline)"
+        )
+    if is_method or "<locals>" in fn.__qualname__:
+        raise ToolError(
+            f"tool {name!r}: isolation='process' needs a module-level function (it is pickled "
+            "by name into a worker process; a method's instance or a closure cannot follow it)"
+        )
 
 
 def tool(
@@ -159,11 +200,14 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     timeout_s: float | None = None,
+    isolation: Literal["thread", "process"] = "thread",
 ) -> Any:
-    """Mark a (sync or async) function or method as a tool. Usable bare or with options."""
+    """Mark a (sync or async) function or method as a tool. Usable bare or with options:
+    ``timeout_s`` (its own deadline), ``isolation="process"`` (a module-level sync function run
+    in a worker process that is killed at the deadline; arguments and result are pickled)."""
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-        setattr(f, TOOL_ATTR, _build_spec(f, name, description, timeout_s))
+        setattr(f, TOOL_ATTR, _build_spec(f, name, description, timeout_s, isolation))
         return f
 
     return decorate(fn) if fn is not None else decorate
@@ -203,37 +247,6 @@ def env_tool_timeout(env: Any) -> float | None:
     return float(value)
 
 
-async def _run_in_daemon_thread(
-    fn: Callable[[], Any], limiter: anyio.CapacityLimiter | None, name: str
-) -> Any:
-    """``fn()`` in a new daemon thread, at most ``limiter``'s capacity at once. Cancelling the
-    caller abandons the thread (its slot is released; it runs on and never blocks exit: anyio's
-    own worker threads are not daemons, so a tool that never returns would hang the process at
-    exit on asyncio)."""
-    limiter = limiter or anyio.to_thread.current_default_thread_limiter()
-    async with limiter:
-        done = anyio.Event()
-        outcome: dict[str, Any] = {}
-        token = anyio.lowlevel.current_token()
-        context = contextvars.copy_context()
-
-        def target() -> None:
-            try:
-                outcome["value"] = context.run(fn)
-            except BaseException as exc:  # delivered to the caller (SystemExit included)
-                outcome["error"] = exc
-            try:
-                anyio.from_thread.run_sync(done.set, token=token)
-            except Exception:  # the event loop is gone: nobody waits for this call any more
-                pass
-
-        threading.Thread(target=target, name=f"agentrl tool {name}", daemon=True).start()
-        await done.wait()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
 def _observation_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -265,12 +278,18 @@ async def invoke_tool(
     timeout_s: float | None = None,
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
     limiter: anyio.CapacityLimiter | None = None,
+    max_abandoned: int | None = None,
+    processes: ToolProcesses | None = None,
 ) -> ToolCallRecord:
-    """Validate and run one call. Never raises for anything the model wrote.
+    """Validate and run one call. Never raises for anything the model wrote; raises
+    ``ToolError`` when ``max_abandoned`` abandoned tool threads still run (the process is
+    degraded: that is the runtime's failure, not the model's).
 
-    The deadline is the tool's own ``timeout_s``, else ``timeout_s``, else 10 s. Sync tools run
-    in a daemon thread under ``limiter`` (anyio's default limiter, 40 threads, when None); past
-    the deadline the thread is abandoned, not killed (Python cannot stop a thread)."""
+    The deadline is the tool's own ``timeout_s``, else ``timeout_s``, else 10 s, and counts the
+    tool's running time only. Sync tools run in a daemon thread under ``limiter`` (anyio's
+    default limiter, 40 threads, when None); past the deadline the thread is abandoned, not
+    killed (Python cannot stop a thread). ``isolation="process"`` tools run in ``processes``
+    (a one-call pool when None); past the deadline their worker is killed."""
     started = time.perf_counter()
     raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
 
@@ -312,18 +331,18 @@ async def invoke_tool(
         return fail("invalid_arguments", _validation_message(exc))
     kwargs = {k: getattr(validated, k) for k in type(validated).model_fields}
     deadline = bound.spec.timeout_s or timeout_s or DEFAULT_TOOL_TIMEOUT_S
-    value: Any = None
     try:
-        # move_on_after, not fail_after: a TimeoutError the tool raises itself is its own error
-        with anyio.move_on_after(deadline) as scope:
-            if bound.spec.is_async:
-                value = await bound.call(**kwargs)
-            else:
-                value = await _run_in_daemon_thread(lambda: bound.call(**kwargs), limiter, name)
+        value = await _run(bound, kwargs, deadline, limiter, max_abandoned, processes)
+    except _Timeout as exc:
+        return fail("tool_timeout", f"tool {name!r} did not finish within {deadline:g} s{exc.note}")
+    except TooManyAbandonedThreads as exc:
+        raise ToolError(str(exc)) from None
+    except WorkerFailed as exc:
+        return fail("tool_exception", f"{type(exc).__name__}: {exc}")
+    except ToolException as exc:
+        return fail("tool_exception", str(exc))
     except (Exception, SystemExit) as exc:
         return fail("tool_exception", f"{type(exc).__name__}: {exc}")
-    if scope.cancelled_caught:
-        return fail("tool_timeout", f"tool {name!r} did not finish within {deadline:g} s")
     return ToolCallRecord(
         turn=turn,
         name=name,
@@ -332,3 +351,45 @@ async def invoke_tool(
         output=_observation_text(value),
         latency_s=time.perf_counter() - started,
     )
+
+
+class _Timeout(Exception):
+    def __init__(self, note: str = "") -> None:
+        self.note = note
+
+
+async def _run(
+    bound: BoundTool,
+    kwargs: dict[str, Any],
+    deadline: float,
+    limiter: anyio.CapacityLimiter | None,
+    max_abandoned: int | None,
+    processes: ToolProcesses | None,
+) -> Any:
+    spec = bound.spec
+    if spec.is_async:
+        # move_on_after, not fail_after: a TimeoutError the tool raises itself is its own error
+        with anyio.move_on_after(deadline) as scope:
+            value = await bound.call(**kwargs)
+        if scope.cancelled_caught:
+            raise _Timeout()
+        return value
+    if spec.isolation == "process":
+        try:
+            if processes is not None:
+                return await processes.call(spec.fn, kwargs, timeout_s=deadline)
+            async with open_tool_processes(1) as pool:
+                return await pool.call(spec.fn, kwargs, timeout_s=deadline)
+        except WorkerTimeout:
+            raise _Timeout(" (its worker process was killed)") from None
+    try:
+        return await run_in_daemon_thread(
+            lambda: bound.call(**kwargs),
+            name=f"tool {spec.name}",
+            timeout_s=deadline,
+            limiter=limiter,
+            max_abandoned=max_abandoned,
+            cap_setting="rollout.max_abandoned_threads",
+        )
+    except ThreadTimeout:
+        raise _Timeout() from None

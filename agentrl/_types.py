@@ -139,7 +139,8 @@ class TrajectoryError(msgspec.Struct, omit_defaults=True):
     message: str
     """The exception's message."""
     where: str = "runtime"
-    """One of env, engine, runtime, reward."""
+    """The env call that failed or ran past its deadline (reset, turn_reward, respond, reward,
+    close, tool), or env (its construction or tool set-up), engine, runtime."""
     turn: int | None = None
     """The turn it happened in (None: before the first)."""
     traceback: str | None = None

@@ -114,8 +114,26 @@ def _make_task(split: str, seed: int, index: int, level: int) -> Task:
     )
 
 
+MAX_BITS = 4096
+"""Every number an expression computes (each numerator and denominator, intermediate results
+included) fits in this many bits (about 1233 decimal digits): big-integer arithmetic holds the
+GIL, so an unbounded ``((9**64)**64)**64)**16`` would freeze the whole process for seconds."""
+
+
+def _bits(value: Fraction) -> int:
+    return max(value.numerator.bit_length(), value.denominator.bit_length())
+
+
+def _bounded(value: Fraction) -> Fraction:
+    if _bits(value) > MAX_BITS:
+        raise ValueError(f"a result exceeds {MAX_BITS} bits")
+    return value
+
+
 def safe_eval(expression: str) -> Fraction:
-    """Evaluate +, -, *, /, //, %, ** and parentheses over numbers, exactly (fractions)."""
+    """Evaluate +, -, *, /, //, %, ** and parentheses over numbers, exactly (fractions). Every
+    intermediate result is bounded (``MAX_BITS``); a power is refused before it is computed when
+    its result would pass the bound."""
     if len(expression) > 200:
         raise ValueError("expression is longer than 200 characters")
     try:
@@ -127,19 +145,22 @@ def safe_eval(expression: str) -> Fraction:
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
-            return Fraction(str(node.value))
+            return _bounded(Fraction(str(node.value)))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
             value = ev(node.operand)
             return -value if isinstance(node.op, ast.USub) else value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 64):
-                raise ValueError("exponents must be integers with |n| <= 64")
+            if isinstance(node.op, ast.Pow):
+                if right.denominator != 1 or abs(right) > 64:
+                    raise ValueError("exponents must be integers with |n| <= 64")
+                if _bits(left) * abs(right) > MAX_BITS + 64:  # estimated before computing it
+                    raise ValueError(f"a result exceeds {MAX_BITS} bits")
             if isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0:
                 raise ValueError("division by zero")
             if isinstance(node.op, ast.Div):
-                return left / right
-            return Fraction(_OPS[type(node.op)](left, right))
+                return _bounded(left / right)
+            return _bounded(Fraction(_OPS[type(node.op)](left, right)))
         raise ValueError(f"unsupported expression element: {type(node).__name__}")
 
     return ev(tree)

@@ -359,9 +359,28 @@ async def test_tools_that_never_return_time_out_and_the_trajectory_goes_on(chatm
     assert hang == "Error (tool_timeout): tool 'hang' did not finish within 0.3 s"
     assert traj.tool_calls[2].output == "finished"
     assert all(c.latency_s < 3 for c in traj.tool_calls[:2])
-    # the sync tool's thread could not be stopped: the trajectory says so
-    assert traj.info == {"abandoned_tool_threads": "1"}
+    # the sync tool's thread could not be stopped: the trajectory says so (and how many such
+    # threads of the process still ran when it ended, when any did)
+    assert traj.info["abandoned_tool_threads"] == "1"
+    assert set(traj.info) <= {"abandoned_tool_threads", "abandoned_threads_running"}
     assert traj.reward == 3.0
+
+
+async def test_too_many_abandoned_threads_end_the_trajectory_loudly(chatml, tokenizer):
+    """Past ``max_abandoned_threads`` abandoned threads still running, a sync tool call is
+    refused: the trajectory ends in error naming the setting, instead of every later call
+    timing out (a silently wrong observation and reward)."""
+    from agentrl._threads import abandoned_threads
+
+    cap = abandoned_threads() + 1
+    engine = ScriptedEngine(tokenizer, [_call("stuck"), _call("stuck"), ANSWER])
+    ctx = _deadlines_ctx(chatml, engine, max_abandoned_threads=cap)
+    with anyio.fail_after(20):
+        traj = await run_trajectory(ctx, _task(), group_id="g", sample_index=0, seed=1)
+    assert traj.status == "error" and traj.error.where == "tool", traj.error
+    assert traj.error.type == "ToolError"
+    assert f"(rollout.max_abandoned_threads = {cap})" in traj.error.message
+    assert [c.error_kind for c in traj.tool_calls] == ["tool_timeout"]
 
 
 async def test_an_invalid_env_tool_timeout_is_an_error_trajectory(chatml, tokenizer, monkeypatch):
