@@ -52,13 +52,20 @@ class Actor:
     async def running(self) -> AsyncIterator[Actor]:
         """The actor's task group; leaving it cancels whatever still runs (in-flight groups are
         then never settled: a resumed run samples their slots again)."""
-        async with anyio.create_task_group() as tg:
+        from agentrl._tool_process import open_tool_processes
+
+        async with (
+            open_tool_processes(self.ctx.config.tool_processes) as processes,
+            anyio.create_task_group() as tg,
+        ):
+            self.ctx.tool_processes = processes  # isolation="process" tools' workers
             self._tg = tg
             try:
                 yield self
             finally:
                 tg.cancel_scope.cancel()
                 self._tg = None
+                self.ctx.tool_processes = None
 
     def submit(self, step: int, n: int) -> list[int]:
         """Start ``n`` fresh task slots for ``step``; returns every slot (all ranks')."""
