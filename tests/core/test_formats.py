@@ -9,10 +9,11 @@ import json
 import msgspec
 import pytest
 from fakes import ScriptedEngine
+from loop_probes import calc_context
 
 import agentrl
 from agentrl import Message
-from agentrl._rollout import RolloutContext, run_trajectory
+from agentrl._rollout import run_trajectory
 from agentrl._types import GenerateResult
 from agentrl.formats import (
     ChatFormat,
@@ -281,14 +282,7 @@ def test_assistant_content_drops_only_a_final_stop(chatml):
 
 
 async def _rollout(fmt, engine, **cfg):
-    ctx = RolloutContext(
-        spec=agentrl.spec("calc-v0"),
-        engine=engine,
-        fmt=fmt,
-        config=agentrl.RolloutConfig(**cfg),
-        tokenizer_fingerprint="test",
-        model_name="scripted",
-    )
+    ctx = calc_context(fmt, engine, **cfg)
     task = agentrl.Task(id="t0", prompt="What is 3 + 2?", answer="5")
     traj = await run_trajectory(ctx, task, group_id="g", sample_index=0, seed=1)
     traj.validate()

@@ -10,9 +10,10 @@ import pytest
 from fakes import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loop_probes import calc_context
 
 import agentrl
-from agentrl._rollout import RolloutContext, run_trajectory
+from agentrl._rollout import run_trajectory
 from agentrl._runner import run_groups
 from agentrl._types import decode_trajectory, encode_trajectory
 from agentrl.formats import check_boundary
@@ -23,15 +24,7 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 2"}
 ANSWER = "<answer>5</answer><|im_end|>"
 
 
-def _ctx(chatml, engine, **cfg):
-    return RolloutContext(
-        spec=agentrl.spec("calc-v0"),
-        engine=engine,
-        fmt=chatml,
-        config=agentrl.RolloutConfig(**cfg),
-        tokenizer_fingerprint="test",
-        model_name="scripted",
-    )
+_ctx = calc_context
 
 
 def _task(answer="5"):

@@ -11,11 +11,12 @@ import msgspec
 import pytest
 import torch
 from fakes import ScriptedEngine
+from loop_probes import calc_context
 from safetensors.torch import load_file
 
 import agentrl
 from agentrl._report_term import fmt_versions
-from agentrl._rollout import RolloutContext, run_trajectory
+from agentrl._rollout import run_trajectory
 from agentrl._types import (
     NOT_SAMPLED,
     GenerateResult,
@@ -50,15 +51,7 @@ class VersionedEngine(ScriptedEngine):
         return msgspec.structs.replace(result, weight_version=versions[0], token_versions=versions)
 
 
-def _ctx(chatml, engine, **cfg) -> RolloutContext:
-    return RolloutContext(
-        spec=agentrl.spec("calc-v0"),
-        engine=engine,
-        fmt=chatml,
-        config=agentrl.RolloutConfig(**cfg),
-        tokenizer_fingerprint="test",
-        model_name="scripted",
-    )
+_ctx = calc_context
 
 
 async def test_the_rollout_records_each_sampled_tokens_version(chatml, tokenizer, tmp_path):

@@ -10,6 +10,7 @@ import time
 import anyio
 import pytest
 from isolated_tools import big_power, chatty, exits, fails, sleeper, worker_pid
+from loop_probes import heartbeat
 
 import agentrl
 from agentrl import ToolError
@@ -109,15 +110,6 @@ async def test_past_the_cap_new_sync_calls_fail_loudly():
     assert record.ok
 
 
-async def _heartbeat(gaps: list[float], stop: anyio.Event) -> None:
-    last = time.perf_counter()
-    while not stop.is_set():
-        await anyio.sleep(0.01)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-
-
 async def test_a_process_tool_past_its_deadline_is_killed_and_the_next_call_works():
     """``big_power`` holds the GIL for minutes in one C call: in a thread it would freeze the
     event loop past any deadline; in a worker process the loop stays responsive and the worker
@@ -130,7 +122,7 @@ async def test_a_process_tool_past_its_deadline_is_killed_and_the_next_call_work
         gaps: list[float] = []
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_heartbeat, gaps, stop)
+            tg.start_soon(heartbeat, gaps, stop)
             started = time.perf_counter()
             record = await invoke_tool(
                 tools,

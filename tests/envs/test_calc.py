@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import anyio
 import pytest
+from loop_probes import heartbeat
 
 import agentrl
 from agentrl._tools import collect_tools, invoke_tool
@@ -54,22 +55,13 @@ def test_a_result_just_past_the_bound_is_refused():
         safe_eval("(2**63)**64 * 2**64")
 
 
-async def _heartbeat(gaps: list[float], stop: anyio.Event) -> None:
-    last = time.perf_counter()
-    while not stop.is_set():
-        await anyio.sleep(0.01)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-
-
 async def test_the_calculator_answers_nested_powers_quickly_and_the_loop_stays_responsive():
     env = agentrl.make("calc-v0")
     tools = collect_tools(env)
     gaps: list[float] = []
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_heartbeat, gaps, stop)
+        tg.start_soon(heartbeat, gaps, stop)
         await anyio.sleep(0.05)
         started = time.perf_counter()
         record = await invoke_tool(
