@@ -35,7 +35,9 @@ class RolloutConfig(pydantic.BaseModel):
     """Samples per task (G of the group estimators); a group shares one prompt. Training with a
     group estimator needs >= 2 and defaults to 4 when the config names none."""
     concurrency: int = pydantic.Field(16, ge=1)
-    """Trajectories in flight at once."""
+    """Trajectories in flight at once, counted until their episode ends: scoring (the env's
+    ``reward()``, a sandbox-backed verifier) runs outside this limit, so a slow verifier does
+    not keep other trajectories from generating."""
     turn_timeout_s: float = pydantic.Field(300.0, gt=0)
     """Deadline for one generate call."""
     tool_timeout_s: float = pydantic.Field(10.0, gt=0)

@@ -13,6 +13,7 @@ logprob kept); template and tool-output ids come from the format (mask 0, logpro
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import inspect
@@ -228,34 +229,39 @@ async def run_trajectory(
     group_id: str,
     sample_index: int,
     seed: int,
+    slot: anyio.CapacityLimiter | None = None,
 ) -> Trajectory:
     """Run one trajectory to completion. Never raises for env/engine/tool failures: they are
-    recorded on the returned trajectory (``status="error"``). Cancellation propagates."""
+    recorded on the returned trajectory (``status="error"``). Cancellation propagates.
+
+    ``slot`` (``rollout.concurrency``'s limiter) is held while the episode runs and released
+    before it is scored: a slow ``reward()`` holds no generation capacity."""
     run = _Run(ctx, task, seed)
     started = time.perf_counter()
     env: Any = None
     state = State.PROMPT
-    try:
-        env = ctx.spec.make(**ctx.config.env_kwargs, **ctx.env_resources)
-        run.tools = collect_tools(env)
-        run.tool_timeout_s = env_tool_timeout(env) or ctx.config.tool_timeout_s
-        with anyio.move_on_after(ctx.config.trajectory_timeout_s) as deadline:
-            while state not in TERMINAL:
-                run.state = state
-                state = await _step(run, env, state)
-        if deadline.cancelled_caught:
-            state = run.finish("truncated", "deadline")
-    except Exception as exc:  # a bad rollout is data
-        state = State.ERROR
-        run.status, run.reason = "error", "error"
-        run.error = trajectory_error(exc, _where(run, exc), run.turn)
-    finally:
-        with anyio.CancelScope(shield=True):
-            if run.session is not None:
-                try:
-                    await ctx.engine.close_session(run.session)
-                except Exception:
-                    pass
+    async with slot if slot is not None else contextlib.nullcontext():
+        try:
+            env = ctx.spec.make(**ctx.config.env_kwargs, **ctx.env_resources)
+            run.tools = collect_tools(env)
+            run.tool_timeout_s = env_tool_timeout(env) or ctx.config.tool_timeout_s
+            with anyio.move_on_after(ctx.config.trajectory_timeout_s) as deadline:
+                while state not in TERMINAL:
+                    run.state = state
+                    state = await _step(run, env, state)
+            if deadline.cancelled_caught:
+                state = run.finish("truncated", "deadline")
+        except Exception as exc:  # a bad rollout is data
+            state = State.ERROR
+            run.status, run.reason = "error", "error"
+            run.error = trajectory_error(exc, _where(run, exc), run.turn)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if run.session is not None:
+                    try:
+                        await ctx.engine.close_session(run.session)
+                    except Exception:
+                        pass
     reward: float | None = None
     breakdown: dict[str, float] = {}
     if state != State.ERROR and env is not None:

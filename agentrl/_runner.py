@@ -82,12 +82,11 @@ async def run_groups(
     results: dict[tuple[int, int], Trajectory] = {}
 
     async def one(task_index: int, task: Any, sample: int) -> None:
-        async with limiter:
-            group_id = f"{ctx.spec.id}/{task.id}{suffix}"
-            seed = derive_seed(cfg.seed, ctx.spec.id, task.id, sample)
-            traj = await run_trajectory(
-                ctx, task, group_id=group_id, sample_index=sample, seed=seed
-            )
+        group_id = f"{ctx.spec.id}/{task.id}{suffix}"
+        seed = derive_seed(cfg.seed, ctx.spec.id, task.id, sample)
+        traj = await run_trajectory(
+            ctx, task, group_id=group_id, sample_index=sample, seed=seed, slot=limiter
+        )
         results[(task_index, sample)] = traj
         if on_trajectory is not None:
             on_trajectory(traj)

@@ -93,10 +93,9 @@ class Actor:
         task, ctx = group.task, self.ctx
         seed = derive_seed(ctx.config.seed, "train", group.slot, sample)
         group_id = f"{ctx.spec.id}/{task.id}@{group.slot}"
-        async with self.limiter:
-            traj = await run_trajectory(
-                ctx, task, group_id=group_id, sample_index=sample, seed=seed
-            )
+        traj = await run_trajectory(
+            ctx, task, group_id=group_id, sample_index=sample, seed=seed, slot=self.limiter
+        )
         group.trajectories.append(traj)
 
     def _enter(self) -> None:

@@ -434,3 +434,38 @@ async def test_stop_cancels_what_is_in_flight_and_returns_what_finished(chatml, 
     assert all(t.status == "done" for t in trajs)
     assert engine.sessions == set()  # the cancelled trajectories closed their sessions
     assert await run_groups(ctx, tasks, stop=stop) == []  # already stopped: nothing starts
+
+
+@agentrl.env("slow-score-v0", max_turns=1, max_new_tokens=16, tags=("test",))
+class _SlowScore:
+    """One turn; scoring takes 0.4 s (a slow verifier)."""
+
+    def tasks(self, split: str = "train", *, seed: int = 0) -> list[agentrl.Task]:
+        return [agentrl.Task(id=f"s{i}", prompt="Say 5.") for i in range(4)]
+
+    async def reset(self, task: agentrl.Task) -> list[agentrl.Message]:
+        return [agentrl.Message("user", task.prompt)]
+
+    async def reward(self, episode: agentrl.Episode) -> float:
+        await anyio.sleep(0.4)
+        return 1.0
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_slow_verifier_does_not_hold_a_generation_slot(chatml, tokenizer):
+    """concurrency=1 bounds trajectories generating, not trajectories being scored: four slow
+    rewards overlap (≈ 0.4 s) instead of queueing behind one slot (≥ 1.6 s)."""
+    import dataclasses
+    import time
+
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    ctx = dataclasses.replace(
+        _ctx(chatml, engine, concurrency=1), spec=agentrl.spec("slow-score-v0")
+    )
+    started = time.perf_counter()
+    trajs = await run_groups(ctx, ctx.spec.make().tasks("train"))
+    elapsed = time.perf_counter() - started
+    assert [t.reward for t in trajs] == [1.0] * 4
+    assert elapsed < 1.2, f"scoring held the generation slot: {elapsed:.2f} s for 4 × 0.4 s"
