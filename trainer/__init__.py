@@ -9,8 +9,9 @@ surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``
 (varlen attention) and ``_prefix`` (shared-prefix packing), ``_schedule`` (LR), ``_engine``
 (DeepSpeed ZeRO-3 policy / reference / critic; deepspeed is imported lazily), ``_deepspeed``
 (the config's ``deepspeed`` section, checked against DeepSpeed's own parser), ``_stats`` and
-``_learner`` (one training step), ``_checkpoint`` (atomic loop checkpoints, export) and
-``_sink`` (the ``WeightSink`` protocol the loop implements).
+``_learner`` (one training step), ``_manifest`` (a checkpoint's file sizes and hashes),
+``_checkpoint`` (atomic, verified loop checkpoints, export) and ``_sink`` (the ``WeightSink``
+protocol the loop implements).
 """
 
 from ._advantages import GAE as GAE
@@ -36,17 +37,22 @@ from ._batch import overlong_filter as overlong_filter
 from ._batch import pack_trajectories as pack_trajectories
 from ._batch import pad_trajectories as pad_trajectories
 from ._batch import turn_advantages as turn_advantages
+from ._checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
 from ._checkpoint import IN_FLIGHT_RULE as IN_FLIGHT_RULE
 from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import CheckpointLookup as CheckpointLookup
+from ._checkpoint import CheckpointWarning as CheckpointWarning
 from ._checkpoint import LoopState as LoopState
 from ._checkpoint import consolidated_state_dict as consolidated_state_dict
 from ._checkpoint import export_checkpoint as export_checkpoint
+from ._checkpoint import find_intact_checkpoint as find_intact_checkpoint
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import list_checkpoints as list_checkpoints
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import read_state as read_state
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._checkpoint import step_dir as step_dir
+from ._checkpoint import verify_checkpoint as verify_checkpoint
 from ._checkpoint import verify_state as verify_state
 from ._config import AlgorithmConfig as AlgorithmConfig
 from ._config import OptimizerConfig as OptimizerConfig
@@ -89,7 +95,10 @@ __all__ = [
     "Aggregation",
     "AlgorithmConfig",
     "AlgorithmSpec",
+    "CHECKPOINT_FORMAT",
     "CheckpointError",
+    "CheckpointLookup",
+    "CheckpointWarning",
     "DeepSpeedSection",
     "DistInfo",
     "GAE",
@@ -124,6 +133,7 @@ __all__ = [
     "dr_grpo_advantages",
     "dynamic_sampling_mask",
     "export_checkpoint",
+    "find_intact_checkpoint",
     "gae_advantages",
     "group_index",
     "grpo_advantages",
@@ -156,5 +166,6 @@ __all__ = [
     "turn_advantages",
     "unregister_algorithm",
     "value_loss",
+    "verify_checkpoint",
     "verify_state",
 ]

@@ -11,6 +11,19 @@ renamed to ``step-…`` in one ``rename``, and only then are older checkpoints p
 A crash at any moment leaves either the previous checkpoints alone or the new one complete;
 ``latest_checkpoint`` ignores ``.tmp-*`` leftovers (the next save removes them).
 
+Verification: the save ends with ``manifest.json`` (every file's size and content hash,
+``_manifest``). A checkpoint is trusted only after ``verify_checkpoint`` found every file
+present with its size and hash, and ``state.json`` complete. ``find_intact_checkpoint`` walks the
+checkpoints newest first and returns the newest intact one with the reasons it skipped each newer
+one; with none intact it raises ``CheckpointError`` naming each broken file. A checkpoint saved
+without a manifest (by an older agentrl: ``state.json`` has no ``checkpoint_format``) is accepted
+after a structural check only, with a warning. A failure while loading is a
+``CheckpointError`` naming the checkpoint, never a raw traceback.
+
+A full disk: a save that fails for lack of space (ENOSPC) removes its ``.tmp-step-…`` folder
+and raises ``CheckpointError`` with the free space and the room ``keep`` needs (one checkpoint's
+size × (keep + 1): the kept ones plus the one being written before the oldest is pruned).
+
 The in-flight rule (``IN_FLIGHT_RULE``): the loop is synchronous, so no trajectory is in flight
 at a checkpoint; whatever was sampled after it (trajectories, ledger lines) is cut off on resume
 (the files are truncated to the lengths recorded here) and sampled again with the same seeds.
@@ -18,29 +31,34 @@ at a checkpoint; whatever was sampled after it (trajectories, ledger lines) is c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+import traceback
+import typing
+import warnings
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from agentrl._errors import AgentRLError
-
 from ._dist import barrier, rank_world
+from ._manifest import MANIFEST, CheckpointError, check_manifest, write_manifest
 
 IN_FLIGHT_RULE = "discard-after-checkpoint"
+CHECKPOINT_FORMAT = 2
+"""1: no manifest (older agentrl); 2: ``manifest.json`` lists every file's size and hash."""
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-class CheckpointError(AgentRLError):
-    """A checkpoint is missing, incomplete, or does not belong to this run's configuration."""
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped as broken, or trusted without a manifest."""
 
 
 @dataclass
@@ -60,6 +78,8 @@ class LoopState:
     file_lengths: dict[str, int] = field(default_factory=dict)
     """Byte length of each append-only run file (``ledger.jsonl``, ...) at checkpoint time."""
     created: float = 0.0
+    checkpoint_format: int = 1
+    """Set by ``save_checkpoint`` (``CHECKPOINT_FORMAT``); 1 in checkpoints of older agentrl."""
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -85,50 +105,130 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(path: Path) -> None:
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState, *, keep: int):
     """Write ``learner`` (anything with ``save(directory)``) and ``state`` as
-    ``root/step-{state.step}`` atomically; keep the newest ``keep`` checkpoints. Every rank
-    calls it (each saves its ZeRO partitions). Returns the checkpoint folder."""
+    ``root/step-{state.step}`` atomically, with its manifest; keep the newest ``keep``
+    checkpoints. Every rank calls it (each saves its ZeRO partitions). Returns the checkpoint
+    folder. A failed save removes its partial folder and raises ``CheckpointError`` (for a full
+    disk: the free space and the room ``keep`` needs)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, state.step)
     tmp = root / f".tmp-{final.name}"
-    if rank_world()[0] == 0:
-        for stale in root.glob(".tmp-*"):  # an earlier crash's leftovers
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    learner.save(str(tmp))
-    torch.save(rng_state(), tmp / f"rng-rank{rank_world()[0]}.pt")
-    barrier()
-    if rank_world()[0] == 0:
-        state.created = time.time()
-        (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving a step (a resumed run): swap, never a partial state
-            old = root / f".tmp-old-{final.name}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
+    rank = rank_world()[0]
+    try:
+        if rank == 0:
+            for stale in root.glob(".tmp-*"):  # an earlier crash's leftovers
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        learner.save(str(tmp))
+        torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+        barrier()
+        if rank == 0:
+            state.created = time.time()
+            state.checkpoint_format = CHECKPOINT_FORMAT
+            (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+            write_manifest(tmp)  # hashes and fsyncs every file, then the manifest
+            _publish(root, tmp, final)
+    except Exception as exc:
+        raise _save_failed(exc, root, tmp, final, keep) from exc
+    if rank == 0:
         for old_dir in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old_dir, ignore_errors=True)
     barrier()
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    if final.exists():  # re-saving a step (a resumed run): swap, never a partial state
+        old = root / f".tmp-old-{final.name}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_FLOOR = 64 << 20
+
+
+def _disk_full(exc: BaseException, free: int, one_checkpoint: int) -> bool:
+    """ENOSPC/EDQUOT anywhere in the exception's chain, or (torch's writer reports a full disk
+    as a bare ``RuntimeError`` with no errno) less room left than one checkpoint needs."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return free < max(_FULL_FLOOR, one_checkpoint)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the local variables of the frames of ``exc`` and the exceptions it chains to
+    (torch's writer fails a second time while closing: its file is held by that chained
+    exception's frames)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)
+        link = link.__cause__ or link.__context__
+
+
+def _save_failed(exc: Exception, root: Path, tmp: Path, final: Path, keep: int) -> Exception:
+    if isinstance(exc, CheckpointError):
+        return exc
+    # the failed writers' frames may hold open files: close them, or the removed files would
+    # keep their blocks (a full disk would stay full for as long as the error lives)
+    _release_frames(exc)
+    written = _tree_size(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = list_checkpoints(root)
+    one = _tree_size(previous[-1]) if previous else 0
+    free = shutil.disk_usage(root).free
+    cause = f"{type(exc).__name__}: {exc}"
+    if not _disk_full(exc, free, one):
+        return CheckpointError(
+            f"writing checkpoint {final.name} in {root} failed ({cause}); its partial folder "
+            "was removed and the earlier checkpoints are untouched"
+        )
+    if one:
+        size = f"{_human(one)} ({previous[-1].name})"
+    else:
+        size = f"at least {_human(written)} (what this save wrote before the disk filled)"
+    need = _human(max(one, written) * (keep + 1))
+    return CheckpointError(
+        f"no space left on device (ENOSPC) writing checkpoint {final.name} in {root} "
+        f"({cause}): {_human(free)} free there. One checkpoint takes {size}; "
+        f"checkpoint.keep={keep} needs about {need} ({keep} kept + the one being written, "
+        f"before the oldest is pruned). The partial {tmp.name} was removed and the earlier "
+        "checkpoints are untouched: free space, lower checkpoint.keep, or set checkpoint.dir "
+        "to a larger disk"
+    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -139,29 +239,132 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
+def _step_dirs(root: Path) -> list[Path]:
+    """Every ``step-NNNNNNNN`` folder under ``root`` (complete or not), oldest first."""
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()
-    ]
-    return [p for _, p in sorted(found)]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if p.is_dir()]
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Checkpoints under ``root`` that hold a ``state.json``, oldest first (not verified:
+    ``find_intact_checkpoint`` verifies)."""
+    return [p for p in _step_dirs(Path(root)) if (p / "state.json").is_file()]
+
+
+class CheckpointLookup(NamedTuple):
+    """What ``find_intact_checkpoint`` found."""
+
+    path: Path | None
+    """The newest intact checkpoint; None when ``root`` holds no checkpoint at all."""
+    state: LoopState | None
+    """Its loop state."""
+    skipped: list[tuple[Path, str]]
+    """Each newer checkpoint that was broken, newest first, with the reason (naming the file)."""
+
+
+def find_intact_checkpoint(root: str | os.PathLike[str], *, contents: bool = True):
+    """The newest checkpoint under ``root`` that ``verify_checkpoint`` accepts (``contents``:
+    hash every file too, not only sizes), and the broken newer ones it skipped. When checkpoints
+    exist but none is intact, ``CheckpointError`` names each broken file."""
+    root = Path(root)
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(_step_dirs(root)):
+        try:
+            state = verify_checkpoint(path, contents=contents)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        return CheckpointLookup(path, state, skipped)
+    if skipped:
+        broken = "\n".join(f"  {path.name}: {reason}" for path, reason in skipped)
+        raise CheckpointError(
+            f"no intact checkpoint under {root}:\n{broken}\nTo start the run over from step 1, "
+            f"move them away (mv {root} {root}.broken) and resume again: a run without "
+            "checkpoints restarts from the beginning"
+        )
+    return CheckpointLookup(None, None, [])
+
+
+def latest_checkpoint(root: str | os.PathLike[str], *, contents: bool = True) -> Path | None:
+    """The newest intact checkpoint under ``root`` (None when there is none); each newer broken
+    one is skipped with a ``CheckpointWarning`` naming its broken file
+    (``find_intact_checkpoint``)."""
+    found = find_intact_checkpoint(root, contents=contents)
+    for path, reason in found.skipped:
+        warnings.warn(
+            CheckpointWarning(f"skipped broken checkpoint {path}: {reason}; using {found.path}"),
+            stacklevel=2,
+        )
+    return found.path
+
+
+def _checked_value(name: str, hint: Any, value: Any) -> str | None:
+    origin = typing.get_origin(hint) or hint
+    if origin is float:
+        origin = (int, float)
+    if not isinstance(origin, type | tuple):
+        return None
+    if isinstance(value, bool) or not isinstance(value, origin):
+        return f"{name} is {value!r}"
+    if origin is dict and not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in value.items()
+    ):
+        return f"{name} is {value!r} (names to non-negative byte lengths)"
+    return None
 
 
 def read_state(path: str | os.PathLike[str]) -> LoopState:
+    """The checkpoint's ``state.json`` as a ``LoopState``; a missing, unreadable or incomplete
+    file raises ``CheckpointError`` naming it and what is wrong."""
     file = Path(path) / "state.json"
     if not file.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
-    return LoopState(**json.loads(file.read_text()))
+        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint")
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} is not a JSON object")
+    hints = typing.get_type_hints(LoopState)
+    required = [f.name for f in fields(LoopState) if f.default is f.default_factory is MISSING]
+    problems = [f"{name} is missing" for name in required if name not in data]
+    problems += [f"{key!r} is not a loop-state key" for key in data if key not in hints]
+    problems += [
+        p for key, v in data.items() if key in hints and (p := _checked_value(key, hints[key], v))
+    ]
+    if problems:
+        raise CheckpointError(f"{file} is damaged: {'; '.join(problems)}")
+    return LoopState(**data)
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, contents: bool = True) -> LoopState:
+    """Check a checkpoint folder before trusting it: every file its manifest lists present with
+    the size (and, with ``contents``, the hash) it was saved with, and ``state.json`` complete.
+    ``CheckpointError`` names the broken file. A checkpoint saved by an older agentrl without a
+    manifest is accepted when its ``state.json`` and ``policy/`` folder are there, with a
+    ``CheckpointWarning`` (its files cannot be verified)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint folder")
+    verified = check_manifest(path, contents=contents)
+    state = read_state(path)
+    if verified:
+        return state
+    if state.checkpoint_format >= 2:
+        raise CheckpointError(f"{path / MANIFEST} is missing (this checkpoint was saved with one)")
+    if not (path / "policy").is_dir():
+        raise CheckpointError(f"{path / 'policy'} is missing (the policy's DeepSpeed state)")
+    warnings.warn(
+        CheckpointWarning(
+            f"{path} was saved without a manifest (an older agentrl): its files' sizes and "
+            "contents cannot be verified"
+        ),
+        stacklevel=2,
+    )
+    return state
 
 
 def load_checkpoint(
@@ -170,16 +373,29 @@ def load_checkpoint(
     *,
     tokenizer_fingerprint: str,
     config_hash: str,
+    verify: bool = True,
 ) -> LoopState:
-    """Check that the checkpoint belongs to this run (same tokenizer, same configuration hash),
-    then restore ``learner`` (``load(directory, version)``) and this rank's RNG states."""
-    state = read_state(path)
+    """Verify the checkpoint (``verify_checkpoint``; ``verify=False`` when the caller just did),
+    check that it belongs to this run (same tokenizer, same configuration hash), then restore
+    ``learner`` (``load(directory, version)``) and this rank's RNG states. Any failure is a
+    ``CheckpointError`` naming the checkpoint."""
+    path = Path(path)
+    state = verify_checkpoint(path) if verify else read_state(path)
     verify_state(state, path, tokenizer_fingerprint=tokenizer_fingerprint, config_hash=config_hash)
-    learner.load(str(path), state.policy_version)
-    rng_file = Path(path) / f"rng-rank{rank_world()[0]}.pt"
+    rng_file = path / f"rng-rank{rank_world()[0]}.pt"
     if not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing (was the run saved with fewer ranks?)")
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    try:
+        learner.load(str(path), state.policy_version)
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # DeepSpeed, torch and pickle errors of a damaged file
+        raise CheckpointError(
+            f"loading checkpoint {path} failed ({type(exc).__name__}: {exc}); it is damaged or "
+            "was written by an incompatible version: resume from an earlier checkpoint or "
+            "start over"
+        ) from exc
     return state
 
 
@@ -208,7 +424,12 @@ def consolidated_state_dict(path: str | os.PathLike[str], tag: str = "policy"):
 
     if not (Path(path) / tag).is_dir():
         raise CheckpointError(f"{path} has no {tag!r} DeepSpeed checkpoint")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    except Exception as exc:  # DeepSpeed, torch and pickle errors of a damaged file
+        raise CheckpointError(
+            f"reading the {tag!r} weights of checkpoint {path} failed ({type(exc).__name__}: {exc})"
+        ) from exc
     return {k.removeprefix("lm."): v for k, v in state.items()}
 
 
@@ -225,7 +446,7 @@ def export_checkpoint(
     ``AutoModelForCausalLM.from_pretrained`` and by the embedded engine."""
     from safetensors.torch import save_file
 
-    state = read_state(path)
+    state = verify_checkpoint(path)
     source = Path(model_path or state.model_path)
     weights = consolidated_state_dict(path)
     config = json.loads((source / "config.json").read_text())
