@@ -20,6 +20,10 @@ without a manifest (by an older agentrl: ``state.json`` has no ``checkpoint_form
 after a structural check only, with a warning. A failure while loading is a
 ``CheckpointError`` naming the checkpoint, never a raw traceback.
 
+Another world size: a checkpoint saved by N ranks loads at M ≠ N through DeepSpeed's universal
+checkpoint, converted at load time (``_reshard``); rank ``r`` takes saved rank ``r mod N``'s RNG
+states.
+
 A full disk: a save that fails for lack of space (ENOSPC) removes its ``.tmp-step-…`` folder
 and raises ``CheckpointError`` with the free space and the room ``keep`` needs (one checkpoint's
 size × (keep + 1): the kept ones plus the one being written before the oldest is pruned).
@@ -50,6 +54,7 @@ import torch
 
 from ._dist import barrier, rank_world
 from ._manifest import MANIFEST, CheckpointError, check_manifest, write_manifest
+from ._reshard import saved_world_size, to_universal
 
 IN_FLIGHT_RULE = "discard-after-checkpoint"
 CHECKPOINT_FORMAT = 2
@@ -79,6 +84,9 @@ class LoopState:
     """Byte length of each append-only run file (``ledger.jsonl``, ...) at checkpoint time."""
     created: float = 0.0
     checkpoint_format: int = 1
+    world_size: int = 0
+    """Ranks that saved the checkpoint (set by ``save_checkpoint``; 0 in checkpoints of older
+    agentrl: counted from their ``rng-rank*.pt`` files)."""
     """Set by ``save_checkpoint`` (``CHECKPOINT_FORMAT``); 1 in checkpoints of older agentrl."""
 
 
@@ -128,6 +136,7 @@ def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState
         if rank == 0:
             state.created = time.time()
             state.checkpoint_format = CHECKPOINT_FORMAT
+            state.world_size = rank_world()[1]
             (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
             write_manifest(tmp)  # hashes and fsyncs every file, then the manifest
             _publish(root, tmp, final)
@@ -382,11 +391,16 @@ def load_checkpoint(
     path = Path(path)
     state = verify_checkpoint(path) if verify else read_state(path)
     verify_state(state, path, tokenizer_fingerprint=tokenizer_fingerprint, config_hash=config_hash)
-    rng_file = path / f"rng-rank{rank_world()[0]}.pt"
+    rank, world = rank_world()
+    saved = saved_world_size(path, state.world_size)
+    rng_file = path / f"rng-rank{rank % saved}.pt"  # another world size: a saved rank's states
     if not rng_file.is_file():
-        raise CheckpointError(f"{rng_file} is missing (was the run saved with fewer ranks?)")
+        raise CheckpointError(f"{rng_file} is missing (the checkpoint was saved by {saved} ranks)")
     try:
-        learner.load(str(path), state.policy_version)
+        if saved == world:
+            learner.load(str(path), state.policy_version)
+        else:
+            _load_resharded(path, learner, state.policy_version)
         set_rng_state(torch.load(rng_file, weights_only=False))
     except CheckpointError:
         raise
@@ -397,6 +411,22 @@ def load_checkpoint(
             "start over"
         ) from exc
     return state
+
+
+def _load_resharded(path: Path, learner: Any, version: int) -> None:
+    """Load a checkpoint saved at another world size through a universal checkpoint
+    (``_reshard``), converted by rank 0 into a temporary folder beside it."""
+    universal = path.parent / f".tmp-universal-{path.name}"
+    if rank_world()[0] == 0:
+        shutil.rmtree(universal, ignore_errors=True)
+        to_universal(path, universal)
+    barrier()
+    try:
+        learner.load(str(universal), version, universal=True)
+    finally:
+        barrier()
+        if rank_world()[0] == 0:
+            shutil.rmtree(universal, ignore_errors=True)
 
 
 def verify_state(
