@@ -10,8 +10,9 @@ surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``
 (DeepSpeed ZeRO-3 policy / reference / critic; deepspeed is imported lazily), ``_deepspeed``
 (the config's ``deepspeed`` section, checked against DeepSpeed's own parser), ``_stats`` and
 ``_learner`` (one training step), ``_manifest`` (a checkpoint's file sizes and hashes),
-``_checkpoint`` (atomic, verified loop checkpoints, export) and ``_sink`` (the ``WeightSink``
-protocol the loop implements).
+``_lookup`` (the loop state, the newest intact checkpoint), ``_reshard`` (another world size),
+``_diskfull`` (a failed save), ``_checkpoint`` (atomic, verified loop checkpoints, export) and
+``_sink`` (the ``WeightSink`` protocol the loop implements).
 """
 
 from ._advantages import GAE as GAE
@@ -37,22 +38,11 @@ from ._batch import overlong_filter as overlong_filter
 from ._batch import pack_trajectories as pack_trajectories
 from ._batch import pad_trajectories as pad_trajectories
 from ._batch import turn_advantages as turn_advantages
-from ._checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
-from ._checkpoint import IN_FLIGHT_RULE as IN_FLIGHT_RULE
-from ._checkpoint import CheckpointError as CheckpointError
-from ._checkpoint import CheckpointLookup as CheckpointLookup
-from ._checkpoint import CheckpointWarning as CheckpointWarning
-from ._checkpoint import LoopState as LoopState
 from ._checkpoint import consolidated_state_dict as consolidated_state_dict
 from ._checkpoint import export_checkpoint as export_checkpoint
-from ._checkpoint import find_intact_checkpoint as find_intact_checkpoint
-from ._checkpoint import latest_checkpoint as latest_checkpoint
-from ._checkpoint import list_checkpoints as list_checkpoints
 from ._checkpoint import load_checkpoint as load_checkpoint
-from ._checkpoint import read_state as read_state
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._checkpoint import step_dir as step_dir
-from ._checkpoint import verify_checkpoint as verify_checkpoint
 from ._checkpoint import verify_state as verify_state
 from ._config import AlgorithmConfig as AlgorithmConfig
 from ._config import OptimizerConfig as OptimizerConfig
@@ -76,6 +66,16 @@ from ._learner import LearnerSettings as LearnerSettings
 from ._logprob import TokenLogprobs as TokenLogprobs
 from ._logprob import causal_lm_token_logprobs as causal_lm_token_logprobs
 from ._logprob import token_logprobs_and_entropy as token_logprobs_and_entropy
+from ._lookup import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
+from ._lookup import IN_FLIGHT_RULE as IN_FLIGHT_RULE
+from ._lookup import CheckpointLookup as CheckpointLookup
+from ._lookup import CheckpointWarning as CheckpointWarning
+from ._lookup import LoopState as LoopState
+from ._lookup import find_intact_checkpoint as find_intact_checkpoint
+from ._lookup import latest_checkpoint as latest_checkpoint
+from ._lookup import list_checkpoints as list_checkpoints
+from ._lookup import read_state as read_state
+from ._lookup import verify_checkpoint as verify_checkpoint
 from ._losses import Aggregation as Aggregation
 from ._losses import LossMetrics as LossMetrics
 from ._losses import LossOutput as LossOutput
@@ -84,6 +84,7 @@ from ._losses import ValueLossOutput as ValueLossOutput
 from ._losses import aggregate as aggregate
 from ._losses import policy_loss as policy_loss
 from ._losses import value_loss as value_loss
+from ._manifest import CheckpointError as CheckpointError
 from ._prefix import pack_shared_prefix as pack_shared_prefix
 from ._schedule import LRSchedule as LRSchedule
 from ._schedule import lr_multiplier as lr_multiplier
