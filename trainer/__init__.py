@@ -9,8 +9,10 @@ surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``
 (varlen attention) and ``_prefix`` (shared-prefix packing), ``_schedule`` (LR), ``_engine``
 (DeepSpeed ZeRO-3 policy / reference / critic; deepspeed is imported lazily), ``_deepspeed``
 (the config's ``deepspeed`` section, checked against DeepSpeed's own parser), ``_stats`` and
-``_learner`` (one training step), ``_in_flight`` (which objectives off-policy samples need),
-``_checkpoint`` (atomic loop checkpoints, export) and
+``_learner`` (one training step), ``_in_flight`` (which objectives off-policy samples
+need), ``_manifest`` (a checkpoint's file sizes and hashes),
+``_lookup`` (the loop state, the newest intact checkpoint), ``_reshard`` (another world size),
+``_diskfull`` (a failed save), ``_checkpoint`` (atomic, verified loop checkpoints, export) and
 ``_sink`` (the ``WeightSink`` protocol the loop implements).
 """
 
@@ -37,15 +39,9 @@ from ._batch import overlong_filter as overlong_filter
 from ._batch import pack_trajectories as pack_trajectories
 from ._batch import pad_trajectories as pad_trajectories
 from ._batch import turn_advantages as turn_advantages
-from ._checkpoint import IN_FLIGHT_RULE as IN_FLIGHT_RULE
-from ._checkpoint import CheckpointError as CheckpointError
-from ._checkpoint import LoopState as LoopState
 from ._checkpoint import consolidated_state_dict as consolidated_state_dict
 from ._checkpoint import export_checkpoint as export_checkpoint
-from ._checkpoint import latest_checkpoint as latest_checkpoint
-from ._checkpoint import list_checkpoints as list_checkpoints
 from ._checkpoint import load_checkpoint as load_checkpoint
-from ._checkpoint import read_state as read_state
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._checkpoint import step_dir as step_dir
 from ._checkpoint import verify_state as verify_state
@@ -73,6 +69,16 @@ from ._learner import LearnerSettings as LearnerSettings
 from ._logprob import TokenLogprobs as TokenLogprobs
 from ._logprob import causal_lm_token_logprobs as causal_lm_token_logprobs
 from ._logprob import token_logprobs_and_entropy as token_logprobs_and_entropy
+from ._lookup import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
+from ._lookup import IN_FLIGHT_RULE as IN_FLIGHT_RULE
+from ._lookup import CheckpointLookup as CheckpointLookup
+from ._lookup import CheckpointWarning as CheckpointWarning
+from ._lookup import LoopState as LoopState
+from ._lookup import find_intact_checkpoint as find_intact_checkpoint
+from ._lookup import latest_checkpoint as latest_checkpoint
+from ._lookup import list_checkpoints as list_checkpoints
+from ._lookup import read_state as read_state
+from ._lookup import verify_checkpoint as verify_checkpoint
 from ._losses import Aggregation as Aggregation
 from ._losses import LossMetrics as LossMetrics
 from ._losses import LossOutput as LossOutput
@@ -81,6 +87,7 @@ from ._losses import ValueLossOutput as ValueLossOutput
 from ._losses import aggregate as aggregate
 from ._losses import policy_loss as policy_loss
 from ._losses import value_loss as value_loss
+from ._manifest import CheckpointError as CheckpointError
 from ._prefix import pack_shared_prefix as pack_shared_prefix
 from ._schedule import LRSchedule as LRSchedule
 from ._schedule import lr_multiplier as lr_multiplier
@@ -92,7 +99,10 @@ __all__ = [
     "Aggregation",
     "AlgorithmConfig",
     "AlgorithmSpec",
+    "CHECKPOINT_FORMAT",
     "CheckpointError",
+    "CheckpointLookup",
+    "CheckpointWarning",
     "DeepSpeedSection",
     "DistInfo",
     "GAE",
@@ -129,6 +139,7 @@ __all__ = [
     "dr_grpo_advantages",
     "dynamic_sampling_mask",
     "export_checkpoint",
+    "find_intact_checkpoint",
     "gae_advantages",
     "group_index",
     "grpo_advantages",
@@ -161,5 +172,6 @@ __all__ = [
     "turn_advantages",
     "unregister_algorithm",
     "value_loss",
+    "verify_checkpoint",
     "verify_state",
 ]

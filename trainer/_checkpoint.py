@@ -11,9 +11,18 @@ renamed to ``step-…`` in one ``rename``, and only then are older checkpoints p
 A crash at any moment leaves either the previous checkpoints alone or the new one complete;
 ``latest_checkpoint`` ignores ``.tmp-*`` leftovers (the next save removes them).
 
-The in-flight rule (``IN_FLIGHT_RULE``): the loop is synchronous, so no trajectory is in flight
-at a checkpoint; whatever was sampled after it (trajectories, ledger lines) is cut off on resume
-(the files are truncated to the lengths recorded here) and sampled again with the same seeds.
+Verification and lookup (``_lookup``): the save ends with ``manifest.json`` (``_manifest``);
+``load_checkpoint`` and ``export_checkpoint`` verify a checkpoint before using it, and a failure
+while loading is a ``CheckpointError`` naming the checkpoint, never a raw traceback.
+
+Another world size: a checkpoint saved by N ranks loads at M ≠ N through DeepSpeed's universal
+checkpoint, converted at load time (``_reshard``); rank ``r`` takes saved rank ``r mod N``'s RNG
+states. A failed save (a full disk above all) is cleaned up and explained by ``_diskfull``.
+
+The in-flight rule (``LoopState.in_flight``, set by the loop): whatever was sampled after the
+checkpoint (trajectories, ledger lines) is cut off on resume (the files are cut back to the
+lengths recorded here), and the task slots the checkpoint does not record as settled
+(``LoopState.tasks``) are sampled again with the same seeds.
 """
 
 from __future__ import annotations
@@ -21,48 +30,20 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from agentrl._errors import AgentRLError
-
+from ._diskfull import save_failed
 from ._dist import barrier, rank_world
-
-IN_FLIGHT_RULE = "discard-after-checkpoint"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(AgentRLError):
-    """A checkpoint is missing, incomplete, or does not belong to this run's configuration."""
-
-
-@dataclass
-class LoopState:
-    """What a resumed loop needs besides the engines' state."""
-
-    step: int
-    """Completed learner steps."""
-    policy_version: int
-    """The version the engines were last given (the weights in this checkpoint)."""
-    data_cursor: int
-    """Training tasks consumed so far: the next step starts at this index of the task stream."""
-    tokenizer_fingerprint: str
-    config_hash: str
-    model_path: str
-    in_flight: str = IN_FLIGHT_RULE
-    file_lengths: dict[str, int] = field(default_factory=dict)
-    """Byte length of each append-only run file (``ledger.jsonl``, ...) at checkpoint time."""
-    created: float = 0.0
-    tasks: dict[str, Any] = field(default_factory=dict)
-    """The loop's task accounting (``agentrl.loop``'s ``TaskLedger.state()``): which task slots
-    were settled; empty in checkpoints that predate it (``data_cursor`` then says it all)."""
+from ._lookup import CHECKPOINT_FORMAT, LoopState, list_checkpoints, read_state, verify_checkpoint
+from ._manifest import CheckpointError, write_manifest
+from ._reshard import saved_world_size, to_universal
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -88,50 +69,54 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(path: Path) -> None:
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState, *, keep: int):
     """Write ``learner`` (anything with ``save(directory)``) and ``state`` as
-    ``root/step-{state.step}`` atomically; keep the newest ``keep`` checkpoints. Every rank
-    calls it (each saves its ZeRO partitions). Returns the checkpoint folder."""
+    ``root/step-{state.step}`` atomically, with its manifest; keep the newest ``keep``
+    checkpoints. Every rank calls it (each saves its ZeRO partitions). Returns the checkpoint
+    folder. A failed save removes its partial folder and raises ``CheckpointError`` (for a full
+    disk: the free space and the room ``keep`` needs)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, state.step)
     tmp = root / f".tmp-{final.name}"
-    if rank_world()[0] == 0:
-        for stale in root.glob(".tmp-*"):  # an earlier crash's leftovers
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    learner.save(str(tmp))
-    torch.save(rng_state(), tmp / f"rng-rank{rank_world()[0]}.pt")
-    barrier()
-    if rank_world()[0] == 0:
-        state.created = time.time()
-        (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving a step (a resumed run): swap, never a partial state
-            old = root / f".tmp-old-{final.name}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
+    rank = rank_world()[0]
+    try:
+        if rank == 0:
+            for stale in root.glob(".tmp-*"):  # an earlier crash's leftovers
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        learner.save(str(tmp))
+        torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+        barrier()
+        if rank == 0:
+            state.created = time.time()
+            state.checkpoint_format = CHECKPOINT_FORMAT
+            state.world_size = rank_world()[1]
+            (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+            write_manifest(tmp)  # hashes and fsyncs every file, then the manifest
+            _publish(root, tmp, final)
+    except Exception as exc:
+        done = list_checkpoints(root)
+        raise save_failed(
+            exc, root, tmp, final, keep=keep, previous=done[-1] if done else None
+        ) from exc
+    if rank == 0:
         for old_dir in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old_dir, ignore_errors=True)
     barrier()
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    if final.exists():  # re-saving a step (a resumed run): swap, never a partial state
+        old = root / f".tmp-old-{final.name}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -142,48 +127,57 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def read_state(path: str | os.PathLike[str]) -> LoopState:
-    file = Path(path) / "state.json"
-    if not file.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
-    return LoopState(**json.loads(file.read_text()))
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     learner: Any,
     *,
     tokenizer_fingerprint: str,
     config_hash: str,
+    verify: bool = True,
 ) -> LoopState:
-    """Check that the checkpoint belongs to this run (same tokenizer, same configuration hash),
-    then restore ``learner`` (``load(directory, version)``) and this rank's RNG states."""
-    state = read_state(path)
+    """Verify the checkpoint (``verify_checkpoint``; ``verify=False`` when the caller just did),
+    check that it belongs to this run (same tokenizer, same configuration hash), then restore
+    ``learner`` (``load(directory, version)``) and this rank's RNG states. Any failure is a
+    ``CheckpointError`` naming the checkpoint."""
+    path = Path(path)
+    state = verify_checkpoint(path) if verify else read_state(path)
     verify_state(state, path, tokenizer_fingerprint=tokenizer_fingerprint, config_hash=config_hash)
-    learner.load(str(path), state.policy_version)
-    rng_file = Path(path) / f"rng-rank{rank_world()[0]}.pt"
+    rank, world = rank_world()
+    saved = saved_world_size(path, state.world_size)
+    rng_file = path / f"rng-rank{rank % saved}.pt"  # another world size: a saved rank's states
     if not rng_file.is_file():
-        raise CheckpointError(f"{rng_file} is missing (was the run saved with fewer ranks?)")
-    set_rng_state(torch.load(rng_file, weights_only=False))
+        raise CheckpointError(f"{rng_file} is missing (the checkpoint was saved by {saved} ranks)")
+    try:
+        if saved == world:
+            learner.load(str(path), state.policy_version)
+        else:
+            _load_resharded(path, learner, state.policy_version)
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # DeepSpeed, torch and pickle errors of a damaged file
+        raise CheckpointError(
+            f"loading checkpoint {path} failed ({type(exc).__name__}: {exc}); it is damaged or "
+            "was written by an incompatible version: resume from an earlier checkpoint or "
+            "start over"
+        ) from exc
     return state
+
+
+def _load_resharded(path: Path, learner: Any, version: int) -> None:
+    """Load a checkpoint saved at another world size through a universal checkpoint
+    (``_reshard``), converted by rank 0 into a temporary folder beside it."""
+    universal = path.parent / f".tmp-universal-{path.name}"
+    if rank_world()[0] == 0:
+        shutil.rmtree(universal, ignore_errors=True)
+        to_universal(path, universal)
+    barrier()
+    try:
+        learner.load(str(universal), version, universal=True)
+    finally:
+        barrier()
+        if rank_world()[0] == 0:
+            shutil.rmtree(universal, ignore_errors=True)
 
 
 def verify_state(
@@ -211,7 +205,12 @@ def consolidated_state_dict(path: str | os.PathLike[str], tag: str = "policy"):
 
     if not (Path(path) / tag).is_dir():
         raise CheckpointError(f"{path} has no {tag!r} DeepSpeed checkpoint")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    except Exception as exc:  # DeepSpeed, torch and pickle errors of a damaged file
+        raise CheckpointError(
+            f"reading the {tag!r} weights of checkpoint {path} failed ({type(exc).__name__}: {exc})"
+        ) from exc
     return {k.removeprefix("lm."): v for k, v in state.items()}
 
 
@@ -228,7 +227,7 @@ def export_checkpoint(
     ``AutoModelForCausalLM.from_pretrained`` and by the embedded engine."""
     from safetensors.torch import save_file
 
-    state = read_state(path)
+    state = verify_checkpoint(path)
     source = Path(model_path or state.model_path)
     weights = consolidated_state_dict(path)
     config = json.loads((source / "config.json").read_text())

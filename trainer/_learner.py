@@ -359,13 +359,21 @@ class Learner:
         if self.critic is not None:
             self.critic.engine.save_checkpoint(directory, tag="critic", client_state={})
 
-    def load(self, directory: str, version: int) -> None:
+    def load(self, directory: str, version: int, *, universal: bool = False) -> None:
+        """Restore the trained engines from ``directory`` (``save``'s layout); ``universal``:
+        it holds DeepSpeed universal checkpoints (another world size's state, re-partitioned
+        for this one at load time)."""
         for tag, engine in (("policy", self.policy), ("critic", self.critic)):
             if engine is None:
                 continue
-            path, _ = engine.engine.load_checkpoint(
-                directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
+            config = engine.engine._config  # DeepSpeed reads this flag at load time only
+            config.load_universal_checkpoint, before = universal, config.load_universal_checkpoint
+            try:
+                path, _ = engine.engine.load_checkpoint(
+                    directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
+            finally:
+                config.load_universal_checkpoint = before
             if path is None:
                 raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
         self.version = version

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,16 @@ import pydantic
 
 from agentrl._errors import ConfigError
 from agentrl._runner import config_diff
-from agentrl.trainer import LoopState, latest_checkpoint, read_state, save_checkpoint, verify_state
+from agentrl.trainer import (
+    LoopState,
+    find_intact_checkpoint,
+    latest_checkpoint,
+    save_checkpoint,
+    verify_state,
+)
 
 from ._config import TrainConfig, dump_config
+from ._runfiles import record_lengths, restore_run_files
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl", "runtime.jsonl")
 IN_FLIGHT_RULE = "requeue"
@@ -44,6 +50,7 @@ class Checkpointer:
         self.fingerprint, self.model_path = fingerprint, model_path
         self.last_s = 0.0
         """Seconds of the newest write (reported on the next step's record)."""
+        self.newest: Path | None = None
 
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every_steps
@@ -60,26 +67,29 @@ class Checkpointer:
             config_hash=self.cfg.hash(),
             model_path=self.model_path,
             in_flight=IN_FLIGHT_RULE,
-            file_lengths=file_lengths(self.out),
+            file_lengths=record_lengths(self.out, RUN_FILES),  # fsynced, whole lines
             tasks=tasks,
         )
-        save_checkpoint(self.root, learner, state, keep=self.cfg.checkpoint.keep)
+        self.newest = save_checkpoint(self.root, learner, state, keep=self.cfg.checkpoint.keep)
         self.last_s = time.perf_counter() - t0
 
     def latest(self) -> Path | None:
-        return latest_checkpoint(self.root)
+        """The newest checkpoint this run wrote, else the newest one on disk (not re-hashed)."""
+        return self.newest or latest_checkpoint(self.root, contents=False)
 
 
-def file_lengths(out: Path) -> dict[str, int]:
-    return {name: (out / name).stat().st_size for name in RUN_FILES if (out / name).exists()}
-
-
-def truncate_run_files(out: Path, lengths: dict[str, int]) -> None:
-    """Drop what was written after the checkpoint."""
-    for name in RUN_FILES:
-        path = out / name
-        if path.exists():
-            os.truncate(path, lengths.get(name, 0))
+def restore_files(out: Path, lengths: dict[str, int], *, accept_lost: bool = False) -> None:
+    """Cut the run files back to a checkpoint's lengths (``{}``: empty them), never padding; a
+    file that lost records the checkpoint counted is refused unless ``accept_lost``."""
+    short = "recover" if accept_lost else "refuse"
+    for repair in restore_run_files(out, lengths, RUN_FILES, short=short):
+        if repair.lost:
+            print(
+                f"--accept-lost-records: {out / repair.name} was cut to {repair.size_after} "
+                f"bytes (the checkpoint recorded {repair.recorded}; the records after its "
+                "last complete line are lost)",
+                flush=True,
+            )
 
 
 def check_out(out: Path, *, resume: bool) -> None:
@@ -101,10 +111,12 @@ def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
     then starts over: its files are emptied)."""
     if not (out / "config.yaml").is_file():
         raise ConfigError(f"--resume: {out} is not a training run (no config.yaml)")
-    path = latest_checkpoint(checkpoint_root(cfg, out))
-    if path is None:
+    found = find_intact_checkpoint(checkpoint_root(cfg, out))
+    for broken, reason in found.skipped:
+        print(f"--resume: skipping broken checkpoint {broken}: {reason}", flush=True)
+    if found.path is None:
         return None
-    state = read_state(path)
+    path, state = found.path, found.state
     # the tokenizer first (ids would not mean the same thing), then the configuration
     verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
     if state.config_hash == cfg.hash():

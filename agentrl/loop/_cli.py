@@ -27,6 +27,12 @@ def add_train_commands(subparsers) -> dict[str, Handler]:
     t.add_argument("--max-steps", type=int, default=None, help="shortcut for train.max_steps")
     t.add_argument("--out", default=None, help="run directory (default runs/train-<env>-<time>)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run")
+    t.add_argument(
+        "--accept-lost-records",
+        action="store_true",
+        help="--resume: a run file shorter than its checkpoint recorded is cut to its last "
+        "complete line instead of refused (the lost records stay missing)",
+    )
     t.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
 
     e = subparsers.add_parser("eval", help="evaluate a checkpoint on the held-out split")
@@ -88,7 +94,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     alone = os.environ.get("WORLD_SIZE", "1") == "1"
     result, _ = anyio.run(
         lambda: run_until_interrupted(
-            lambda stop: atrain(cfg, out, resume=bool(args.resume), stop=stop),
+            lambda stop: atrain(
+                cfg,
+                out,
+                resume=bool(args.resume),
+                stop=stop,
+                accept_lost_records=args.accept_lost_records,
+            ),
             on_interrupt=stopping,
             enabled=alone,
         ),

@@ -52,7 +52,7 @@ from ._checkpointer import (
     check_out,
     check_resume,
     prepare_out,
-    truncate_run_files,
+    restore_files,
 )
 from ._config import TrainConfig
 from ._evaluator import Evaluator, sandbox_metrics
@@ -104,6 +104,7 @@ class _Setup:
     cursor: int = 0
     purge_step: int | None = None
     engine_options: Any = None
+    accept_lost: bool = False
 
 
 async def atrain(
@@ -112,16 +113,19 @@ async def atrain(
     *,
     resume: bool = False,
     stop: anyio.Event | None = None,
+    accept_lost_records: bool = False,
 ) -> TrainResult:
     """Run (or resume) training into ``out``; returns a ``TrainResult``. Setting ``stop`` ends
-    the run at its next safe point (``interrupted=True``; see the module docs)."""
-    setup = _prepare(cfg, Path(out), resume)
+    the run at its next safe point (``interrupted=True``; see the module docs).
+    ``accept_lost_records``: on resume, a run file that lost records its checkpoint counted is
+    cut to its last complete line instead of refused."""
+    setup = _prepare(cfg, Path(out), resume, accept_lost_records)
     async with AsyncExitStack() as stack:
         runtime = await _compose(stack, setup)
         return await runtime.run(stop)
 
 
-def _prepare(cfg: TrainConfig, out: Path, resume: bool) -> _Setup:
+def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = False) -> _Setup:
     from transformers import AutoTokenizer
 
     from agentrl._models import resolve_model, tokenizer_fingerprint
@@ -148,6 +152,7 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool) -> _Setup:
     learner = _make_learner(cfg, spec, model_path, tokenizer)
     setup = _Setup(cfg, out, spec, model_path, tokenizer, fingerprint, learner, lead)
     setup.engine_options = options
+    setup.accept_lost = accept_lost
     _restore(setup, resume_from, resume)
     barrier()  # the run files are ready before anyone opens them
     return setup
@@ -199,9 +204,10 @@ def _restore(setup: _Setup, resume_from: Path | None, resume: bool) -> None:
             setup.learner,
             tokenizer_fingerprint=setup.fingerprint,
             config_hash=setup.cfg.hash(),
+            verify=False,  # check_resume verified it
         )
         if setup.lead:
-            truncate_run_files(setup.out, state.file_lengths)
+            restore_files(setup.out, state.file_lengths, accept_lost=setup.accept_lost)
             print(
                 f"resuming from checkpoint step {state.step} ({resume_from}): policy version "
                 f"{state.policy_version}, data cursor {state.data_cursor}",
@@ -211,7 +217,7 @@ def _restore(setup: _Setup, resume_from: Path | None, resume: bool) -> None:
         setup.purge_step = state.step + 1
         setup.resume_from = resume_from
     elif resume and setup.lead:
-        truncate_run_files(setup.out, {})  # killed before its first checkpoint: start over
+        restore_files(setup.out, {})  # killed before its first checkpoint: start over
         print(f"--resume: {setup.out} has no checkpoint yet: starting over from step 1", flush=True)
 
 

@@ -128,10 +128,11 @@ def test_foreign_tokenizer_or_config_is_refused(tmp_path):
 
 def test_failed_write_leaves_the_previous_checkpoint(tmp_path):
     save_checkpoint(tmp_path, _FakeLearner(), _state(1), keep=2)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointError, match=r"step-00000002.*OSError: disk full \(simulated\)"):
         save_checkpoint(tmp_path, _FakeLearner(fail=True), _state(2), keep=2)
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
     assert not (tmp_path / "step-00000002").exists()
+    assert not (tmp_path / ".tmp-step-00000002").exists()  # the partial folder is removed
     assert read_state(latest_checkpoint(tmp_path)).step == 1
     save_checkpoint(tmp_path, _FakeLearner(), _state(2), keep=2)  # and the next save cleans up
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
