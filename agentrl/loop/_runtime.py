@@ -443,7 +443,15 @@ async def _cancel_on(stop: anyio.Event, scope: anyio.CancelScope) -> None:
 
 
 def train(
-    cfg: TrainConfig, out: str | os.PathLike[str], *, resume: bool = False, backend: str = "trio"
+    cfg: TrainConfig,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    backend: str = "trio",
+    accept_lost_records: bool = False,
 ) -> TrainResult:
     """Synchronous ``atrain`` on its own event loop."""
-    return anyio.run(lambda: atrain(cfg, out, resume=resume), backend=backend)
+    return anyio.run(
+        lambda: atrain(cfg, out, resume=resume, accept_lost_records=accept_lost_records),
+        backend=backend,
+    )

@@ -239,3 +239,23 @@ def test_off_policy_training_needs_the_decoupled_objective(sets):
     ok = ["algorithm.old_logprobs=recompute", "algorithm.tis_cap=2"]
     assert load_train_config(None, [*sets, *ok]).train.mode in ("sync", "async")
     assert load_train_config(None, ["train.mode=async", "train.max_version_lag=0"])  # the sync case
+
+
+def test_resume_refuses_a_run_file_that_lost_records_unless_told(tmp_path, capsys):
+    from agentrl.loop._runfiles import RunFileError
+
+    cfg = load_train_config(_config(tmp_path, train={"max_steps": 2}))
+    out = tmp_path / "run"
+    train(cfg, out)
+    path = out / "trajectories.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3]) + lines[3][:10])  # lost its tail, torn last line
+    longer = load_train_config(out / "config.yaml", ["train.max_steps=3"])
+    with pytest.raises(RunFileError, match="trajectories.jsonl"):
+        train(longer, out, resume=True)
+    assert path.read_bytes() == b"".join(lines[:3]) + lines[3][:10]  # nothing was changed
+    result = train(longer, out, resume=True, accept_lost_records=True)
+    assert result.steps == 3
+    assert "--accept-lost-records" in capsys.readouterr().out
+    trajs = read_trajectories(str(path))  # whole lines only: the 3 kept, then step 3's
+    assert len(trajs) == 3 + 2 * 2 and all(t.info["step"] == "3" for t in trajs[3:])
