@@ -33,3 +33,14 @@ def calc_context(fmt: Any, engine: Any, **cfg: Any) -> RolloutContext:
         tokenizer_fingerprint="test",
         model_name="scripted",
     )
+
+
+async def wait_abandoned_at_most(n: int, timeout_s: float = 15.0) -> None:
+    """Wait until at most ``n`` abandoned tool/hook threads still run in this process (earlier
+    tests' threads end once their envs close): a test that counts them starts from a known
+    number."""
+    from agentrl._threads import abandoned_threads
+
+    with anyio.fail_after(timeout_s):
+        while abandoned_threads() > n:
+            await anyio.sleep(0.01)

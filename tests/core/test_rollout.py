@@ -10,7 +10,7 @@ import pytest
 from fakes import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loop_probes import calc_context
+from loop_probes import calc_context, wait_abandoned_at_most
 
 import agentrl
 from agentrl._rollout import run_trajectory
@@ -365,6 +365,7 @@ async def test_too_many_abandoned_threads_end_the_trajectory_loudly(chatml, toke
     timing out (a silently wrong observation and reward)."""
     from agentrl._threads import abandoned_threads
 
+    await wait_abandoned_at_most(0)  # an earlier test's thread ending mid-test would move the cap
     cap = abandoned_threads() + 1
     engine = ScriptedEngine(tokenizer, [_call("stuck"), _call("stuck"), ANSWER])
     ctx = _deadlines_ctx(chatml, engine, max_abandoned_threads=cap)

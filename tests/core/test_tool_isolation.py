@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 from isolated_tools import big_power, chatty, exits, fails, sleeper, worker_pid
-from loop_probes import heartbeat
+from loop_probes import heartbeat, wait_abandoned_at_most
 
 import agentrl
 from agentrl import ToolError
@@ -55,12 +55,6 @@ def fast() -> str:
     return "fast"
 
 
-async def _wait_abandoned_at_most(n: int) -> None:
-    with anyio.fail_after(10):
-        while abandoned_threads() > n:
-            await anyio.sleep(0.01)
-
-
 async def test_abandoned_sync_tools_do_not_starve_a_fast_one():
     """Two stuck calls fill both thread slots; a fast call queued behind them must not time out:
     its deadline counts its own running time, and an abandoned call frees its slot at its
@@ -86,7 +80,7 @@ async def test_abandoned_sync_tools_do_not_starve_a_fast_one():
         stuck.release.set()
     assert records["a"].error_kind == records["b"].error_kind == "tool_timeout"
     assert records["fast"].ok and records["fast"].output == "fast", records["fast"]
-    await _wait_abandoned_at_most(0)
+    await wait_abandoned_at_most(0)
 
 
 async def test_past_the_cap_new_sync_calls_fail_loudly():
@@ -105,7 +99,7 @@ async def test_past_the_cap_new_sync_calls_fail_loudly():
             await invoke_tool(tools, "fast", "{}", turn=0, max_abandoned=cap)
     finally:
         stuck.release.set()
-    await _wait_abandoned_at_most(before)  # the threads ended: they are no longer counted
+    await wait_abandoned_at_most(before)  # the threads ended: they are no longer counted
     record = await invoke_tool(tools, "fast", "{}", turn=0, max_abandoned=cap)
     assert record.ok
 
