@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -49,14 +50,12 @@ def add_train_commands(subparsers) -> dict[str, Handler]:
     return {"train": _cmd_train, "eval": _cmd_eval, "export": _cmd_export}
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    import anyio
-
+def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
+    """The run's configuration and folder: a new run's (``--config``, ``--out``) or the one
+    ``--resume RUN_DIR`` continues."""
     from agentrl._errors import ConfigError
-    from agentrl._interrupt import run_until_interrupted
 
     from ._config import load_train_config
-    from ._runtime import atrain
 
     if args.resume:
         run = Path(args.resume)
@@ -69,13 +68,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = load_train_config(
             run / "config.yaml", args.set, model=args.model, max_steps=args.max_steps
         )
-        out = run
-    else:
-        cfg = load_train_config(args.config, args.set, model=args.model, max_steps=args.max_steps)
-        env = cfg.env.split(":")[-1]
-        if not args.out and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("under torchrun give --out: every rank must name the same run")
-        out = Path(args.out or f"runs/train-{env}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return cfg, run
+    cfg = load_train_config(args.config, args.set, model=args.model, max_steps=args.max_steps)
+    env = cfg.env.split(":")[-1]
+    if not args.out and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("under torchrun give --out: every rank must name the same run")
+    return cfg, Path(args.out or f"runs/train-{env}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import anyio
+
+    from agentrl._interrupt import run_until_interrupted
+
+    from ._runtime import atrain
+
+    cfg, out = _train_config(args)
     lead = os.environ.get("RANK", "0") == "0"  # one rank speaks
     if lead:
         print(
