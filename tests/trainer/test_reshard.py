@@ -8,41 +8,18 @@ only), and at 2 ranks (after 1 → 2) equals it exactly."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rank_runs import run_worker
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("reshard_worker.py")
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _run(ranks: int, out: Path, *args: str) -> dict:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    launcher = []
-    if ranks > 1:
-        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                    "--master_addr", "127.0.0.1", "--master_port", _free_port()]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, *launcher, str(WORKER), str(out), *args],
-        env={**env, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=480,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_worker(WORKER, ranks, out, *args, timeout=480)
 
 
 def _assert_equal(got: dict, want: dict, what: str) -> None:
