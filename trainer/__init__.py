@@ -88,6 +88,7 @@ from ._losses import aggregate as aggregate
 from ._losses import policy_loss as policy_loss
 from ._losses import value_loss as value_loss
 from ._manifest import CheckpointError as CheckpointError
+from ._manifest import fsync_dir as fsync_dir
 from ._prefix import pack_shared_prefix as pack_shared_prefix
 from ._schedule import LRSchedule as LRSchedule
 from ._schedule import lr_multiplier as lr_multiplier
@@ -140,6 +141,7 @@ __all__ = [
     "dynamic_sampling_mask",
     "export_checkpoint",
     "find_intact_checkpoint",
+    "fsync_dir",
     "gae_advantages",
     "group_index",
     "grpo_advantages",

@@ -42,7 +42,7 @@ import torch
 from ._diskfull import save_failed
 from ._dist import barrier, rank_world
 from ._lookup import CHECKPOINT_FORMAT, LoopState, list_checkpoints, read_state, verify_checkpoint
-from ._manifest import CheckpointError, write_manifest
+from ._manifest import CheckpointError, fsync_dir, write_manifest
 from ._reshard import saved_world_size, to_universal
 
 
@@ -116,15 +116,7 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
 
 
 def load_checkpoint(

@@ -59,13 +59,18 @@ def _workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a folder's entries (created, renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dirs(folder: Path) -> None:
     for dirpath, _, _ in os.walk(folder):
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(dirpath)
 
 
 def write_manifest(folder: str | os.PathLike[str]) -> dict[str, dict[str, int | str]]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
 
 from agentrl._errors import AgentRLError
+from agentrl.trainer import fsync_dir
 
 _CHUNK = 1 << 20
 
@@ -108,14 +109,6 @@ def _first_nul(fd: int, limit: int) -> int | None:
     return None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def record_lengths(
     out: str | os.PathLike[str], names: Iterable[str], writers: Iterable[SupportsFlush] = ()
 ) -> dict[str, int]:
@@ -138,7 +131,7 @@ def record_lengths(
             lengths[name] = _line_end_at_or_before(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
-    _fsync_dir(out)
+    fsync_dir(out)
     return lengths
 
 
@@ -216,5 +209,5 @@ def restore_run_files(
         finally:
             os.close(fd)
     if changed:
-        _fsync_dir(out)
+        fsync_dir(out)
     return changed
