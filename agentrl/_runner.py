@@ -110,20 +110,21 @@ async def _run_all(
     first_sample: Mapping[str, int] | None,
     stop: anyio.Event | None,
 ) -> None:
-    async def cancel_on_stop(scope: anyio.CancelScope) -> None:
-        assert stop is not None
-        await stop.wait()
-        scope.cancel()
-
     async with anyio.create_task_group() as watch:
         if stop is not None:
-            watch.start_soon(cancel_on_stop, watch.cancel_scope)
+            watch.start_soon(cancel_when_set, stop, watch.cancel_scope)
         async with anyio.create_task_group() as tg:
             for ti, task in enumerate(tasks):
                 start = (first_sample or {}).get(f"{ctx.spec.id}/{task.id}", 0)
                 for sample in range(start, start + ctx.config.group_size):
                     tg.start_soon(one, ti, task, sample)
         watch.cancel_scope.cancel()
+
+
+async def cancel_when_set(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once ``stop`` is set (run it in a task beside the work)."""
+    await stop.wait()
+    scope.cancel()
 
 
 def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:

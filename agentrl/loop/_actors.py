@@ -117,10 +117,7 @@ class Actor:
         return now
 
 
-def with_seed(ctx: RolloutContext, seed: int) -> RolloutContext:
-    return dataclasses.replace(ctx, config=ctx.config.model_copy(update={"seed": seed}))
-
-
 def actor_context(base: RolloutContext, seed: Any) -> RolloutContext:
     """The training rollouts' context: the run's rollout config under its training seed."""
-    return with_seed(base, derive_seed(seed, "train-rollouts"))
+    config = base.config.model_copy(update={"seed": derive_seed(seed, "train-rollouts")})
+    return dataclasses.replace(base, config=config)

@@ -48,10 +48,6 @@ class Group:
         return min(versions, default=self.started_version)
 
     @property
-    def failed(self) -> bool:
-        return self.timed_out or any(t.status == "error" for t in self.trajectories)
-
-    @property
     def tokens(self) -> int:
         return sum(sum(t.loss_mask) for t in self.trajectories)
 
@@ -66,7 +62,7 @@ class Block:
 
 @dataclass
 class BufferStats:
-    """Counters of one window: since the start, the interval, or the step."""
+    """Counters of one window: the interval's or the step's."""
 
     produced_groups: int = 0
     produced_tokens: int = 0
@@ -113,7 +109,7 @@ class TrajectoryBuffer:
         self.blocks: dict[int, Block] = {}
         self.in_flight = 0
         self.backlog = 0
-        self.windows = {"total": BufferStats(), "interval": BufferStats(), "step": BufferStats()}
+        self.windows = {"interval": BufferStats(), "step": BufferStats()}
 
     def block(self, step: int) -> Block:
         return self.blocks.setdefault(step, Block(step))
@@ -147,7 +143,3 @@ class TrajectoryBuffer:
         """The counters of window ``interval`` or ``step`` since its previous take."""
         window, self.windows[name] = self.windows[name], BufferStats()
         return window
-
-    def pending_slots(self) -> list[int]:
-        """Slots of every group still held (in flight or finished, not yet consumed)."""
-        return sorted(g.slot for b in self.blocks.values() for g in b.groups)

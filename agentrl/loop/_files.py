@@ -46,14 +46,6 @@ class RunFiles:
                     tb.add_scalar(f"runtime/version_lag_{lag}", count, second)
         tb.flush()
 
-    def sync(self) -> None:
-        """Every run file on disk (a checkpoint records their lengths next)."""
-        for writer in (self.trajectories, self.eval_trajectories):
-            writer._fh.flush()
-            os.fsync(writer._fh.fileno())
-        self.runtime.flush()
-        os.fsync(self.runtime.fileno())
-
     def close(self) -> None:
         self.trajectories.close()
         self.eval_trajectories.close()

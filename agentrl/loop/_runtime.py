@@ -44,6 +44,7 @@ import anyio
 
 from agentrl._errors import ConfigError
 from agentrl._rollout import RolloutContext
+from agentrl._runner import cancel_when_set
 
 from ._actors import Actor, actor_context
 from ._buffer import TrajectoryBuffer
@@ -321,7 +322,7 @@ class _Runtime:
                 tg.start_soon(self._intervals)
             with anyio.CancelScope() as steps:
                 if stop is not None:
-                    tg.start_soon(_cancel_on, stop, steps)
+                    tg.start_soon(cancel_when_set, stop, steps)
                 await self._steps()
             tg.cancel_scope.cancel()
         return steps.cancelled_caught or (stop is not None and stop.is_set())
@@ -401,9 +402,7 @@ class _Runtime:
                 f"(train.max_steps_without_update={limit}; ledger: "
                 f"{self.setup.out / 'ledger.jsonl'})"
             )
-        if self.checkpointer.due(step):
-            if self.files is not None:
-                self.files.sync()
+        if self.checkpointer.due(step):  # the run files' lengths: fsynced by the save
             self.checkpointer.save(step, self.learner, self.tasks.state(), self.tasks.low)
 
     async def _intervals(self) -> None:
@@ -435,11 +434,6 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
         else:
             leaves.append(exc)
     return leaves[0] if len(leaves) == 1 else group
-
-
-async def _cancel_on(stop: anyio.Event, scope: anyio.CancelScope) -> None:
-    await stop.wait()
-    scope.cancel()
 
 
 def train(
