@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 from ._backend import Guarantee
@@ -102,13 +103,29 @@ def _probe_cgroups(root: bool) -> tuple[dict[str, str], str | None, str, bool]:
     return v1, v2, "; ".join(notes), memsw
 
 
+_AS_UID = (
+    "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def as_uid(uid: int | None, argv: list[str]) -> list[str]:
+    """``argv`` run as ``uid`` (gid ``uid``, no supplementary groups) through a small exec shim.
+
+    Never ``subprocess``'s ``user=``/``group=``: with those CPython must ``fork()`` instead of
+    ``vfork()``, and ``fork()`` of a large trainer process fails with ENOMEM under the kernel's
+    heuristic overcommit once one of its writable mappings is larger than RAM + swap."""
+    if uid is None:
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _AS_UID, str(uid), *argv]
+
+
 def _probe_bwrap(bwrap: str, uid: int | None) -> tuple[bool, str]:
     """Run ``true`` in the sandbox the backend uses, as ``uid`` (a user namespace is needed)."""
     cmd = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
     cmd += [*bwrap_mounts(), "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"]
-    ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     try:
-        proc = subprocess.run(cmd, capture_output=True, timeout=30, env={}, **ids)  # type: ignore[call-overload]
+        proc = subprocess.run(as_uid(uid, cmd), capture_output=True, timeout=30, env={})
     except (OSError, subprocess.SubprocessError) as exc:
         return False, f"bubblewrap could not run: {exc}"
     if proc.returncode != 0:

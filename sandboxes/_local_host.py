@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from . import _supervisor
-from ._hostcheck import CONTROLLERS, HostFacts, bwrap_mounts
+from ._hostcheck import CONTROLLERS, HostFacts, as_uid, bwrap_mounts
 from ._supervisor import write_best_effort
 
 PREFIX = "agentrl-local-"
@@ -196,15 +196,8 @@ def lock_uid(uid_base: int, count: int) -> tuple[int, IO[bytes]]:
 def kill_uid(uid: int) -> None:
     """Kill every process of ``uid``: a short-lived helper becomes ``uid``, kills -1."""
     code = "import os, signal; os.kill(-1, signal.SIGKILL)"
-    subprocess.run(
-        [sys.executable, "-I", "-S", "-c", code],
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        env={},
-        timeout=30,
-        check=False,
-    )
+    argv = as_uid(uid, [sys.executable, "-I", "-S", "-c", code])
+    subprocess.run(argv, env={}, timeout=30, check=False)
 
 
 def make_etc(workdir: str) -> str:

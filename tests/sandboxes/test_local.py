@@ -382,3 +382,60 @@ async def test_the_program_runs_in_groups_of_its_own_entered_once(scratch_root):
         assert result.status == "ok" and 50 <= result.peak_memory_mb < 70, result
         second = await wait_for(zygote, "a new zygote", 5.0)
         assert second != first
+
+
+_LARGE_PROCESS = r"""
+import json, mmap, os, subprocess, sys
+import anyio
+from agentrl.sandboxes import LocalConfig, PoolConfig, open_sandbox_pool
+from agentrl.sandboxes._types import RunRequest
+
+def meminfo(key):
+    for line in open("/proc/meminfo"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) << 10
+# Two adjacent private writable mappings, each allowed alone, merge into one larger than RAM +
+# swap: the heuristic overcommit then refuses to fork() this process (vfork() still works).
+half = (meminfo("MemTotal") + meminfo("SwapTotal")) // 2 + (1 << 30)
+maps = [mmap.mmap(-1, half, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+try:
+    subprocess.run(["true"], user=0, group=0, extra_groups=[], check=True)
+    forks = True
+except OSError:
+    forks = False
+
+async def main():
+    out = {"fork_refused": not forks}
+    for cgroups in (True, False):
+        backend = LocalConfig(uid_base=int(sys.argv[1]), scratch_root=sys.argv[2], cgroups=cgroups)
+        async with open_sandbox_pool(PoolConfig(backend=backend, size=1)) as pool:
+            result = await pool.run(RunRequest(language="python", code="print(6 * 7)"))
+        out[f"cgroups={cgroups}"] = [result.status, result.stdout]
+    print(json.dumps(out))
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "0",
+    reason="needs the kernel's heuristic overcommit (vm.overcommit_memory=0)",
+)
+def test_a_process_too_large_to_fork_still_runs_sandboxes(scratch_root):
+    """A trainer whose address space cannot be fork()ed (ENOMEM) starts, uses and closes local
+    sandboxes: every spawn the backend does from the caller's process can use vfork()."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _LARGE_PROCESS, str(UID_BASE), str(scratch_root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out.pop("fork_refused"), "the set-up did not make fork() fail: the test proves nothing"
+    assert out == {"cgroups=True": ["ok", "42\n"], "cgroups=False": ["ok", "42\n"]}
+    wait_until_empty(uid_processes, "sandbox processes")
+    assert list(scratch_root.iterdir()) == []
