@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
 
     sub.add_parser("doctor", help="what this host can do")
+    sub.add_parser("plan", help="size a run: 'plan memory --model 7B ...', 'plan capacity ...'")
     sub.add_parser(
         "serve", help="serve a model over SGLang's HTTP API subset (agentrl serve --help)"
     )
@@ -568,7 +569,13 @@ def _sandbox(argv: list[str]) -> int:
     return sandbox_main(argv, prog="agentrl sandbox")
 
 
-DELEGATED = {"serve": _serve, "sandbox": _sandbox}
+def _plan(argv: list[str]) -> int:
+    from .plan._cli import main as plan_main
+
+    return plan_main(argv)
+
+
+DELEGATED = {"serve": _serve, "sandbox": _sandbox, "plan": _plan}
 """Commands whose options live with their package (the server's import loads torch and aiohttp;
 the sandboxes package runs on its own): they get the rest of argv as it is."""
 

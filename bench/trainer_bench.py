@@ -322,7 +322,7 @@ def _peak_rss() -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("layouts")
@@ -356,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seed", type=int, default=0)
     for s in (a, b, c):
         s.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = main_parser().parse_args(argv)
     result = {"layouts": layouts, "loop": loop, "step": step}[args.what](args)
     result["load_average"] = os.getloadavg()
     if args.json:

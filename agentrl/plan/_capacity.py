@@ -1,0 +1,218 @@
+"""How many actors keep a learner busy within a version-lag bound: the runtime's schedule,
+simulated with measured (or given) rates.
+
+The model is the runtime's own rules. Step ``j``'s ``tasks_per_step`` groups are admitted once
+``j <= u + max_version_lag`` (``u``: updates done), each group is ``group_size`` samples of
+``gen_tokens`` generated tokens, and the actors' engines share their throughput among the
+groups in flight (processor sharing, at most ``concurrency`` samples per engine). The learner
+trains step ``u`` once all its groups are in, for ``learner tokens / learner rate`` seconds
+plus the publish; a group's version lag is the step it trains in minus the updates done when it
+started generating. Every event is computed exactly (no time step), so a run's rates reproduce its
+schedule: the backlog of finished groups waiting for the learner, the lag histogram, and who
+waits for whom.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .._errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CapacitySettings:
+    actor_tokens_per_s: float
+    """Generated tokens per second of one actor's engine while it has work."""
+    learner_tokens_per_s: float
+    """Trained tokens per second of the learner (prompt and response tokens)."""
+    gen_tokens: float
+    """Generated tokens per sample."""
+    learner_tokens: float
+    """Tokens the learner processes per sample (prompt + response)."""
+    group_size: int
+    tasks_per_step: int
+    max_version_lag: int
+    publish_s: float = 0.0
+    """Seconds per published version (the learner waits for it)."""
+    concurrency: int = 64
+    """Samples one engine generates at once."""
+    steps: int = 40
+
+    def check(self) -> None:
+        for name in ("actor_tokens_per_s", "learner_tokens_per_s", "gen_tokens", "learner_tokens"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} {getattr(self, name)}: must be > 0")
+        for name in ("group_size", "tasks_per_step", "concurrency", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} {getattr(self, name)}: at least 1")
+        if self.max_version_lag < 0 or self.publish_s < 0:
+            raise ConfigError("max_version_lag and publish_s must be >= 0")
+
+
+@dataclass
+class CapacityResult:
+    actors: int
+    step_s: float
+    samples_per_s: float
+    learner_idle_fraction: float
+    actor_idle_fraction: float
+    backlog_mean: float
+    """Finished groups waiting for the learner, time-averaged."""
+    backlog_max: int
+    lag_hist: dict[int, float] = field(default_factory=dict)
+    """Fraction of trained groups per version lag."""
+
+    @property
+    def lag_mean(self) -> float:
+        return sum(k * v for k, v in self.lag_hist.items())
+
+    @property
+    def bottleneck(self) -> str:
+        if self.learner_idle_fraction <= 0.05:
+            return "learner"
+        return "actors" if self.actor_idle_fraction <= 0.05 else "both"
+
+
+@dataclass
+class _Group:
+    step: int
+    remaining: float
+    version: int = -1
+    """Updates done when the group started generating (the policy version that samples it)."""
+    done_at: float | None = None
+
+
+class _Sim:
+    """Event-exact simulation of one actor count."""
+
+    def __init__(self, s: CapacitySettings, actors: int) -> None:
+        self.s, self.actors, self.t = s, actors, 0.0
+        self.rate = actors * s.actor_tokens_per_s
+        self.slots = max(1, actors * s.concurrency // s.group_size)  # groups in flight
+        self.updates, self.admitted = 0, 0
+        self.waiting: list[_Group] = []
+        self.running: list[_Group] = []
+        self.done: dict[int, int] = Counter()
+        self.learner_until: float | None = None
+        self.backlog_area = self.actor_idle = self.learner_idle = 0.0
+        self.backlog_max, self.lags = 0, Counter()
+        self.finished_groups: list[_Group] = []
+
+    def admit(self) -> None:
+        while self.admitted <= self.updates + self.s.max_version_lag:
+            for _ in range(self.s.tasks_per_step):
+                work = self.s.group_size * self.s.gen_tokens
+                self.waiting.append(_Group(self.admitted, work))
+            self.admitted += 1
+        while self.waiting and len(self.running) < self.slots:
+            group = self.waiting.pop(0)
+            group.version = self.updates
+            self.running.append(group)
+
+    def backlog(self) -> int:
+        """Finished groups the learner has not taken (it takes a step's groups as it starts)."""
+        taken = self.updates + (self.learner_until is not None)
+        return sum(1 for g in self.finished_groups if g.step >= taken)
+
+    def advance(self, dt: float) -> None:
+        self.backlog_area += self.backlog() * dt
+        if not self.running:
+            self.actor_idle += dt
+        if self.learner_until is None:
+            self.learner_idle += dt
+        if self.running:
+            share = self.rate / len(self.running) * dt
+            for g in self.running:
+                g.remaining -= share
+        self.t += dt
+
+    def run(self) -> CapacityResult:
+        s, warmup = self.s, self.s.steps // 3  # the pipeline fills in the first steps
+        start = None
+        self.admit()
+        while self.updates < s.steps:
+            self.maybe_train()
+            events = [g.remaining / (self.rate / len(self.running)) for g in self.running]
+            if self.learner_until is not None:
+                events.append(self.learner_until - self.t)
+            dt = max(0.0, min(events))
+            self.advance(dt)
+            self.finish_groups()
+            if self.learner_until is not None and self.t >= self.learner_until - 1e-12:
+                self.learner_until = None
+                self.updates += 1
+                if self.updates == warmup:
+                    start = self.reset_counters()
+                self.admit()
+        return self.result(start or 0.0, warmup)
+
+    def maybe_train(self) -> None:
+        if self.learner_until is None and self.done[self.updates] == self.s.tasks_per_step:
+            tokens = self.s.tasks_per_step * self.s.group_size * self.s.learner_tokens
+            self.learner_until = self.t + tokens / self.s.learner_tokens_per_s + self.s.publish_s
+            for g in self.finished_groups:
+                if g.step == self.updates:
+                    self.lags[g.step - g.version] += 1
+
+    def finish_groups(self) -> None:
+        for g in [g for g in self.running if g.remaining <= 1e-9]:
+            self.running.remove(g)
+            g.done_at = self.t
+            self.done[g.step] += 1
+            self.finished_groups.append(g)
+        self.backlog_max = max(self.backlog_max, self.backlog())
+        self.admit()
+
+    def reset_counters(self) -> float:
+        self.backlog_area = self.actor_idle = self.learner_idle = 0.0
+        self.backlog_max, self.lags = self.backlog(), Counter()
+        return self.t
+
+    def result(self, start: float, warmup: int) -> CapacityResult:
+        span = max(self.t - start, 1e-12)
+        steps = self.s.steps - warmup
+        total = sum(self.lags.values()) or 1
+        return CapacityResult(
+            actors=self.actors,
+            step_s=span / steps,
+            samples_per_s=steps * self.s.tasks_per_step * self.s.group_size / span,
+            learner_idle_fraction=self.learner_idle / span,
+            actor_idle_fraction=self.actor_idle / span,
+            backlog_mean=self.backlog_area / span,
+            backlog_max=self.backlog_max,
+            lag_hist={k: v / total for k, v in sorted(self.lags.items())},
+        )
+
+
+def simulate(s: CapacitySettings, actors: int) -> CapacityResult:
+    """The runtime's steady state with ``actors`` engines."""
+    s.check()
+    if actors < 1:
+        raise ConfigError(f"actors {actors}: at least 1")
+    return _Sim(s, actors).run()
+
+
+def plan_capacity(
+    s: CapacitySettings, max_actors: int = 256, target_idle: float = 0.05
+) -> tuple[int, list[CapacityResult]]:
+    """The fewest actors that keep the learner idle at most ``target_idle`` of the time (the
+    last one tried if none does), and the results tried on the way (doubling, then bisection)."""
+    s.check()
+    rough = s.learner_tokens_per_s * s.gen_tokens / (s.actor_tokens_per_s * s.learner_tokens)
+    tried: dict[int, CapacityResult] = {}
+
+    def ok(n: int) -> bool:
+        if n not in tried:
+            tried[n] = simulate(s, n)
+        return tried[n].learner_idle_fraction <= target_idle
+
+    high = max(1, min(max_actors, math.ceil(rough)))
+    while not ok(high) and high < max_actors:
+        high = min(max_actors, high * 2)
+    low = 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if ok(mid) else (mid, high)
+    return high, [tried[n] for n in sorted(tried)]

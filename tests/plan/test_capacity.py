@@ -1,0 +1,126 @@
+"""``agentrl plan capacity``: the simulated schedule against closed-form cases of the runtime's
+rules, the actor search, and calibration from a real training run's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.cli import main
+from agentrl.plan._capacity import CapacitySettings, plan_capacity, simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = dict(
+    actor_tokens_per_s=1000.0,
+    learner_tokens_per_s=4000.0,
+    gen_tokens=200.0,
+    learner_tokens=400.0,
+    group_size=4,
+    tasks_per_step=8,
+    publish_s=0.25,
+    concurrency=64,
+    steps=30,
+)
+GEN_S = 8 * 4 * 200 / 1000  # one actor generates a step in 6.4 s
+LEARN_S = 8 * 4 * 400 / 4000 + 0.25  # the learner trains and publishes one in 3.45 s
+
+
+def settings(**kw) -> CapacitySettings:
+    return CapacitySettings(**{**BASE, "max_version_lag": 1, **kw})
+
+
+def test_sync_is_generation_then_training():
+    r = simulate(settings(max_version_lag=0), actors=1)
+    assert r.step_s == pytest.approx(GEN_S + LEARN_S, rel=1e-9)
+    assert r.learner_idle_fraction == pytest.approx(GEN_S / (GEN_S + LEARN_S), rel=1e-9)
+    assert r.actor_idle_fraction == pytest.approx(LEARN_S / (GEN_S + LEARN_S), rel=1e-9)
+    assert r.lag_hist == {0: 1.0}
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_async_with_slow_actors_overlaps_training(lag):
+    r = simulate(settings(max_version_lag=lag), actors=1)
+    assert r.step_s == pytest.approx(GEN_S, rel=1e-9)  # the learner hides behind generation
+    assert r.actor_idle_fraction == pytest.approx(0.0, abs=1e-9)
+    assert r.learner_idle_fraction == pytest.approx(1 - LEARN_S / GEN_S, rel=1e-9)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_with_many_actors_the_learner_is_the_bottleneck_and_lag_hits_the_bound(lag):
+    r = simulate(settings(max_version_lag=lag), actors=16)
+    assert r.step_s == pytest.approx(LEARN_S, rel=1e-9)
+    assert r.learner_idle_fraction == pytest.approx(0.0, abs=1e-9)
+    assert r.bottleneck == "learner"
+    assert r.lag_hist == {lag: 1.0}  # actors run the whole bound ahead
+    assert r.backlog_max == lag * 8  # k steps of groups wait, never more
+
+
+def test_limited_concurrency_delays_starts_and_lowers_the_lag():
+    wide = simulate(settings(max_version_lag=2), actors=1)
+    narrow = simulate(settings(max_version_lag=2, concurrency=8), actors=1)
+    assert narrow.lag_mean < wide.lag_mean
+
+
+def test_the_plan_is_the_fewest_actors_that_keep_the_learner_busy():
+    s = settings(max_version_lag=1)
+    best, tried = plan_capacity(s)
+    assert simulate(s, best).learner_idle_fraction <= 0.05
+    assert simulate(s, best - 1).learner_idle_fraction > 0.05
+    assert best in [r.actors for r in tried]
+
+
+def test_the_command_prints_the_plan_as_json(capsys):
+    argv = ["plan", "capacity", "--json", "--max-version-lag", "1", "--actors", "3"]
+    for key, value in BASE.items():
+        if key != "steps":
+            argv += ["--" + key.replace("_", "-"), str(value)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended_actors"] == plan_capacity(settings())[0]
+    assert out["evaluated"]["actors"] == 3
+    assert out["evaluated"]["step_s"] == pytest.approx(LEARN_S, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gen-tokens", "10"], "needs --actor-tokens-per-s, --learner-tokens-per-s"),
+        (["--from-run", "/nonexistent/run"], "cannot read config.yaml"),
+    ],
+)
+def test_missing_rates_and_bad_runs_are_named(capsys, argv, message):
+    assert main(["plan", "capacity", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrates_from_a_real_async_run(tmp_path, capsys):
+    config = {
+        "model": "tiny-random",
+        "env": "vowels_env:vowels-v0",
+        "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 2},
+        "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
+        "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256,
+                  "mode": "async", "max_version_lag": 1},
+        "checkpoint": {"every_steps": 0, "at_end": False},
+        "logging": {"tensorboard": False, "interval_s": 0.5},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "trainer")}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--config", str(tmp_path / "c.yaml")]
+    subprocess.run([*cmd, "--out", str(run)], env=env, check=True, timeout=600)
+    with (run / "ledger.jsonl").open("a") as f:
+        f.write('{"step": 9, "torn')  # a killed run's last line: skipped, not fatal
+    assert main(["plan", "capacity", "--from-run", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    s = out["settings"]
+    assert (s["group_size"], s["tasks_per_step"], s["max_version_lag"]) == (2, 2, 1)
+    assert s["concurrency"] == 8 and s["gen_tokens"] <= 8
+    assert out["measured"]["steps"] == 3 and out["evaluated"]["actors"] == 1
+    assert set(out["measured"]["lag_hist"]) <= {"0", "1"}
