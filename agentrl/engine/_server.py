@@ -27,7 +27,11 @@ Choices where SGLang leaves room, or where agentrl serve differs:
 - ``/close_session`` of an unknown id answers 200 as SGLang does (body says it was not open).
 
 Errors: invalid input is a 400 ``{"error": {"message": ..., "field": ...}}`` naming the field;
-an unexpected failure is a 500 with the same shape. No request can stop the server.
+an unexpected failure is a 500 with the same shape. No request can stop the server: a body that
+is not UTF-8 or nests too deeply is refused before any handler runs (``_server_guard``), one
+request asks for at most ``--max-samples-per-request`` samples and at most ``--max-sessions``
+sessions are open (``_server_limits``), and ``/health`` answers 200 only while the model can
+generate (``_server_health``). Limits and failure answers for users: ``docs/serve-limits.md``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from ._server_generate import (
     plan_generate,
     render_result,
 )
-from ._server_guard import request_guard
+from ._server_guard import install_request_guard
 from ._server_health import ModelHealth
 from ._server_limits import (
     DEFAULT_MAX_SAMPLES_PER_REQUEST,
@@ -296,7 +300,8 @@ def create_app(
     """The aiohttp application serving ``engine`` (which the caller owns and closes)."""
     name = served_model_name or str(model_path)
     server = _Server(engine, tokenizer, str(model_path), name, limits or ServeLimits())
-    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[request_guard])
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    install_request_guard(app)
     routes = [
         ("POST", "/generate", server.generate),
         ("PUT", "/generate", server.generate),

@@ -8,7 +8,11 @@ An aiohttp middleware in front of every endpoint:
   the guard checks the whole body once, whichever endpoint it is for.
 - A body nested deeper than the JSON decoder's recursion limit is a 400.
 - Any other unexpected exception becomes a JSON 500 in the server's error shape (aiohttp's default
-  is a plain-text page a JSON client cannot parse); the server keeps serving.
+  is a plain-text page a JSON client cannot parse); the server keeps serving. A handler that had
+  already started its answer (a stream) is left to aiohttp, which closes the connection: a second
+  answer cannot follow the first on the wire.
+
+``install_request_guard(app)`` adds both the middleware and the hook that notices started answers.
 
 Errors have the shape of ``/generate``'s: ``{"error": {"message": ..., "field": ...}, "object":
 "error", "code": N}``.
@@ -41,6 +45,19 @@ def _utf8_error(raw: bytes) -> str | None:
     return None
 
 
+_STARTED: web.RequestKey[bool] = web.RequestKey("agentrl_answer_started", bool)
+
+
+async def _mark_started(request: web.Request, response: web.StreamResponse) -> None:
+    request[_STARTED] = True
+
+
+def install_request_guard(app: web.Application) -> None:
+    """Guard every endpoint of ``app`` (call before the app starts)."""
+    app.middlewares.append(request_guard)
+    app.on_response_prepare.append(_mark_started)
+
+
 @web.middleware
 async def request_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Refuse malformed bodies with a 400; answer unexpected failures with a JSON 500."""
@@ -59,6 +76,8 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
     except UnicodeError as exc:
         return error_response(400, f"{path}: the request holds text that is not valid: {exc}")
     except Exception as exc:  # a bug of ours: say so in JSON, keep serving
+        if request.get(_STARTED):
+            raise
         print(f"agentrl serve: {path}: internal error", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
         return error_response(500, f"internal error: {exc!r}")

@@ -16,6 +16,8 @@ belongs to this server session, so the embedded engine reuses the KV it pinned.
   output; a failed one is removed (it can never become a parent).
 - ``timeout`` (seconds) closes a session that saw no request for that long. Closing a session
   with a request in flight defers releasing its engine session until the request ends.
+- At most ``max_sessions`` sessions are open at once (``--max-sessions``); opening one more is
+  refused with the cap named, since a session without a timeout lives until it is closed.
 
 Every refusal raises ``SessionError`` (HTTP 400, SGLang aborts these requests the same way).
 """

@@ -310,3 +310,45 @@ def test_kv_blocks_return_to_free_or_cached_when_requests_end(client: httpx.Clie
     assert values["agentrl:engine_kv_blocks_in_use"] == 0
     assert total == free + cached and cached > 0
     assert values["agentrl:engine_kv_blocks_evictable"] == cached  # nothing locks them now
+
+
+# --- the guard itself -------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.anyio_backends("asyncio")
+async def test_guard_answers_json_500_unless_an_answer_already_started() -> None:
+    """An unexpected failure before the answer starts is a JSON 500; once a stream started, the
+    connection is closed instead of a second answer being written after the first."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentrl.engine._server_guard import install_request_guard
+
+    async def fails(request: web.Request) -> web.StreamResponse:
+        raise KeyError("boom")
+
+    async def fails_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data: 1\n\n")
+        raise KeyError("boom")
+
+    app = web.Application()
+    install_request_guard(app)
+    app.router.add_get("/fails", fails)
+    app.router.add_get("/stream", fails_mid_stream)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        base = str(server.make_url("")).rstrip("/")
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            error = error_of(await client.get("/fails"), 500)
+            assert "KeyError" in error["message"]
+            with pytest.raises(httpx.HTTPError):
+                async with client.stream("GET", "/stream") as response:
+                    assert response.status_code == 200
+                    await response.aread()
+            error_of(await client.get("/fails"), 500)  # still serving
+    finally:
+        await server.close()
