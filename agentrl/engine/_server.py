@@ -110,7 +110,7 @@ class _Server:
         self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
         self.sessions = SessionTable(engine, self.facts.bos_token_id, limits.max_sessions)
         self.counters = Counters()
-        self.model_health = ModelHealth(engine, self.facts.bos_token_id or 0)
+        self.model_health = ModelHealth(engine)
 
     # --- /generate ----------------------------------------------------------------------------
 

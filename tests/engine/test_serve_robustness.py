@@ -10,6 +10,7 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -227,6 +228,29 @@ def test_health_reflects_a_model_that_cannot_generate(
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
     assert greedy(client)["output_ids"] == before["output_ids"]
+
+
+def test_health_of_a_busy_server_does_not_wait_in_its_queue(tiny_dir: Path, tmp_path: Path) -> None:
+    """One batch slot, two long requests queued: the probe would wait ~10 s behind them; the
+    tokens they produce meanwhile count as health, as in SGLang."""
+    proc, base = start_serve(tiny_dir, tmp_path / "busy.log", ["--max-batch-size", "1"])
+    try:
+        with httpx.Client(base_url=base, timeout=120) as busy:
+            long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}}
+            long["sampling_params"]["ignore_eos"] = True
+            with ThreadPoolExecutor(2) as pool:
+                running = [pool.submit(busy.post, "/generate", json=long) for _ in range(2)]
+                deadline = time.monotonic() + 30
+                while metrics(busy)["sglang:num_running_reqs"] < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                for path in ("/health_generate", "/health"):
+                    started = time.monotonic()
+                    assert busy.get(path).status_code == 200
+                    assert time.monotonic() - started < 3, path
+                assert all(f.result().status_code == 200 for f in running)
+    finally:
+        stop_serve(proc)
 
 
 def test_weight_version_may_go_backwards_and_is_reported_as_set(
