@@ -3,9 +3,10 @@
 An aiohttp middleware in front of every endpoint:
 
 - A body that is not valid UTF-8 (JSON text must be, RFC 8259) is a 400 naming the first bad
-  byte's offset, before any handler sees it. JSON parsers differ on where they check this (msgspec
-  only inside strings, and there it raises ``UnicodeDecodeError`` rather than its own error), so
-  the guard checks the whole body once, whichever endpoint it is for.
+  byte's offset. JSON parsers differ on how they report it (msgspec calls it malformed JSON
+  outside strings but raises ``UnicodeDecodeError`` inside them, which would otherwise be a 500),
+  so the guard turns a ``UnicodeDecodeError`` from any handler that decodes its body into the 400.
+  An endpoint that ignores its body (``/flush_cache``) ignores a bad one too, as SGLang's do.
 - A body nested deeper than the JSON decoder's recursion limit is a 400.
 - Any other unexpected exception becomes a JSON 500 in the server's error shape (aiohttp's default
   is a plain-text page a JSON client cannot parse); the server keeps serving. A handler that had
@@ -62,22 +63,29 @@ def install_request_guard(app: web.Application) -> None:
 async def request_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Refuse malformed bodies with a 400; answer unexpected failures with a JSON 500."""
     path = request.path
-    if request.can_read_body:
-        raw = await request.read()  # aiohttp caches it: the handler's read() is free
-        bad = _utf8_error(raw)
-        if bad is not None:
-            return error_response(400, f"{path}: the request body is not valid UTF-8 at {bad}")
     try:
         return await handler(request)
     except web.HTTPException:
         raise  # aiohttp's own answers (404, 405, 413): already well-formed
     except RecursionError:
-        return error_response(400, f"{path}: the request body nests too deeply")
-    except UnicodeError as exc:
-        return error_response(400, f"{path}: the request holds text that is not valid: {exc}")
-    except Exception as exc:  # a bug of ours: say so in JSON, keep serving
         if request.get(_STARTED):
             raise
-        print(f"agentrl serve: {path}: internal error", file=sys.stderr)
-        traceback.print_exc(file=sys.stderr)
-        return error_response(500, f"internal error: {exc!r}")
+        return error_response(400, f"{path}: the request body nests too deeply")
+    except UnicodeDecodeError as exc:
+        bad = _utf8_error(await request.read()) if request.body_exists else None
+        if bad is None:  # not the body's fault
+            return _internal_error(request, exc)
+        if request.get(_STARTED):
+            raise
+        return error_response(400, f"{path}: the request body is not valid UTF-8 at {bad}")
+    except Exception as exc:
+        return _internal_error(request, exc)
+
+
+def _internal_error(request: web.Request, exc: Exception) -> web.Response:
+    """A bug of ours: say so in JSON, keep serving (re-raised once an answer has started)."""
+    if request.get(_STARTED):
+        raise exc
+    print(f"agentrl serve: {request.path}: internal error", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    return error_response(500, f"internal error: {exc!r}")

@@ -485,6 +485,8 @@ async def test_malformed_bodies_are_json_400s(server: Server) -> None:
             assert response.status_code == 400, (raw, response.text)
             assert response.json()["object"] == "error", (raw, response.text)
         assert (await client.get("/health")).status_code == 200
+        # an endpoint that takes no body ignores a bad one
+        assert (await client.post("/flush_cache", content=b"\xff\xfe")).status_code == 200
     async with SGLangEngine([server.url]) as engine:
         assert len((await engine.generate(PROMPT, GREEDY)).token_ids) == 8
 
