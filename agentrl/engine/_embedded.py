@@ -206,6 +206,10 @@ class EmbeddedEngine:
         scheduler = self._worker.scheduler
         s, pool, sessions = scheduler.counters, scheduler.kv.pool, scheduler.sessions
         tree = scheduler.kv.tree
+        radix = tree.statistics() if tree is not None else None
+        free = pool.num_free
+        cached = radix.cached_tokens // pool.block_size if radix is not None else 0
+        evictable = radix.evictable_tokens // pool.block_size if radix is not None else 0
         return EngineStatistics(
             requests_done=c.requests_done,
             requests_aborted=c.requests_aborted,
@@ -221,7 +225,10 @@ class EmbeddedEngine:
             preemptions=s.preemptions,
             interruptions=s.interruptions,
             kv_blocks=pool.num_blocks,
-            kv_blocks_free=pool.num_free,
+            kv_blocks_free=free,
+            kv_blocks_cached=cached,
+            kv_blocks_evictable=evictable,
+            kv_blocks_in_use=pool.num_blocks - free - cached,
             block_size=pool.block_size,
             sessions_open=len(self._sessions),
             sessions_pinned=sessions.pinned_sessions,
@@ -231,7 +238,7 @@ class EmbeddedEngine:
             sessions_unpinned=(
                 sessions.unpinned_by_ttl + sessions.unpinned_by_cap + sessions.unpinned_by_pressure
             ),
-            radix=tree.statistics() if tree is not None else None,
+            radix=radix,
         )
 
     def _check_open(self) -> None:
@@ -323,7 +330,8 @@ class EmbeddedEngine:
             state = dict(source)
         else:
             state = await anyio.to_thread.run_sync(_read_weights, source)
-        self._worker.model.check_state_dict(state)  # fail fast, before disturbing anything
+        # every check (names, shapes, values) before anything is disturbed; off the event loop
+        await anyio.to_thread.run_sync(self._worker.model.check_state_dict, state)
         update = WeightUpdate(
             version=int(version),
             state=state,

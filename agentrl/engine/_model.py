@@ -34,6 +34,7 @@ from agentrl._errors import EngineError
 
 from ._decode import DecodeKernelChooser
 from ._kv import AttentionBatch, KVPool, paged_attention
+from ._weight_values import check_weight_values
 
 _FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -255,7 +256,9 @@ class CausalLM:
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Raise ``EngineError`` when ``state`` is not a full HF state dict of this model: an
         unknown name, a wrong shape or a missing tensor (a tied ``lm_head.weight`` may be
-        omitted; old checkpoints' ``rotary_emb.inv_freq`` buffers are ignored)."""
+        omitted; old checkpoints' ``rotary_emb.inv_freq`` buffers are ignored), or a tensor
+        whose values cannot be this model's weights (``check_weight_values``: not floating
+        point, NaN/Inf, beyond the model dtype's range)."""
         want = self.expected_shapes()
         names = {k for k in state if not k.endswith("rotary_emb.inv_freq")}
         unexpected = sorted(names - set(want))
@@ -271,15 +274,18 @@ class CausalLM:
         missing = sorted(set(want) - names - optional)
         if missing:
             raise EngineError(f"weight update lacks tensors: {missing[:5]}")
+        check_weight_values(state, sorted(names), self.dtype)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, check: bool = True) -> None:
         """Replace every weight from an HF-named state dict (values are copied to the model's
         device and cast; the source may be on any device).
 
-        Checks first (``check_state_dict``): on ``EngineError`` nothing has changed. The new
-        weights are built before the old ones are dropped: the device briefly holds both.
+        Checks first (``check_state_dict``; ``check=False`` when the caller just did): on
+        ``EngineError`` nothing has changed. The new weights are built before the old ones are
+        dropped: the device briefly holds both.
         """
-        self.check_state_dict(state)
+        if check:
+            self.check_state_dict(state)
         device, dtype = self.device, self.dtype
 
         def get(name: str) -> torch.Tensor:
@@ -375,5 +381,12 @@ def read_safetensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise EngineError(f"no *.safetensors in {folder}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        try:
+            tensors = load_file(file)
+        except Exception as exc:  # safetensors' own error, OSError, a header that is not JSON
+            raise EngineError(f"cannot read {file}: {exc}") from exc
+        clash = sorted(state.keys() & tensors.keys())
+        if clash:
+            raise EngineError(f"{file} repeats tensors of another file in {folder}: {clash[:5]}")
+        state.update(tensors)
     return state

@@ -174,7 +174,16 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     interruptions: int = 0
     """Running requests moved onto new weights mid-generation (``in_flight="partial"``)."""
     kv_blocks: int = 0
+    """KV blocks of the pool: ``kv_blocks_free + kv_blocks_cached + kv_blocks_in_use``."""
     kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    """Blocks the radix tree holds (reusable prefixes; locked while a request or a session pin
+    uses them)."""
+    kv_blocks_evictable: int = 0
+    """Of ``kv_blocks_cached``, blocks no lock protects: freed first when the pool runs short."""
+    kv_blocks_in_use: int = 0
+    """Blocks outside the tree and not free: pages running requests own, and the partial last
+    pages sessions pin. With nothing running and no session open this is 0; more is a leak."""
     block_size: int = 16
     sessions_open: int = 0
     sessions_pinned: int = 0

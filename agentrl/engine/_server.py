@@ -27,7 +27,11 @@ Choices where SGLang leaves room, or where agentrl serve differs:
 - ``/close_session`` of an unknown id answers 200 as SGLang does (body says it was not open).
 
 Errors: invalid input is a 400 ``{"error": {"message": ..., "field": ...}}`` naming the field;
-an unexpected failure is a 500 with the same shape. No request can stop the server.
+an unexpected failure is a 500 with the same shape. No request can stop the server: a body that
+is not UTF-8 or nests too deeply is refused before any handler runs (``_server_guard``), one
+request asks for at most ``--max-samples-per-request`` samples and at most ``--max-sessions``
+sessions are open (``_server_limits``), and ``/health`` answers 200 only while the model can
+generate (``_server_health``). Limits and failure answers for users: ``docs/serve-limits.md``.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from typing import Any
 
 import anyio
 import msgspec
+import pydantic
 from aiohttp import web
 
+from agentrl._config import describe_errors
 from agentrl._errors import AgentRLError
 from agentrl._types import GenerateResult
 
@@ -59,9 +65,17 @@ from ._server_generate import (
     plan_generate,
     render_result,
 )
+from ._server_guard import install_request_guard
+from ._server_health import ModelHealth
+from ._server_limits import (
+    DEFAULT_MAX_SAMPLES_PER_REQUEST,
+    DEFAULT_MAX_SESSIONS,
+    RequestTooLarge,
+    ServeLimits,
+    check_request_size,
+)
 from ._server_metrics import (
     Counters,
-    engine_statistics,
     kv_facts,
     prometheus_text,
     served_in_flight,
@@ -81,13 +95,22 @@ def _error(status: int, message: str, field: str | None = None) -> web.Response:
 
 
 class _Server:
-    def __init__(self, engine: Engine, tokenizer: Any, model_path: str, served_name: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_path: str,
+        served_name: str,
+        limits: ServeLimits,
+    ) -> None:
         self.engine = engine
         self.model_path = model_path
         self.served_name = served_name
+        self.limits = limits
         self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
-        self.sessions = SessionTable(engine, self.facts.bos_token_id)
+        self.sessions = SessionTable(engine, self.facts.bos_token_id, limits.max_sessions)
         self.counters = Counters()
+        self.model_health = ModelHealth(engine)
 
     # --- /generate ----------------------------------------------------------------------------
 
@@ -95,12 +118,13 @@ class _Server:
         started = time.perf_counter()
         try:
             req = w.generate_req_decoder.decode(await request.read())
+            check_request_size(req, self.limits)
             items, single = plan_generate(req, self.facts)
         except msgspec.ValidationError as exc:
             return _error(400, f"invalid /generate request: {exc}", w.error_field(exc))
         except msgspec.DecodeError as exc:
             return _error(400, f"/generate body is not valid JSON: {exc}")
-        except BadRequest as exc:
+        except (BadRequest, RequestTooLarge) as exc:
             return _error(400, str(exc), exc.field)
         await self.sessions.reap()
         results: list[w.WireGenerateResp | None] = [None] * len(items)
@@ -123,6 +147,7 @@ class _Server:
             return _error(400, str(exc), "session_params")
         if isinstance(exc, BadRequest):
             return _error(400, str(exc), exc.field)
+        self.model_health.forget()  # the model may be what failed: the next /health probes it
         if isinstance(exc, AgentRLError):
             return _error(400, str(exc))
         if isinstance(exc, Exception):
@@ -200,10 +225,13 @@ class _Server:
             except ValueError:
                 msg = f"weight_version must be an integer string, got {req.weight_version!r}"
                 return _json(w.WireUpdateWeightsResp(False, msg), 400)
+        self.model_health.forget()
         try:
             await self.engine.update_weights(version, req.model_path)
-        except AgentRLError as exc:
-            return _json(w.WireUpdateWeightsResp(False, f"failed to update weights: {exc}"), 400)
+        except Exception as exc:  # as SGLang: any load failure is a JSON 400, old weights kept
+            reason = str(exc) if isinstance(exc, AgentRLError) else repr(exc)
+            message = f"failed to update weights: {reason}; the previous weights are still served"
+            return _json(w.WireUpdateWeightsResp(False, message), 400)
         message = f"Succeeded to update model weights. Weight version updated to {version}."
         return _json(w.WireUpdateWeightsResp(True, message))
 
@@ -246,24 +274,12 @@ class _Server:
         return _json(w.WireModelList([card]))
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the engine answers ``statistics()`` and its worker has not crashed."""
-        try:
-            engine_statistics(self.engine)
-        except AgentRLError:
-            return web.Response(status=503)
-        broken = getattr(getattr(self.engine, "_worker", None), "broken", None)
-        return web.Response(status=503 if broken is not None else 200)
+        """200 while the model can generate (a probe passed lately: see ``_server_health``)."""
+        return web.Response(status=200 if await self.model_health.healthy() else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        from agentrl._types import SamplingParams
-
-        try:
-            with anyio.fail_after(20):
-                first = self.facts.bos_token_id or 0
-                await self.engine.generate([first], SamplingParams(1, 0.0))
-        except (AgentRLError, TimeoutError):
-            return web.Response(status=503)
-        return web.Response(status=200)
+        """200 when a one-token probe through the model passes now."""
+        return web.Response(status=200 if await self.model_health.healthy(probe=True) else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = prometheus_text(self.counters, self.engine, len(self.sessions), self.served_name)
@@ -274,11 +290,18 @@ SERVER_KEY: web.AppKey[_Server] = web.AppKey("agentrl_server", _Server)
 
 
 def create_app(
-    engine: Engine, tokenizer: Any, model_path: str | Path, *, served_model_name: str | None = None
+    engine: Engine,
+    tokenizer: Any,
+    model_path: str | Path,
+    *,
+    served_model_name: str | None = None,
+    limits: ServeLimits | None = None,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` (which the caller owns and closes)."""
-    server = _Server(engine, tokenizer, str(model_path), served_model_name or str(model_path))
+    name = served_model_name or str(model_path)
+    server = _Server(engine, tokenizer, str(model_path), name, limits or ServeLimits())
     app = web.Application(client_max_size=256 * 1024 * 1024)
+    install_request_guard(app)
     routes = [
         ("POST", "/generate", server.generate),
         ("PUT", "/generate", server.generate),
@@ -325,13 +348,16 @@ async def run_server(
     *,
     tokenizer: Any = None,
     served_model_name: str | None = None,
+    limits: ServeLimits | None = None,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled (the caller owns the engine)."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-    app = create_app(engine, tokenizer, model_path, served_model_name=served_model_name)
+    app = create_app(
+        engine, tokenizer, model_path, served_model_name=served_model_name, limits=limits
+    )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
@@ -375,6 +401,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="what a weight update does to running requests: finish them on the old weights "
         "(default), abort (restart on the new ones) or partial (continue on the new ones)",
     )
+    parser.add_argument(
+        "--max-samples-per-request",
+        type=int,
+        default=DEFAULT_MAX_SAMPLES_PER_REQUEST,
+        help="most samples (prompts x n) one /generate request may ask for; more is a 400",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=DEFAULT_MAX_SESSIONS,
+        help="most sessions open at once; /open_session beyond it is a 400",
+    )
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -383,6 +421,13 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     from ._embedded import open_embedded_engine
 
+    try:
+        limits = ServeLimits(
+            max_samples_per_request=args.max_samples_per_request, max_sessions=args.max_sessions
+        )
+    except pydantic.ValidationError as exc:
+        print(f"agentrl serve: {describe_errors(exc)}", file=sys.stderr)
+        return 2
     try:
         folder = resolve_model(args.model)
     except AgentRLError as exc:
@@ -408,7 +453,12 @@ def serve_from_args(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, task.cancel)
         async with open_embedded_engine(folder, **options) as engine:
             await run_server(
-                engine, args.host, args.port, folder, served_model_name=args.served_model_name
+                engine,
+                args.host,
+                args.port,
+                folder,
+                served_model_name=args.served_model_name,
+                limits=limits,
             )
 
     try:

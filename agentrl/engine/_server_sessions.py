@@ -16,6 +16,8 @@ belongs to this server session, so the embedded engine reuses the KV it pinned.
   output; a failed one is removed (it can never become a parent).
 - ``timeout`` (seconds) closes a session that saw no request for that long. Closing a session
   with a request in flight defers releasing its engine session until the request ends.
+- At most ``max_sessions`` sessions are open at once (``--max-sessions``); opening one more is
+  refused with the cap named, since a session without a timeout lives until it is closed.
 
 Every refusal raises ``SessionError`` (HTTP 400, SGLang aborts these requests the same way).
 """
@@ -77,9 +79,12 @@ class Turn:
 class SessionTable:
     """The open sessions of one server. Single event loop: no locks, no awaits inside edits."""
 
-    def __init__(self, engine: Engine, bos_token_id: int | None) -> None:
+    def __init__(
+        self, engine: Engine, bos_token_id: int | None, max_sessions: int | None = None
+    ) -> None:
         self._engine = engine
         self._bos = bos_token_id
+        self._max_sessions = max_sessions
         self._sessions: dict[str, ServerSession] = {}
 
     def __len__(self) -> int:
@@ -100,14 +105,28 @@ class SessionTable:
             )
         if timeout is not None and not timeout > 0:
             raise SessionError(f"timeout must be > 0 seconds, got {timeout}")
+        self._check_room()
         engine_session = await self._engine.open_session()
         if session_id in self._sessions:  # opened concurrently while we awaited
             await self._engine.close_session(engine_session)
             raise SessionError(f"session_id {session_id!r} is already open")
+        try:
+            self._check_room()  # others may have filled the table while we awaited
+        except SessionError:
+            await self._engine.close_session(engine_session)
+            raise
         self._sessions[session_id] = ServerSession(
             session_id, capacity_of_str_len or 0, streaming, timeout, engine_session
         )
         return session_id
+
+    def _check_room(self) -> None:
+        cap = self._max_sessions
+        if cap is not None and len(self._sessions) >= cap:
+            raise SessionError(
+                f"the session table is full: {len(self._sessions)} sessions are open, "
+                f"max_sessions={cap} (--max-sessions); close sessions or open them with a timeout"
+            )
 
     async def close(self, session_id: str) -> bool:
         """Close a session; False when it is not open (SGLang answers 200 either way)."""

@@ -239,7 +239,7 @@ class Worker:
         while self._updates:
             update = self._updates.popleft()
             try:
-                self.model.load_state_dict(update.state)
+                self.model.load_state_dict(update.state, check=False)  # checked by the caller
                 self.weight_version = update.version
             except Exception as exc:
                 update.error = exc if isinstance(exc, EngineError) else EngineError(repr(exc))

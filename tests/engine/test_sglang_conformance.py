@@ -10,6 +10,7 @@ update case (skipped without it).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -468,3 +469,64 @@ def _open_sessions(url: str) -> int:
     text = httpx.get(url + "/metrics", timeout=30).text
     line = next(x for x in text.splitlines() if x.startswith("agentrl:open_sessions{"))
     return int(float(line.rsplit(" ", 1)[1]))
+
+
+# --- serve robustness: malformed bodies, failed weight updates, weight_version -----------------
+
+
+async def test_malformed_bodies_are_json_400s(server: Server) -> None:
+    """Bodies no client library sends: SGLang (FastAPI) and agentrl serve both answer a JSON 400
+    with ``"object": "error"``, and keep serving."""
+    bad = (b'{"input_ids": [1], "rid": "\xff\xfe"}', b"\xc3\x28", b"{not json", b"[1, 2]", b"null")
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        for raw in bad:
+            headers = {"content-type": "application/json"}
+            response = await client.post("/generate", content=raw, headers=headers)
+            assert response.status_code == 400, (raw, response.text)
+            assert response.json()["object"] == "error", (raw, response.text)
+        assert (await client.get("/health")).status_code == 200
+        # an endpoint that takes no body ignores a bad one
+        assert (await client.post("/flush_cache", content=b"\xff\xfe")).status_code == 200
+    async with SGLangEngine([server.url]) as engine:
+        assert len((await engine.generate(PROMPT, GREEDY)).token_ids) == 8
+
+
+async def test_failed_weight_update_is_a_json_failure_and_keeps_the_weights(
+    server: Server, tmp_path: Path
+) -> None:
+    """A weights folder whose safetensors file is truncated: ``{"success": false, "message"}``
+    with HTTP 400 and the previous weights still served (a remote SGLang does not see the folder:
+    the same answer, for a missing path)."""
+    broken = tmp_path / "truncated"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (broken / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{")
+    async with SGLangEngine([server.url]) as engine:
+        before = await engine.generate(PROMPT, GREEDY)
+        version = httpx.get(server.url + "/get_weight_version", timeout=30).json()
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            body = {"model_path": str(broken), "weight_version": "9999"}
+            response = await client.post("/update_weights_from_disk", json=body)
+            assert response.status_code == 400, response.text
+            reply = response.json()
+            assert reply["success"] is False and reply["message"]
+            assert (await client.get("/get_weight_version")).json() == version
+            assert (await client.get("/health")).status_code == 200
+        assert (await engine.generate(PROMPT, GREEDY)).token_ids == before.token_ids
+
+
+async def test_weight_version_may_go_backwards(server: Server, tiny_dir: Path) -> None:
+    """SGLang takes any ``weight_version`` (a label, not an order); so does agentrl serve: a new
+    run or a resume from an older checkpoint publishes a lower one."""
+    same = str(tiny_dir) if server.ours else os.environ.get("AGENTRL_SGLANG_UPDATE_PATH")
+    if not same:
+        pytest.skip("AGENTRL_SGLANG_UPDATE_PATH (weights on the SGLang host) is not set")
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        current = (await client.get("/get_weight_version")).json()["weight_version"]
+        start = int(current) if str(current).isdigit() else 0
+        for version in (str(start + 50), str(start + 1)):
+            body = {"model_path": same, "weight_version": version}
+            response = await client.post("/update_weights_from_disk", json=body)
+            assert response.status_code == 200 and response.json()["success"] is True
+            answer = (await client.get("/get_weight_version")).json()
+            assert answer == {"weight_version": version}

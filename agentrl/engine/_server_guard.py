@@ -1,0 +1,91 @@
+"""The request guard of ``agentrl serve``: no body can turn into a 500, no failure into plain text.
+
+An aiohttp middleware in front of every endpoint:
+
+- A body that is not valid UTF-8 (JSON text must be, RFC 8259) is a 400 naming the first bad
+  byte's offset. JSON parsers differ on how they report it (msgspec calls it malformed JSON
+  outside strings but raises ``UnicodeDecodeError`` inside them, which would otherwise be a 500),
+  so the guard turns a ``UnicodeDecodeError`` from any handler that decodes its body into the 400.
+  An endpoint that ignores its body (``/flush_cache``) ignores a bad one too, as SGLang's do.
+- A body nested deeper than the JSON decoder's recursion limit is a 400.
+- Any other unexpected exception becomes a JSON 500 in the server's error shape (aiohttp's default
+  is a plain-text page a JSON client cannot parse); the server keeps serving. A handler that had
+  already started its answer (a stream) is left to aiohttp, which closes the connection: a second
+  answer cannot follow the first on the wire.
+
+``install_request_guard(app)`` adds both the middleware and the hook that notices started answers.
+
+Errors have the shape of ``/generate``'s: ``{"error": {"message": ..., "field": ...}, "object":
+"error", "code": N}``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from . import _wire as w
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, message: str, field: str | None = None) -> web.Response:
+    """The server's JSON error answer."""
+    body = w.WireError(w.WireErrorBody(message, field), code=status)
+    return web.Response(body=w.encoder.encode(body), status=status, content_type="application/json")
+
+
+def _utf8_error(raw: bytes) -> str | None:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"byte {exc.start} (0x{raw[exc.start]:02x}): {exc.reason}"
+    return None
+
+
+_STARTED: web.RequestKey[bool] = web.RequestKey("agentrl_answer_started", bool)
+
+
+async def _mark_started(request: web.Request, response: web.StreamResponse) -> None:
+    request[_STARTED] = True
+
+
+def install_request_guard(app: web.Application) -> None:
+    """Guard every endpoint of ``app`` (call before the app starts)."""
+    app.middlewares.append(request_guard)
+    app.on_response_prepare.append(_mark_started)
+
+
+@web.middleware
+async def request_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse malformed bodies with a 400; answer unexpected failures with a JSON 500."""
+    path = request.path
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise  # aiohttp's own answers (404, 405, 413): already well-formed
+    except RecursionError:
+        if request.get(_STARTED):
+            raise
+        return error_response(400, f"{path}: the request body nests too deeply")
+    except UnicodeDecodeError as exc:
+        bad = _utf8_error(await request.read()) if request.body_exists else None
+        if bad is None:  # not the body's fault
+            return _internal_error(request, exc)
+        if request.get(_STARTED):
+            raise
+        return error_response(400, f"{path}: the request body is not valid UTF-8 at {bad}")
+    except Exception as exc:
+        return _internal_error(request, exc)
+
+
+def _internal_error(request: web.Request, exc: Exception) -> web.Response:
+    """A bug of ours: say so in JSON, keep serving (re-raised once an answer has started)."""
+    if request.get(_STARTED):
+        raise exc
+    print(f"agentrl serve: {request.path}: internal error", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    return error_response(500, f"internal error: {exc!r}")

@@ -1,0 +1,65 @@
+"""The limits ``agentrl serve`` puts on one request and on what clients can leave open.
+
+A request is counted before it is expanded: ``prompts x n`` samples (a batch of prompts, each
+sampled ``n`` times, or a list of ``sampling_params`` with one ``n`` each) must not exceed
+``max_samples_per_request``, so a single body cannot queue tens of thousands of samples (or the
+memory to plan them). The session table holds at most ``max_sessions`` open sessions: a session
+opened without a ``timeout`` lives until it is closed, so without a cap a client that forgets to
+close them grows the server without bound.
+"""
+
+from __future__ import annotations
+
+import pydantic
+
+from . import _wire as w
+
+DEFAULT_MAX_SAMPLES_PER_REQUEST = 4096
+DEFAULT_MAX_SESSIONS = 4096
+
+
+class ServeLimits(pydantic.BaseModel):
+    """Caps of one ``agentrl serve`` process (the ``--max-*`` flags)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    max_samples_per_request: int = pydantic.Field(DEFAULT_MAX_SAMPLES_PER_REQUEST, ge=1)
+    """Most samples (prompts x ``n``) one ``/generate`` request may ask for; more is a 400."""
+    max_sessions: int = pydantic.Field(DEFAULT_MAX_SESSIONS, ge=1)
+    """Most sessions open at once; ``/open_session`` beyond it is a 400."""
+
+
+class RequestTooLarge(ValueError):
+    """A ``/generate`` request asks for more samples than the server's cap."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_request_size(req: w.WireGenerateReq, limits: ServeLimits) -> None:
+    """Raise ``RequestTooLarge`` when ``req`` asks for more than ``max_samples_per_request``."""
+    if req.input_ids is not None:
+        ids = req.input_ids
+        batch = bool(ids) and all(isinstance(x, list) for x in ids)
+        prompts, field = (len(ids) if batch else 1), "input_ids"
+    elif isinstance(req.text, list):
+        prompts, field = len(req.text), "text"
+    else:
+        prompts, field = 1, "text"
+    params = req.sampling_params
+    if isinstance(params, list):
+        samples = sum(max(p.n or 1, 1) for p in params)
+        n_text = "the n of each sampling_params"
+    else:
+        n = max((params.n if params is not None else None) or 1, 1)
+        samples, n_text = prompts * n, f"n={n}"
+        if n > 1:
+            field = "sampling_params.n"
+    cap = limits.max_samples_per_request
+    if samples > cap:
+        raise RequestTooLarge(
+            f"the request asks for {samples} samples ({prompts} prompts x {n_text}), more than "
+            f"max_samples_per_request={cap} (--max-samples-per-request): split it",
+            field,
+        )
