@@ -261,9 +261,17 @@ class Worker:
         if decode_rows:
             self.counters.decode_steps += 1
             self.counters.decode_rows += decode_rows
-        for i, request in enumerate(step.sampled):
+        for request, first, count, row in step.inputs:
+            assert request.logprobs is not None
             try:
-                finished = self._accept(request, logits[i])
+                request.logprobs.add_input(first, logits[row : row + count], request.tokens)
+            except Exception as exc:
+                self._fail(request, exc)
+        for request, row in zip(step.sampled, step.sample_rows, strict=True):
+            if request.error is not None:
+                continue  # failed above
+            try:
+                finished = self._accept(request, logits[row])
             except Exception as exc:
                 self._fail(request, exc)
                 continue
@@ -272,7 +280,13 @@ class Worker:
 
     def _accept(self, request: Request, logits: torch.Tensor) -> bool:
         """Sample the next token of ``request``; finish it (and return True) on a stop or limit."""
+        if request.sampling.max_new_tokens == 0:  # prefill only (input logprobs)
+            if request.logprobs is not None:
+                request.logprobs.input_done = True
+            return self._finish(request, "length", None)
         token, logprob = sample_token(logits, request.sampling, request.generator)
+        if request.logprobs is not None:
+            request.logprobs.add_output(logits, request.sampling.temperature)
         request.tokens.append(token)
         request.output_logprobs.append(logprob)
         request.token_versions.append(self.weight_version)
@@ -302,6 +316,7 @@ class Worker:
             if request.token_versions
             else request.weight_version,
             token_versions=list(request.token_versions),
+            details=request.logprobs.details() if request.logprobs is not None else None,
         )
         if reason != "abort":
             self.counters.requests_done += 1
