@@ -114,9 +114,17 @@ class EmbeddedEngine:
         self.options = opts
         self.model_path = model_path
         config = model.config
+        context = config.max_context
+        if opts.context_length is not None:
+            if opts.context_length > context:
+                raise EngineError(
+                    f"context_length {opts.context_length} is larger than the model's "
+                    f"max_position_embeddings ({context})"
+                )
+            context = opts.context_length
         bytes_per_token = config.kv_bytes_per_token(model.dtype)
         tokens = opts.kv_cache_tokens or min(
-            opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * config.max_context
+            opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * context
         )
         try:
             pool = KVPool(
@@ -147,7 +155,7 @@ class EmbeddedEngine:
         self._device = device
         self._bytes_per_token = bytes_per_token
         self._vocab_size = config.vocab_size
-        self._max_context = min(config.max_context, pool.capacity_tokens)
+        self._max_context = min(context, pool.capacity_tokens)
         self._sessions: dict[str, int | None] = {}
         self._closed = False
         scheduler = Scheduler(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import signal
 import sys
 import time
@@ -55,8 +56,8 @@ from ._server_generate import (
     BadRequest,
     Item,
     ModelFacts,
-    check_logprob_start,
     plan_generate,
+    prepare_run,
     render_result,
 )
 from ._server_metrics import (
@@ -88,6 +89,8 @@ class _Server:
         self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
         self.sessions = SessionTable(engine, self.facts.bos_token_id)
         self.counters = Counters()
+        self.logprob_queries = "logprobs" in inspect.signature(engine.generate).parameters
+        """The engine computes input-token, top-k and chosen-id logprobs (``LogprobQuery``)."""
 
     # --- /generate ----------------------------------------------------------------------------
 
@@ -141,11 +144,20 @@ class _Server:
             context, session = turn.context, turn.engine_session
         result: GenerateResult | None = None
         try:
-            check_logprob_start(item, len(context))
+            sampling, query = prepare_run(item, len(context), self.facts)
+            extra: dict[str, Any] = {}
+            if query is not None:
+                if not self.logprob_queries:
+                    raise BadRequest(
+                        f"{type(self.engine).__name__} does not compute input-token, top-k or "
+                        "chosen-id logprobs",
+                        "return_logprob",
+                    )
+                extra["logprobs"] = query
             with anyio.CancelScope() as scope:
                 if turn is not None:
                     turn.node.cancel = scope.cancel
-                result = await self.engine.generate(context, item.sampling, session=session)
+                result = await self.engine.generate(context, sampling, session=session, **extra)
             if result is None:  # a replace in the same session aborted this request
                 version = self.engine.weight_version
                 result = GenerateResult(
@@ -362,6 +374,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size")
     parser.add_argument(
+        "--context-length",
+        dest="context_length",
+        type=int,
+        default=None,
+        help="most tokens (prompt + generated) of one request; default: the model's "
+        "max_position_embeddings (at most what the KV pool holds)",
+    )
+    parser.add_argument(
         "--device", default=None, help="cpu (default), cuda or cuda:N: where the model and KV live"
     )
     parser.add_argument(
@@ -393,6 +413,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         "num_threads",
         "block_size",
         "kv_cache_tokens",
+        "context_length",
         "device",
         "dtype",
         "in_flight",
