@@ -70,6 +70,9 @@ class Request:
     weight_version: int = 0
     cached_tokens: int = 0
     kv: SequenceKV | None = None
+    closing: bool = False
+    """Finished (``result`` set): its last sampled token is fed once more, without sampling,
+    so its KV covers the whole context before it is pinned in its session."""
     logprobs: LogprobCollector | None = None
     """Input-token, top-k and chosen-id logprobs asked for (``LogprobQuery``), if any."""
     result: GenerateResult | None = None
@@ -140,6 +143,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.hold_new = False
+        self.closed: list[Request] = []
+        """Closing requests finished without their last token's KV (preempted, or moved by a
+        weight update); the worker hands their results back."""
         self.counters = SchedulerCounters()
         self._arrivals = 0
 
@@ -188,7 +194,7 @@ class Scheduler:
         for request, count in rows:
             assert request.kv is not None
             start = request.kv.length
-            sample = start + count == len(request.tokens)
+            sample = start + count == len(request.tokens) and not request.closing
             extra = request.logprobs.input_positions if request.logprobs else (0, 0)
             row = Row(request.tokens, start, count, request.kv.blocks, sample, extra)
             packed.append(row)
@@ -375,6 +381,10 @@ class Scheduler:
     def _requeue(self, request: Request, *, cache: bool, restart: bool) -> None:
         """Back to the queue at its arrival place, its KV released (full pages cached in the
         tree if ``cache``); ``restart`` also forgets its output."""
+        if request.closing:  # finished: pin what it has rather than recompute anything
+            self.finish(request)
+            self.closed.append(request)
+            return
         self.running.remove(request)
         assert request.kv is not None
         self.kv.release(request.kv, cache=cache)

@@ -207,6 +207,8 @@ class Worker:
         step = self.scheduler.plan()
         if step is not None:
             self._run(step)
+        self._outbox.extend(self.scheduler.closed)
+        self.scheduler.closed.clear()
         self._flush()
         return True
 
@@ -257,6 +259,10 @@ class Worker:
                 self._fail(request, exc)
             return
         self.scheduler.advance(step)
+        for request, _ in step.rows:
+            if request.closing and request.kv is not None:
+                self.scheduler.finish(request)  # its last token's KV is in: pin it
+                self._outbox.append(request)
         decode_rows = sum(count == 1 for _, count in step.rows)
         if decode_rows:
             self.counters.decode_steps += 1
@@ -275,8 +281,15 @@ class Worker:
             except Exception as exc:
                 self._fail(request, exc)
                 continue
-            if finished:
-                self.scheduler.finish(request)
+            if not finished:
+                continue
+            if request.session is not None and request.result is not None:
+                # SGLang keeps a finished turn's KV through its last sampled token: feed that
+                # token once more (next step, no sampling) so the next turn reuses all of it
+                request.closing = True
+                continue
+            self.scheduler.finish(request)
+            self._outbox.append(request)
 
     def _accept(self, request: Request, logits: torch.Tensor) -> bool:
         """Sample the next token of ``request``; finish it (and return True) on a stop or limit."""
@@ -320,7 +333,6 @@ class Worker:
         )
         if reason != "abort":
             self.counters.requests_done += 1
-        self._outbox.append(request)
         return True
 
     def _fail(self, request: Request, exc: BaseException) -> None:
@@ -347,9 +359,12 @@ class Worker:
         for item in pending:
             (requests if isinstance(item, Request) else others).append(item)  # type: ignore[arg-type]
         for request in requests:
-            if error is None:
+            if request.closing:  # finished already, waiting for its last token's KV
+                self._outbox.append(request)
+            elif error is None:
                 self.counters.requests_aborted += 1
                 self._finish(request, "abort", None)
+                self._outbox.append(request)
             else:
                 request.error = error
                 self.counters.requests_failed += 1

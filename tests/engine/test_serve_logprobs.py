@@ -278,9 +278,15 @@ def test_unknown_fields_stay_refused(url: str) -> None:
 # --- context length -------------------------------------------------------------------------
 
 
-def test_context_length_option_and_errors(tiny_dir: Path, tmp_path: Path) -> None:
-    proc, base = start_serve(tiny_dir, tmp_path / "serve.log", "--context-length", "40")
+def test_context_length_and_page_size_options(tiny_dir: Path, tmp_path: Path) -> None:
+    options = ("--context-length", "40", "--page-size", "1")
+    proc, base = start_serve(tiny_dir, tmp_path / "serve.log", *options)
     try:
+        info = httpx.get(base + "/get_model_info", timeout=30).json()
+        assert info["agentrl"]["page_size"] == 1
+        greedy(base, PROMPT[:27], max_new_tokens=1)
+        again = greedy(base, PROMPT[:27], max_new_tokens=1)["meta_info"]
+        assert again["cached_tokens"] == 26  # SGLang's accounting at page 1
         models = httpx.get(base + "/v1/models", timeout=30).json()
         assert models["data"][0]["max_model_len"] == 40
         too_long = generate(base, 400, input_ids=[5] * 40)["error"]
