@@ -16,9 +16,11 @@ Choices where SGLang leaves room, or where agentrl serve differs:
 - Like SGLang, generation also stops at the model's EOS ids unless ``ignore_eos`` (which, as in
   SGLang, turns off ``stop_token_ids`` too). When the last allowed token is a stop token, the
   embedded engine reports ``stop`` (SGLang reports ``length``; ``SGLangEngine`` normalizes).
-- ``return_logprob`` with ``logprob_start_len=-1`` returns SGLang's one input entry
-  ``[null, last_input_id, null]``; input-token logprobs at earlier positions are not computed
-  (400). ``top_logprobs_num`` > 0 and ``stream=true`` are refused (400).
+- ``return_logprob`` returns ``output_token_logprobs``, ``input_token_logprobs`` from
+  ``logprob_start_len`` (``[]`` for -1), and with ``top_logprobs_num`` / ``token_ids_logprob``
+  the top-k and chosen-id lists, in SGLang's shapes (``_server_generate``, ``_logprobs``).
+  Every SGLang 0.5.17 request field is accepted; the ones not implemented only at their
+  neutral values (``_server_schema``). ``docs/serve-requests.md`` has the details.
 - ``weight_version`` is an integer sent as a string (SGLang's type): the version of the first
   output token. ``--in-flight`` chooses what a weight update does to running requests (the
   engine's ``in_flight`` rule, reported as ``agentrl.in_flight`` by ``/get_model_info``); when a
