@@ -9,8 +9,9 @@ request in the worker.
 Reuse. A request's context is matched against its session's pinned KV (verified token by token)
 and otherwise against the radix tree (whole pages of ``block_size`` tokens); only the rest is
 computed. ``GenerateResult.cached_tokens`` counts the reused tokens. Sessions behave like
-SGLang's streaming sessions (see ``_session``): turn k+1 reuses all of turn k's context but its
-last sampled token. The caller still sends the whole context, and results never depend on
+SGLang's streaming sessions (see ``_session``): turn k+1 reuses all of turn k's context, its
+last sampled token included (the worker feeds that token once more, without sampling, before it
+pins the turn). The caller still sends the whole context, and results never depend on
 what was reused beyond fp32 rounding (see below).
 
 Weight updates (``update_weights``). The rule for requests in flight is

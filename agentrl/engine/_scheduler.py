@@ -267,8 +267,9 @@ class Scheduler:
         its output, logprobs and generator: it re-queues at its place and recomputes its whole
         context on the next weights. Waiting requests hold no KV and need nothing."""
         for request in list(self.running):
+            closing = request.closing  # finished already: pinned as it is, not interrupted
             self._requeue(request, cache=False, restart=False)
-            self.counters.interruptions += 1
+            self.counters.interruptions += not closing
 
     def flush(self) -> None:
         """Drop every cached and pinned KV block (nothing may be running)."""
