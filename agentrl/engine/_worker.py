@@ -207,7 +207,8 @@ class Worker:
         step = self.scheduler.plan()
         if step is not None:
             self._run(step)
-        self._outbox.extend(self.scheduler.closed)
+        for request in self.scheduler.closed:
+            self._deliver(request)
         self.scheduler.closed.clear()
         self._flush()
         return True
@@ -262,7 +263,7 @@ class Worker:
         for request, _ in step.rows:
             if request.closing and request.kv is not None:
                 self.scheduler.finish(request)  # its last token's KV is in: pin it
-                self._outbox.append(request)
+                self._deliver(request)
         decode_rows = sum(count == 1 for _, count in step.rows)
         if decode_rows:
             self.counters.decode_steps += 1
@@ -289,7 +290,7 @@ class Worker:
                 request.closing = True
                 continue
             self.scheduler.finish(request)
-            self._outbox.append(request)
+            self._deliver(request)
 
     def _accept(self, request: Request, logits: torch.Tensor) -> bool:
         """Sample the next token of ``request``; finish it (and return True) on a stop or limit."""
@@ -331,9 +332,14 @@ class Worker:
             token_versions=list(request.token_versions),
             details=request.logprobs.details() if request.logprobs is not None else None,
         )
-        if reason != "abort":
-            self.counters.requests_done += 1
         return True
+
+    def _deliver(self, request: Request) -> None:
+        """Hand a finished request's result back to its caller."""
+        assert request.result is not None
+        if request.result.finish_reason != "abort":
+            self.counters.requests_done += 1
+        self._outbox.append(request)
 
     def _fail(self, request: Request, exc: BaseException) -> None:
         if isinstance(exc, EngineError):
@@ -360,11 +366,11 @@ class Worker:
             (requests if isinstance(item, Request) else others).append(item)  # type: ignore[arg-type]
         for request in requests:
             if request.closing:  # finished already, waiting for its last token's KV
-                self._outbox.append(request)
+                self._deliver(request)
             elif error is None:
                 self.counters.requests_aborted += 1
                 self._finish(request, "abort", None)
-                self._outbox.append(request)
+                self._deliver(request)
             else:
                 request.error = error
                 self.counters.requests_failed += 1
