@@ -64,6 +64,44 @@ class SamplingParams(msgspec.Struct, omit_defaults=False):
     """Seed of the request's own generator (None: unseeded)."""
 
 
+class LogprobQuery(msgspec.Struct, frozen=True):
+    """Logprobs beyond the sampled tokens' that a caller asks of an engine (SGLang's
+    ``logprob_start_len``, ``top_logprobs_num`` and ``token_ids_logprob``)."""
+
+    input_start: int | None = None
+    """Report input tokens ``input_ids[input_start:]`` (``0 <= input_start <= len``); None:
+    none. The first reported input token has no logprob (SGLang's convention)."""
+    top_k: int = 0
+    """At every reported position, the ``top_k`` most likely tokens (0: none)."""
+    token_ids: tuple[int, ...] | None = None
+    """At every reported position, the logprobs of these ids (None: none)."""
+
+
+TopLogprobs = list[tuple[float, int]]
+"""``(logprob, token_id)`` pairs, most likely first."""
+
+
+class LogprobDetails(msgspec.Struct):
+    """What a ``LogprobQuery`` asked for. Input logprobs are ``log_softmax(logits)`` (temperature
+    1, SGLang's convention); output ones ``log_softmax(logits / temperature)`` like
+    ``GenerateResult.logprobs``. An entry is None where there is no distribution (the first
+    reported input token)."""
+
+    input_start: int | None = None
+    """Echo of ``LogprobQuery.input_start``."""
+    input_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    """One per token of ``input_ids[input_start:]``."""
+    input_top: list[TopLogprobs | None] | None = None
+    """One per token of ``input_ids[input_start:]``: the top-k of the distribution it was
+    drawn from (None: not asked)."""
+    input_token_ids: list[list[float] | None] | None = None
+    """One per token of ``input_ids[input_start:]``: the logprobs of ``LogprobQuery.token_ids``."""
+    output_top: list[TopLogprobs] | None = None
+    """One per sampled token."""
+    output_token_ids: list[list[float]] | None = None
+    """One per sampled token: the logprobs of ``LogprobQuery.token_ids``."""
+
+
 class GenerateResult(msgspec.Struct):
     """What an engine returns for one request: exactly the sampled ids and their logprobs."""
 
@@ -87,6 +125,8 @@ class GenerateResult(msgspec.Struct):
     """The policy version that sampled each token, aligned with ``token_ids`` (non-decreasing).
     Left empty by an engine that cannot tell per token (SGLang): it is then filled with
     ``weight_version`` for every token. A list of another length is refused (``ValueError``)."""
+    details: LogprobDetails | None = None
+    """The extra logprobs a ``LogprobQuery`` asked for (None when none was given)."""
 
     def __post_init__(self) -> None:
         if not self.token_versions and self.token_ids:

@@ -358,6 +358,44 @@ def long_context(folder: Path, args: argparse.Namespace, report: dict) -> None:
     reuse_section("long", folder, args, report, configs, workload)
 
 
+# --- page size ----------------------------------------------------------------------------------
+
+
+def page_size(folder: Path, args: argparse.Namespace, report: dict) -> None:
+    """The KV page size's cost: decode throughput at each batch (``--prompt`` + ``--new``) and
+    one ``--long-prompt`` prefill, page 1 (SGLang's default) against page 16, same run."""
+    rng = random.Random(1)
+    long_prompt = [rand_ids(rng, args.long_prompt)]
+    for batch in args.batches:
+        prompts = [rand_ids(rng, args.prompt) for _ in range(batch)]
+        best: dict[int, float] = {}
+        for round_ in range(args.rounds):
+            for page in (16, 1):
+                options = {**NO_REUSE, "max_batch_size": batch, "block_size": page}
+                (_, wall, _), _ = in_thread(
+                    lambda p=prompts, o=options: with_engine(
+                        folder, args, o, engine_run(p, args.new, args.device)
+                    )
+                )
+                best[page] = min(best.get(page, wall), wall)
+                print(f"  B={batch} round {round_} page {page}: {wall:.3f} s", flush=True)
+        print(f"  B={batch}: page 1 / page 16 time {best[1] / best[16]:.3f}x", flush=True)
+        report[f"page_size_B{batch}"] = {"page16_s": best[16], "page1_s": best[1]}
+    best = {}
+    for round_ in range(args.rounds):
+        for page in (16, 1):
+            options = {**NO_REUSE, "max_batch_size": 1, "block_size": page}
+            (_, wall, _), _ = in_thread(
+                lambda o=options: with_engine(
+                    folder, args, o, engine_run(long_prompt, 1, args.device)
+                )
+            )
+            best[page] = min(best.get(page, wall), wall)
+            print(f"  prefill {args.long_prompt} round {round_} page {page}: {wall:.3f} s")
+    print(f"  prefill {args.long_prompt}: page 1 / page 16 time {best[1] / best[16]:.3f}x")
+    report["page_size_prefill"] = {"page16_s": best[16], "page1_s": best[1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
@@ -402,7 +440,13 @@ def main() -> None:
         "device_name": device_name,
         "dtype": args.dtype,
     }
-    sections = {"throughput": throughput, "tools": tools, "group": group, "long": long_context}
+    sections = {
+        "throughput": throughput,
+        "tools": tools,
+        "group": group,
+        "long": long_context,
+        "page_size": page_size,
+    }
     for name in args.sections:
         print(f"== {name}", flush=True)
         sections[name](folder, args, report)

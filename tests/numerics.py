@@ -701,6 +701,15 @@ class LogprobError:
     def __call__(self, prompt: list[int], output: list[int], temperature: float = 1.0) -> float:
         return self._emulated(prompt, output, temperature)[2]
 
+    def rows(
+        self, prompt: list[int], output: list[int], temperature: float = 1.0
+    ) -> tuple[torch.Tensor, float]:
+        """The float64 log-softmax rows ``[len(output), vocab]`` of the positions that predict
+        ``output`` and the bound on an fp32 evaluation's distance from them (``self(...)`` plus
+        the float64 evaluation's own error)."""
+        _, want, bound = self._emulated(prompt, output, temperature)
+        return want, bound + self.exact(prompt, output, temperature)[1]
+
     def exact(
         self, prompt: list[int], output: list[int], temperature: float = 1.0
     ) -> tuple[torch.Tensor, float]:

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -22,12 +21,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_serve(
-    model: Path, log: Path, extra_args: Sequence[str] = ()
-) -> tuple[subprocess.Popen[bytes], str]:
+def start_serve(model: Path, log: Path, *options: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``agentrl serve --model MODEL`` plus ``options``; returns it once healthy, and its URL."""
     port = free_port()
     serve = [sys.executable, "-m", "agentrl.cli", "serve"]  # as a user runs it
-    cmd = [*serve, "--model", str(model), "--port", str(port), "--num-threads", "1", *extra_args]
+    cmd = [*serve, "--model", str(model), "--port", str(port), "--num-threads", "1", *options]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -18,13 +18,21 @@ from ._model import ForwardBatch
 class Row(NamedTuple):
     """One sequence's share of a step: feed ``tokens[start:start + count]`` at positions
     ``start...``, writing into ``blocks`` (its block table, already covering
-    ``start + count`` tokens); ``sample``: return logits for its last fed token."""
+    ``start + count`` tokens); ``sample``: return logits for its last fed token; ``extra``:
+    positions ``[lo, hi)`` whose logits are returned too (input-token logprobs), in order,
+    before the sampled one (``hi`` must not pass the sampled position)."""
 
     tokens: Sequence[int]
     start: int
     count: int
     blocks: Sequence[int]
     sample: bool
+    extra: tuple[int, int] = (0, 0)
+
+
+def extra_positions(row: Row) -> range:
+    """The fed positions of ``row`` whose logits ``extra`` asks for."""
+    return range(max(row.start, row.extra[0]), min(row.start + row.count, row.extra[1]))
 
 
 def build_forward_batch(
@@ -38,6 +46,7 @@ def build_forward_batch(
     logits_rows: list[int] = []
     for row in rows:
         end = row.start + row.count
+        base = len(ids) - row.start
         ids.extend(row.tokens[row.start : end])
         positions.extend(range(row.start, end))
         if row.count == 1:
@@ -46,6 +55,7 @@ def build_forward_batch(
             table = torch.tensor(row.blocks, dtype=torch.long, device="cpu")
             pos = torch.arange(row.start, end, device="cpu")
             slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
+        logits_rows.extend(base + p for p in extra_positions(row))
         if row.sample:
             logits_rows.append(len(ids) - 1)
     attention = make_attention_batch(

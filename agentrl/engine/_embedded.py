@@ -9,8 +9,9 @@ request in the worker.
 Reuse. A request's context is matched against its session's pinned KV (verified token by token)
 and otherwise against the radix tree (whole pages of ``block_size`` tokens); only the rest is
 computed. ``GenerateResult.cached_tokens`` counts the reused tokens. Sessions behave like
-SGLang's streaming sessions (see ``_session``): turn k+1 reuses all of turn k's context but its
-last sampled token. The caller still sends the whole context, and results never depend on
+SGLang's streaming sessions (see ``_session``): turn k+1 reuses all of turn k's context, its
+last sampled token included (the worker feeds that token once more, without sampling, before it
+pins the turn). The caller still sends the whole context, and results never depend on
 what was reused beyond fp32 rounding (see below).
 
 Weight updates (``update_weights``). The rule for requests in flight is
@@ -67,10 +68,11 @@ from transformers import AutoTokenizer
 
 from agentrl._errors import EngineError
 from agentrl._models import resolve_model
-from agentrl._types import GenerateResult, SamplingParams
+from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 
 from ._decode import DecodeKernelChooser, check_decode_attention
 from ._kv import KVPool
+from ._logprobs import LogprobCollector
 from ._model import CausalLM, ModelConfig, read_safetensors
 from ._options import EngineOptions, EngineStatistics, resolve_device, resolve_dtype
 from ._radix import RadixCache
@@ -113,9 +115,17 @@ class EmbeddedEngine:
         self.options = opts
         self.model_path = model_path
         config = model.config
+        context = config.max_context
+        if opts.context_length is not None:
+            if opts.context_length > context:
+                raise EngineError(
+                    f"context_length {opts.context_length} is larger than the model's "
+                    f"max_position_embeddings ({context})"
+                )
+            context = opts.context_length
         bytes_per_token = config.kv_bytes_per_token(model.dtype)
         tokens = opts.kv_cache_tokens or min(
-            opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * config.max_context
+            opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * context
         )
         try:
             pool = KVPool(
@@ -146,7 +156,7 @@ class EmbeddedEngine:
         self._device = device
         self._bytes_per_token = bytes_per_token
         self._vocab_size = config.vocab_size
-        self._max_context = min(config.max_context, pool.capacity_tokens)
+        self._max_context = min(context, pool.capacity_tokens)
         self._sessions: dict[str, int | None] = {}
         self._closed = False
         scheduler = Scheduler(
@@ -248,15 +258,21 @@ class EmbeddedEngine:
             raise EngineError(f"engine worker crashed: {self._worker.broken!r}")
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        session: str | None = None,
+        *,
+        logprobs: LogprobQuery | None = None,
     ) -> GenerateResult:
         """Sample a continuation of the whole context ``input_ids``.
 
         Returns exactly the sampled ids (a matched stop token or the tokens covering a matched
         stop string included), their unfiltered logprobs and ``cached_tokens`` (context tokens
-        whose KV was reused). Raises ``EngineError`` for an unknown session, invalid ids or
-        sampling params, a context that leaves no room to generate, a closed engine, or a
-        failure while generating this request.
+        whose KV was reused); ``logprobs`` asks for input-token, top-k and chosen-id logprobs
+        too (``GenerateResult.details``, see ``_logprobs``). Raises ``EngineError`` for an
+        unknown session, invalid ids, sampling params or logprob query, a context that leaves
+        no room to generate, a closed engine, or a failure while generating this request.
         """
         self._check_open()
         limit = self._max_context
@@ -274,7 +290,10 @@ class EmbeddedEngine:
         if len(ids) >= limit:
             raise EngineError(f"context of {len(ids)} tokens leaves no room under limit {limit}")
         check_sampling(sampling)
-        if sampling.max_new_tokens == 0:
+        if logprobs is not None:
+            self._check_query(logprobs, len(ids))
+        prefill_only = logprobs is not None and logprobs.input_start is not None
+        if sampling.max_new_tokens == 0 and not prefill_only:  # nothing to compute
             return GenerateResult(
                 [], [], "length", prompt_tokens=len(ids), weight_version=self.weight_version
             )
@@ -289,12 +308,23 @@ class EmbeddedEngine:
             token=anyio.lowlevel.current_token(),
             done=anyio.Event(),
             session=session,
+            logprobs=LogprobCollector(logprobs, len(ids)) if logprobs is not None else None,
         )
         await self._submit_and_wait(request)
         if request.error is not None:
             raise request.error
         assert request.result is not None
         return request.result
+
+    def _check_query(self, query: LogprobQuery, context_len: int) -> None:
+        start = query.input_start
+        if start is not None and not 0 <= start <= context_len:
+            raise EngineError(f"input_start must be in [0, {context_len}], got {start}")
+        if query.top_k < 0:
+            raise EngineError(f"top_k must be >= 0, got {query.top_k}")
+        bad = [t for t in query.token_ids or () if not 0 <= t < self._vocab_size]
+        if bad:
+            raise EngineError(f"token_ids out of range [0, {self._vocab_size}): {bad[:5]}")
 
     async def open_session(self, capacity_tokens: int | None = None) -> str:
         """Open a session; ``capacity_tokens`` caps prompt + generated tokens of its requests."""

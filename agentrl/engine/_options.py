@@ -40,6 +40,10 @@ class EngineOptions(pydantic.BaseModel):
     """KV pool size in bytes when ``kv_cache_tokens`` is unset."""
     block_size: int = pydantic.Field(16, ge=1)
     """Tokens per KV block (the radix tree's page)."""
+    context_length: int | None = pydantic.Field(None, ge=2)
+    """Most tokens (prompt + generated) one request may reach; default: the model's
+    ``max_position_embeddings``. Larger is refused (the rope tables end there); the KV pool's
+    capacity caps it too."""
     radix_cache: bool = True
     """Reuse KV across requests through the radix tree (False: only sessions reuse)."""
     radix_token_budget: int | None = pydantic.Field(None, ge=0)

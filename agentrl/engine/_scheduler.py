@@ -39,7 +39,8 @@ from anyio.lowlevel import EventLoopToken
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 
-from ._batch import Row, build_forward_batch
+from ._batch import Row, build_forward_batch, extra_positions
+from ._logprobs import LogprobCollector
 from ._model import ForwardBatch
 from ._sampling import make_generator
 from ._seq import KVManager, SequenceKV
@@ -69,6 +70,11 @@ class Request:
     weight_version: int = 0
     cached_tokens: int = 0
     kv: SequenceKV | None = None
+    closing: bool = False
+    """Finished (``result`` set): its last sampled token is fed once more, without sampling,
+    so its KV covers the whole context before it is pinned in its session."""
+    logprobs: LogprobCollector | None = None
+    """Input-token, top-k and chosen-id logprobs asked for (``LogprobQuery``), if any."""
     result: GenerateResult | None = None
     error: EngineError | None = None
 
@@ -81,6 +87,9 @@ class Request:
         self.output_logprobs = []
         self.token_versions = []
         self.generator = make_generator(self.seed)
+        if self.logprobs is not None:
+            self.logprobs.reset_input()
+            self.logprobs.reset_output()
 
     @property
     def output_ids(self) -> list[int]:
@@ -96,7 +105,12 @@ class Step(NamedTuple):
     rows: list[tuple[Request, int]]
     """Each request and how many tokens it feeds."""
     sampled: list[Request]
-    """Requests that get a next-token distribution, in ``logits`` row order."""
+    """Requests that get a next-token distribution."""
+    sample_rows: list[int]
+    """The ``logits`` row of each of ``sampled``."""
+    inputs: list[tuple[Request, int, int, int]]
+    """``(request, first position, count, first logits row)``: logits of input positions a
+    ``LogprobQuery`` asked for."""
 
 
 @dataclass
@@ -129,6 +143,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.hold_new = False
+        self.closed: list[Request] = []
+        """Closing requests finished without their last token's KV (preempted, or moved by a
+        weight update); the worker hands their results back."""
         self.counters = SchedulerCounters()
         self._arrivals = 0
 
@@ -172,16 +189,25 @@ class Scheduler:
         if not rows:
             return None
         rows.sort(key=lambda row: row[1] != 1)  # decode-like rows first, order kept otherwise
-        packed, sampled = [], []
+        packed, sampled, sample_rows, inputs = [], [], [], []
+        logits_rows = 0
         for request, count in rows:
             assert request.kv is not None
             start = request.kv.length
-            sample = start + count == len(request.tokens)
-            packed.append(Row(request.tokens, start, count, request.kv.blocks, sample))
+            sample = start + count == len(request.tokens) and not request.closing
+            extra = request.logprobs.input_positions if request.logprobs else (0, 0)
+            row = Row(request.tokens, start, count, request.kv.blocks, sample, extra)
+            packed.append(row)
+            positions = extra_positions(row)
+            if positions:
+                inputs.append((request, positions.start, len(positions), logits_rows))
+                logits_rows += len(positions)
             if sample:
                 sampled.append(request)
+                sample_rows.append(logits_rows)
+                logits_rows += 1
         batch = build_forward_batch(packed, self.block_size, self.kv.pool.device)
-        return Step(batch, rows, sampled)
+        return Step(batch, rows, sampled, sample_rows, inputs)
 
     def advance(self, step: Step) -> None:
         """Record that ``step`` ran: its tokens now have KV; full prefill pages go to the tree."""
@@ -241,8 +267,9 @@ class Scheduler:
         its output, logprobs and generator: it re-queues at its place and recomputes its whole
         context on the next weights. Waiting requests hold no KV and need nothing."""
         for request in list(self.running):
+            closing = request.closing  # finished already: pinned as it is, not interrupted
             self._requeue(request, cache=False, restart=False)
-            self.counters.interruptions += 1
+            self.counters.interruptions += not closing
 
     def flush(self) -> None:
         """Drop every cached and pinned KV block (nothing may be running)."""
@@ -260,13 +287,19 @@ class Scheduler:
         if self._should_defer(request):
             self.counters.deferred += 1
             return False
-        pinned = None
-        if request.session is not None:
+        pinned, limit = None, None
+        collector = request.logprobs
+        if collector is not None and collector.input_pending:
+            # input logprobs need the logits of every reported position: reuse at most the
+            # tokens before the first one (SGLang limits its prefix match the same way)
+            collector.reset_input()
+            limit = collector.input_positions[0]
+        elif request.session is not None:
             pinned = self.sessions.take(request.session, request.tokens)
         if pinned is not None:
             pinned.tokens = request.tokens  # the live context, which extends the pinned tokens
-        seq = pinned if pinned is not None else self.kv.match(request.tokens)
-        tail = self._sibling_tail(request, seq) if pinned is None else None
+        seq = pinned if pinned is not None else self.kv.match(request.tokens, limit)
+        tail = self._sibling_tail(request, seq) if pinned is None and limit is None else None
         need = self.kv.pool.blocks_for(len(request.tokens)) - len(seq.blocks)
         assert need <= self.kv.pool.num_blocks, "request longer than the pool"
         if not self._make_room(need + len(self.running)):
@@ -295,6 +328,8 @@ class Scheduler:
             return False
         page = self.block_size
         usable = (len(request.tokens) - 1) // page  # whole pages a match could reuse
+        if request.logprobs is not None and request.logprobs.input_pending:
+            usable = min(usable, request.logprobs.input_positions[0] // page)
         for other in self.running:
             seq = other.kv
             if seq is None or len(other.tokens) - seq.length <= 1:
@@ -347,6 +382,10 @@ class Scheduler:
     def _requeue(self, request: Request, *, cache: bool, restart: bool) -> None:
         """Back to the queue at its arrival place, its KV released (full pages cached in the
         tree if ``cache``); ``restart`` also forgets its output."""
+        if request.closing:  # finished: pin what it has rather than recompute anything
+            self.finish(request)
+            self.closed.append(request)
+            return
         self.running.remove(request)
         assert request.kv is not None
         self.kv.release(request.kv, cache=cache)

@@ -49,12 +49,14 @@ class KVManager:
         """Free blocks plus blocks the tree could evict right now."""
         return self.pool.num_free + (self.tree.evictable_blocks if self.tree else 0)
 
-    def match(self, tokens: list[int]) -> SequenceKV:
+    def match(self, tokens: list[int], limit: int | None = None) -> SequenceKV:
         """A sequence for ``tokens`` reusing the longest cached prefix of ``tokens[:-1]`` (at
-        least one token is always left to compute, for the next-token logits)."""
+        least one token is always left to compute, for the next-token logits), and of
+        ``tokens[:limit]`` when ``limit`` is given."""
         seq = SequenceKV(tokens)
-        if self.tree is not None and len(tokens) > 1:
-            found = self.tree.match_prefix(tokens[:-1])
+        usable = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
+        if self.tree is not None and usable > 0:
+            found = self.tree.match_prefix(tokens[:usable])
             if len(found):
                 self.tree.lock(found.node)
                 seq.node, seq.blocks, seq.shared = found.node, list(found.blocks), len(found)

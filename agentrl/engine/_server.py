@@ -16,9 +16,11 @@ Choices where SGLang leaves room, or where agentrl serve differs:
 - Like SGLang, generation also stops at the model's EOS ids unless ``ignore_eos`` (which, as in
   SGLang, turns off ``stop_token_ids`` too). When the last allowed token is a stop token, the
   embedded engine reports ``stop`` (SGLang reports ``length``; ``SGLangEngine`` normalizes).
-- ``return_logprob`` with ``logprob_start_len=-1`` returns SGLang's one input entry
-  ``[null, last_input_id, null]``; input-token logprobs at earlier positions are not computed
-  (400). ``top_logprobs_num`` > 0 and ``stream=true`` are refused (400).
+- ``return_logprob`` returns ``output_token_logprobs``, ``input_token_logprobs`` from
+  ``logprob_start_len`` (``[]`` for -1), and with ``top_logprobs_num`` / ``token_ids_logprob``
+  the top-k and chosen-id lists, in SGLang's shapes (``_server_generate``, ``_logprobs``).
+  Every SGLang 0.5.17 request field is accepted; the ones not implemented only at their
+  neutral values (``_server_schema``). ``docs/serve-requests.md`` has the details.
 - ``weight_version`` is an integer sent as a string (SGLang's type): the version of the first
   output token. ``--in-flight`` chooses what a weight update does to running requests (the
   engine's ``in_flight`` rule, reported as ``agentrl.in_flight`` by ``/get_model_info``); when a
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import signal
 import sys
 import time
@@ -61,8 +64,8 @@ from ._server_generate import (
     BadRequest,
     Item,
     ModelFacts,
-    check_logprob_start,
     plan_generate,
+    prepare_run,
     render_result,
 )
 from ._server_guard import install_request_guard
@@ -111,6 +114,8 @@ class _Server:
         self.sessions = SessionTable(engine, self.facts.bos_token_id, limits.max_sessions)
         self.counters = Counters()
         self.model_health = ModelHealth(engine)
+        self.logprob_queries = "logprobs" in inspect.signature(engine.generate).parameters
+        """The engine computes input-token, top-k and chosen-id logprobs (``LogprobQuery``)."""
 
     # --- /generate ----------------------------------------------------------------------------
 
@@ -166,11 +171,20 @@ class _Server:
             context, session = turn.context, turn.engine_session
         result: GenerateResult | None = None
         try:
-            check_logprob_start(item, len(context))
+            sampling, query = prepare_run(item, len(context), self.facts)
+            extra: dict[str, Any] = {}
+            if query is not None:
+                if not self.logprob_queries:
+                    raise BadRequest(
+                        f"{type(self.engine).__name__} does not compute input-token, top-k or "
+                        "chosen-id logprobs",
+                        "return_logprob",
+                    )
+                extra["logprobs"] = query
             with anyio.CancelScope() as scope:
                 if turn is not None:
                     turn.node.cancel = scope.cancel
-                result = await self.engine.generate(context, item.sampling, session=session)
+                result = await self.engine.generate(context, sampling, session=session, **extra)
             if result is None:  # a replace in the same session aborted this request
                 version = self.engine.weight_version
                 result = GenerateResult(
@@ -388,6 +402,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size")
     parser.add_argument(
+        "--context-length",
+        dest="context_length",
+        type=int,
+        default=None,
+        help="most tokens (prompt + generated) of one request; default: the model's "
+        "max_position_embeddings (at most what the KV pool holds)",
+    )
+    parser.add_argument(
         "--device", default=None, help="cpu (default), cuda or cuda:N: where the model and KV live"
     )
     parser.add_argument(
@@ -438,6 +460,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         "num_threads",
         "block_size",
         "kv_cache_tokens",
+        "context_length",
         "device",
         "dtype",
         "in_flight",

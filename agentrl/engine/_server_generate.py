@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from agentrl._errors import EngineError
-from agentrl._types import GenerateResult, SamplingParams
+from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 
 from . import _wire as w
+from ._server_schema import unsupported
 
 MAX_N = 64
 """Most samples one prompt may ask for (``sampling_params.n``)."""
@@ -79,18 +80,22 @@ class Item:
     no_stop_trim: bool
     skip_special_tokens: bool
     session: w.WireSessionParams | None
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+    max_new_tokens_given: bool = False
+    """``sampling_params.max_new_tokens`` was sent (checked against the context length) rather
+    than defaulted (capped to it)."""
 
 
 def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item], bool]:
     """Validate ``req``; return its samples and whether the response is a single object."""
     if req.stream:
         raise BadRequest("stream=true is not supported by agentrl serve", "stream")
-    if req.top_logprobs_num:
-        raise BadRequest(
-            "top_logprobs_num > 0 is not supported by agentrl serve", "top_logprobs_num"
-        )
+    problem = unsupported(req)
+    if problem is not None:
+        raise BadRequest(*problem)
     prompts, batch = _prompts(req, facts)
-    start = -1 if req.logprob_start_len is None else req.logprob_start_len
+    logprob_args = _logprob_args(req, len(prompts), batch, facts)
     params = req.sampling_params
     if isinstance(params, list):
         if not batch or len(params) != len(prompts):
@@ -110,6 +115,11 @@ def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item]
         sampling, n, no_stop_trim, skip = _sampling(wire, facts, field or "sampling_params")
         if session is not None and (batch or n > 1):
             raise BadRequest("session_params needs a single prompt and n=1", "session_params")
+        return_logprob, start, top_k, token_ids = logprob_args[index]
+        if n > 1 and any(isinstance(getattr(req, f), list) for f in _PER_PROMPT):
+            raise BadRequest(
+                "per-prompt logprob lists need n=1 (as in SGLang)", "sampling_params.n"
+            )
         for sample in range(n):
             seed = sampling.seed
             items.append(
@@ -117,15 +127,70 @@ def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item]
                     input_ids=prompt,
                     sampling=_with_seed(sampling, None if seed is None else seed + sample),
                     rid=rid if n == 1 else f"{rid}-{sample}",
-                    return_logprob=bool(req.return_logprob),
+                    return_logprob=return_logprob,
                     logprob_start_len=start,
                     text_in_logprobs=bool(req.return_text_in_logprobs),
                     no_stop_trim=no_stop_trim,
                     skip_special_tokens=skip,
                     session=session,
+                    top_logprobs_num=top_k,
+                    token_ids_logprob=token_ids,
+                    max_new_tokens_given=wire.max_new_tokens is not None,
                 )
             )
     return items, not batch and len(items) == 1
+
+
+_PER_PROMPT = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+
+
+def _logprob_args(
+    req: w.WireGenerateReq, count: int, batch: bool, facts: ModelFacts
+) -> list[tuple[bool, int, int, tuple[int, ...] | None]]:
+    """Per prompt: ``(return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)``
+    (SGLang's batch forms: one value for all prompts, or a list with one per prompt)."""
+
+    def per_prompt(name: str, default: Any) -> list[Any]:
+        value = getattr(req, name)
+        if value is None:
+            return [default] * count
+        if not isinstance(value, list):
+            return [value] * count
+        if not batch or len(value) != count:
+            raise BadRequest(f"{name} lists need one value per prompt ({count})", name)
+        return [default if v is None else v for v in value]
+
+    returns = per_prompt("return_logprob", False)
+    starts = per_prompt("logprob_start_len", -1)
+    tops = per_prompt("top_logprobs_num", 0)
+    for top in tops:
+        if top < 0:
+            raise BadRequest(f"top_logprobs_num must be >= 0, got {top}", "top_logprobs_num")
+    for start in starts:
+        if start < -1:
+            raise BadRequest(
+                f"logprob_start_len must be -1 or >= 0, got {start}", "logprob_start_len"
+            )
+    ids = req.token_ids_logprob or None
+    if ids is None:
+        chosen: list[tuple[int, ...] | None] = [None] * count
+    elif all(isinstance(t, int) for t in ids):
+        chosen = [tuple(ids)] * count  # type: ignore[arg-type]
+    elif all(isinstance(t, list) for t in ids) and batch and len(ids) == count:
+        chosen = [tuple(t) or None for t in ids]  # type: ignore[arg-type]
+    else:
+        raise BadRequest(
+            f"token_ids_logprob must be a list of token ids, or one list per prompt ({count})",
+            "token_ids_logprob",
+        )
+    for group in chosen:
+        bad = next((t for t in group or () if not 0 <= t < facts.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(
+                f"token_ids_logprob: token id {bad} is out of range [0, {facts.vocab_size})",
+                "token_ids_logprob",
+            )
+    return [(bool(r), s, t, c) for r, s, t, c in zip(returns, starts, tops, chosen, strict=True)]
 
 
 def _with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
@@ -179,15 +244,6 @@ def _sampling(
     def bad(name: str, why: str, value: object) -> BadRequest:
         return BadRequest(f"{field}.{name} {why}, got {value!r}", f"{field}.{name}")
 
-    for name, neutral in (
-        ("frequency_penalty", 0.0),
-        ("presence_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-        ("min_new_tokens", 0),
-    ):
-        value = getattr(wire, name)
-        if value is not None and value != neutral:
-            raise bad(name, f"is not supported by agentrl serve (only {neutral})", value)
     max_new = 128 if wire.max_new_tokens is None else wire.max_new_tokens
     if max_new < 0:
         raise bad("max_new_tokens", "must be >= 0", max_new)
@@ -228,21 +284,48 @@ def _sampling(
     return sampling, n, bool(wire.no_stop_trim), skip
 
 
-def check_logprob_start(item: Item, context_len: int) -> None:
-    """Input-token logprobs are not computed: only -1 (or ``len - 1``, the same) is accepted."""
-    start = item.logprob_start_len
-    if start < -1 or start >= context_len:
+def prepare_run(
+    item: Item, context_len: int, facts: ModelFacts
+) -> tuple[SamplingParams, LogprobQuery | None]:
+    """Check ``item`` against its whole context (in a session: history + suffix) and the
+    context length; return its sampling (``max_new_tokens`` capped to the room left) and what
+    it asks of the engine beyond the sampled tokens' logprobs."""
+    limit, sampling = facts.max_context, item.sampling
+    if context_len >= limit:
         raise BadRequest(
-            f"logprob_start_len ({start}) must be -1 or smaller than the input length "
+            f"the input ({context_len} tokens) exceeds the maximum allowed length: the model's "
+            f"context length is {limit} tokens",
+            "input_ids",
+        )
+    wanted = sampling.max_new_tokens
+    if item.max_new_tokens_given and len(item.input_ids) + wanted > limit:
+        # as SGLang: checked against the request's own input_ids (a session's suffix)
+        raise BadRequest(
+            f"{len(item.input_ids)} input tokens + max_new_tokens {wanted} exceed the model's "
+            f"maximum context length of {limit} tokens; shorten the input or lower "
+            f"max_new_tokens",
+            "sampling_params.max_new_tokens",
+        )
+    if wanted > limit - context_len:
+        fields = {f: getattr(sampling, f) for f in sampling.__struct_fields__}
+        sampling = SamplingParams(**{**fields, "max_new_tokens": limit - context_len})
+    if not item.return_logprob:
+        return sampling, None  # SGLang ignores the other logprob fields then
+    start = item.logprob_start_len
+    if start > context_len:
+        raise BadRequest(
+            f"logprob_start_len ({start}) is larger than the number of input tokens "
             f"({context_len})",
             "logprob_start_len",
         )
-    if item.return_logprob and start not in (-1, context_len - 1):
-        raise BadRequest(
-            "input-token logprobs (logprob_start_len >= 0 before the last input token) are not "
-            "supported by agentrl serve; use -1",
-            "logprob_start_len",
-        )
+    query = LogprobQuery(
+        input_start=None if start == -1 else start,
+        top_k=item.top_logprobs_num,
+        token_ids=item.token_ids_logprob,
+    )
+    if query == LogprobQuery():
+        return sampling, None
+    return sampling, query
 
 
 def render_result(
@@ -282,5 +365,44 @@ def render_result(
         meta.output_token_logprobs = [
             (float(lp), int(t), piece(t)) for t, lp in zip(ids, result.logprobs, strict=True)
         ]
-        meta.input_token_logprobs = [(None, context[-1], piece(context[-1]))]
+        meta.output_token_logprobs_length = len(ids)
+        render_logprob_details(meta, item, context, result, piece)
     return w.WireGenerateResp(text=text, meta_info=meta, output_ids=ids)
+
+
+def render_logprob_details(
+    meta: w.WireMetaInfo,
+    item: Item,
+    context: list[int],
+    result: GenerateResult,
+    piece: Any,
+) -> None:
+    """SGLang's input, top-k and chosen-id logprob lists from ``result.details``."""
+    details = result.details
+    start = details.input_start if details is not None else None
+    reported = context[start:] if start is not None else []
+    values = details.input_logprobs if details is not None else []
+    meta.input_token_logprobs = [
+        (lp, int(t), piece(t)) for lp, t in zip(values, reported, strict=True)
+    ]
+
+    def entries(pairs: list[tuple[float, int]] | None) -> list[w.LogprobEntry] | None:
+        return None if pairs is None else [(float(v), int(t), piece(t)) for v, t in pairs]
+
+    chosen = item.token_ids_logprob
+    if item.top_logprobs_num > 0:
+        meta.input_top_logprobs = [entries(p) for p in (details.input_top or [])] if details else []
+        meta.output_top_logprobs = (
+            [entries(p) for p in (details.output_top or [])] if details else []
+        )
+    if chosen is not None:
+
+        def pick(values: list[float] | None) -> list[w.LogprobEntry] | None:
+            return None if values is None else entries(list(zip(values, chosen, strict=True)))
+
+        meta.input_token_ids_logprobs = (
+            [pick(v) for v in (details.input_token_ids or [])] if details else []
+        )
+        meta.output_token_ids_logprobs = (
+            [pick(v) for v in (details.output_token_ids or [])] if details else []
+        )

@@ -1,7 +1,8 @@
 """Sessions: a trajectory's KV pinned between turns (SGLang streaming-session semantics).
 
-When a request of a session finishes, the KV of its whole context (prompt + completion, except
-the last sampled token, which was never fed back) stays *pinned* in the session: its full pages
+When a request of a session finishes, the KV of its whole context (prompt + completion; the
+worker feeds the last sampled token once more so its KV is there too) stays *pinned* in the
+session: its full pages
 go to the radix tree under a lock, the trailing partial page stays private. The next turn's
 ``input_ids`` (always the whole context) is checked token by token against what the session
 holds; when the held tokens are a prefix, the request takes the pin over and prefills only the

@@ -9,6 +9,7 @@ keeps decoding when SGLang adds some. Encoders and decoders are built once, here
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -30,7 +31,8 @@ class WireSessionParams(msgspec.Struct, forbid_unknown_fields=True, omit_default
 class WireSamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """``sampling_params`` (SGLang names and defaults; ``top_k=-1`` or ``>= 2**30`` is off)."""
 
-    max_new_tokens: int | None = 128
+    max_new_tokens: int | None = None
+    """``None``: 128, capped to the context length (an explicit value is checked against it)."""
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     top_k: int | None = -1
@@ -48,22 +50,89 @@ class WireSamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaul
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
     min_new_tokens: int | None = 0
+    stop_regex: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    logit_bias: Any = None
+    custom_params: Any = None
+    stream_interval: int | None = None
+    """Streaming granularity (tokens per chunk); no effect on a non-streaming reply."""
 
 
 class WireGenerateReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """``POST /generate``. ``input_ids`` is one prompt or a batch (list of lists)."""
+    """``POST /generate``. ``input_ids`` is one prompt or a batch (list of lists).
+
+    Every field of SGLang 0.5.17's ``GenerateReqInput`` is declared; the ones typed ``Any``
+    are accepted at their neutral values only (``_server_schema`` checks them and names the
+    field and value it cannot serve)."""
 
     input_ids: list[int | list[int]] | None = None
     text: str | list[str] | None = None
     sampling_params: WireSamplingParams | list[WireSamplingParams] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool | None = False
-    logprob_start_len: int | None = -1
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int | list[int]] | None = None
     return_text_in_logprobs: bool | None = False
     session_params: WireSessionParams | None = None
     stream: bool | None = False
     log_metrics: bool | None = True
-    top_logprobs_num: int | None = 0
+    # Accepted only at their neutral values (see _server_schema).
+    session_id: Any = None
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    mm_hashes: Any = None
+    use_audio_in_video: Any = False
+    return_sampling_mask: Any = None
+    return_flat_raw_top_logprobs: Any = False
+    return_flat_raw_top_logprobs_b64: Any = False
+    return_hidden_states: Any = False
+    return_routed_experts: Any = False
+    routed_experts_start_len: Any = 0
+    return_indexer_topk: Any = False
+    modalities: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    positional_embed_overrides: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    routed_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    routing_key: Any = None
+    conversation_id: Any = None
+    http_worker_ipc: Any = None
+    background: Any = False
+    require_reasoning: Any = False
+    max_thinking_tokens: Any = None
+    priority: Any = None
+    extra_key: Any = None
+    no_logs: Any = False
+    custom_labels: Any = None
+    return_bytes: Any = False
+    return_entropy: Any = False
+    return_prompt_token_ids: Any = False
+    external_trace_header: Any = None
+    received_time: Any = None
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    mm_data_mooncake: Any = None
+    encoder_urls: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    images_config: Any = None
+    multi_item_delimiter_indices: Any = None
 
 
 class WireOpenSessionReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -100,6 +169,8 @@ class WireFinishReason(msgspec.Struct, omit_defaults=True):
 
 LogprobEntry = tuple[float | None, int, str | None]
 """``(logprob, token_id, token_text | None)``; SGLang's first input position has logprob None."""
+TopEntries = list[LogprobEntry] | None
+"""One position's top-k or chosen-id entries (None: the first input position)."""
 
 
 class WireMetaInfo(msgspec.Struct, omit_defaults=True):
@@ -112,6 +183,11 @@ class WireMetaInfo(msgspec.Struct, omit_defaults=True):
     e2e_latency: float = 0.0
     output_token_logprobs: list[LogprobEntry] | None = None
     input_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs_length: int | None = None
+    input_top_logprobs: list[TopEntries] | None = None
+    output_top_logprobs: list[TopEntries] | None = None
+    input_token_ids_logprobs: list[TopEntries] | None = None
+    output_token_ids_logprobs: list[TopEntries] | None = None
     token_versions: list[int] | None = None
     """agentrl's extension (SGLang clients ignore it): the weight version of each output token,
     sent only when they differ (``in_flight="partial"``); absent: all are ``weight_version``."""

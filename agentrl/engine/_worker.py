@@ -207,6 +207,9 @@ class Worker:
         step = self.scheduler.plan()
         if step is not None:
             self._run(step)
+        for request in self.scheduler.closed:
+            self._deliver(request)
+        self.scheduler.closed.clear()
         self._flush()
         return True
 
@@ -257,22 +260,47 @@ class Worker:
                 self._fail(request, exc)
             return
         self.scheduler.advance(step)
+        for request, _ in step.rows:
+            if request.closing and request.kv is not None:
+                self.scheduler.finish(request)  # its last token's KV is in: pin it
+                self._deliver(request)
         decode_rows = sum(count == 1 for _, count in step.rows)
         if decode_rows:
             self.counters.decode_steps += 1
             self.counters.decode_rows += decode_rows
-        for i, request in enumerate(step.sampled):
+        for request, first, count, row in step.inputs:
+            assert request.logprobs is not None
             try:
-                finished = self._accept(request, logits[i])
+                request.logprobs.add_input(first, logits[row : row + count], request.tokens)
+            except Exception as exc:
+                self._fail(request, exc)
+        for request, row in zip(step.sampled, step.sample_rows, strict=True):
+            if request.error is not None:
+                continue  # failed above
+            try:
+                finished = self._accept(request, logits[row])
             except Exception as exc:
                 self._fail(request, exc)
                 continue
-            if finished:
-                self.scheduler.finish(request)
+            if not finished:
+                continue
+            if request.session is not None and request.result is not None:
+                # SGLang keeps a finished turn's KV through its last sampled token: feed that
+                # token once more (next step, no sampling) so the next turn reuses all of it
+                request.closing = True
+                continue
+            self.scheduler.finish(request)
+            self._deliver(request)
 
     def _accept(self, request: Request, logits: torch.Tensor) -> bool:
         """Sample the next token of ``request``; finish it (and return True) on a stop or limit."""
+        if request.sampling.max_new_tokens == 0:  # prefill only (input logprobs)
+            if request.logprobs is not None:
+                request.logprobs.input_done = True
+            return self._finish(request, "length", None)
         token, logprob = sample_token(logits, request.sampling, request.generator)
+        if request.logprobs is not None:
+            request.logprobs.add_output(logits, request.sampling.temperature)
         request.tokens.append(token)
         request.output_logprobs.append(logprob)
         request.token_versions.append(self.weight_version)
@@ -302,11 +330,16 @@ class Worker:
             if request.token_versions
             else request.weight_version,
             token_versions=list(request.token_versions),
+            details=request.logprobs.details() if request.logprobs is not None else None,
         )
-        if reason != "abort":
+        return True
+
+    def _deliver(self, request: Request) -> None:
+        """Hand a finished request's result back to its caller."""
+        assert request.result is not None
+        if request.result.finish_reason != "abort":
             self.counters.requests_done += 1
         self._outbox.append(request)
-        return True
 
     def _fail(self, request: Request, exc: BaseException) -> None:
         if isinstance(exc, EngineError):
@@ -332,9 +365,12 @@ class Worker:
         for item in pending:
             (requests if isinstance(item, Request) else others).append(item)  # type: ignore[arg-type]
         for request in requests:
-            if error is None:
+            if request.closing:  # finished already, waiting for its last token's KV
+                self._deliver(request)
+            elif error is None:
                 self.counters.requests_aborted += 1
                 self._finish(request, "abort", None)
+                self._deliver(request)
             else:
                 request.error = error
                 self.counters.requests_failed += 1

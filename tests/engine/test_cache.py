@@ -97,7 +97,8 @@ async def test_reuse_never_changes_greedy_output(
     for turn in range(1, len(contexts)):
         previous = len(contexts[turn - 1]) + len(radix[turn - 1].token_ids) - 1
         assert radix[turn].cached_tokens == previous // PAGE * PAGE  # whole pages from the tree
-        assert pinned_plain[turn].cached_tokens == previous  # the session keeps them all
+        # the session keeps them all, the last sampled token's KV included (as SGLang)
+        assert pinned_plain[turn].cached_tokens == previous + 1
     assert pinned[0].cached_tokens == 0 and all(r.cached_tokens > 0 for r in pinned[1:])
 
 
@@ -155,7 +156,7 @@ async def test_session_that_does_not_match_falls_back(
     assert cached.statistics().session_mismatches == 1
     third_context = edited + second.token_ids + rand_ids(rng, 5)
     third = await cached.generate(third_context, greedy(8), session=sid)
-    assert third.cached_tokens == len(edited) + len(second.token_ids) - 1  # pinned again
+    assert third.cached_tokens == len(edited) + len(second.token_ids)  # all pinned again
 
 
 async def test_chunked_prefill_equals_one_shot(

@@ -77,7 +77,7 @@ async def test_generate_answers_in_sglang_shape(served: Served) -> None:
     triples = meta["output_token_logprobs"]
     assert [t[1] for t in triples] == out["output_ids"] and len(out["output_ids"]) == 6
     assert all(t[0] <= 0 and t[2] is None for t in triples)
-    assert meta["input_token_logprobs"] == [[None, PROMPT[-1], None]]
+    assert meta["input_token_logprobs"] == []  # logprob_start_len=-1: none (SGLang 0.5.17)
     assert out["text"] == served.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
     plain = await served.greedy(PROMPT)
     assert "output_token_logprobs" not in plain["meta_info"]
@@ -172,7 +172,10 @@ async def test_ignore_eos_turns_stop_ids_off_too(served: Served) -> None:
         ({"input_ids": [1], "text": "a"}, "input_ids"),
         ({}, "input_ids"),
         ({"input_ids": [1], "stream": True}, "stream"),
-        ({"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
+        ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"input_ids": [1], "token_ids_logprob": [5, 99999]}, "token_ids_logprob"),
+        ({"input_ids": [1], "lora_path": "adapter"}, "lora_path"),
+        ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
         ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
         ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
@@ -188,10 +191,10 @@ async def test_ignore_eos_turns_stop_ids_off_too(served: Served) -> None:
         ),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
         (
-            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 0},
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3},
             "logprob_start_len",
         ),
-        ({"input_ids": [1, 2], "logprob_start_len": 5}, "logprob_start_len"),
+        ({"input_ids": [1, 2], "logprob_start_len": -2}, "logprob_start_len"),
         ({"input_ids": [1], "session_params": {"rid": "x"}}, "session_params.id"),
     ],
 )
@@ -214,7 +217,9 @@ async def test_bad_bodies_never_stop_the_server(served: Served) -> None:
 
 async def test_context_beyond_the_window_is_a_400(served: Served) -> None:
     out = await served.post("/generate", {"input_ids": [5] * 2048}, 400)
-    assert "2048" in out["error"]["message"]
+    message = out["error"]["message"]
+    assert "2048" in message and "maximum allowed length" in message
+    assert "context length" in message and out["error"]["field"] == "input_ids"
 
 
 # --- sessions -------------------------------------------------------------------------------

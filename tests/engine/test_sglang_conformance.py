@@ -530,3 +530,136 @@ async def test_weight_version_may_go_backwards(server: Server, tiny_dir: Path) -
             assert response.status_code == 200 and response.json()["success"] is True
             answer = (await client.get("/get_weight_version")).json()
             assert answer == {"weight_version": version}
+
+
+# --- request schema, input/top-k/chosen-id logprobs, cached_tokens, context length ---------
+
+
+async def _post(server: Server, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        return await client.post("/generate", json=body)
+
+
+async def _generate(server: Server, body: dict[str, Any]) -> Any:
+    response = await _post(server, body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _greedy_body(ids: list[int], new: int = 4, **extra: Any) -> dict[str, Any]:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0}, **extra}
+
+
+def _unique_prompt(length: int) -> list[int]:
+    """Ids no earlier request sent (a fresh prefix for cache accounting), from os.urandom."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(300, 20000, (length - 1,), generator=generator).tolist()
+
+
+async def test_input_token_logprobs_shape_and_cache(
+    server: Server, logprob_error: LogprobError
+) -> None:
+    for start in (0, 5, len(PROMPT) - 1, len(PROMPT)):
+        body = _greedy_body(PROMPT, return_logprob=True, logprob_start_len=start)
+        first = (await _generate(server, body))["meta_info"]
+        again = (await _generate(server, body))["meta_info"]  # the prompt is cached now
+        for meta in (first, again):
+            entries = meta["input_token_logprobs"]
+            assert [e[1] for e in entries] == PROMPT[start:]
+            assert all(e[0] is None for e in entries[:1])  # the first reported token: None
+            assert all(e[0] <= 0 for e in entries[1:])
+        values = [[e[0] for e in m["input_token_logprobs"][1:]] for m in (first, again)]
+        if server.ours:  # two fp32 evaluations: twice one's bound
+            bound = 2 * logprob_error(PROMPT[:1], PROMPT[1:], 1.0)
+            assert_within(values[1], values[0], bound)
+        else:
+            assert values[1] == pytest.approx(values[0], abs=5e-2)
+    plain = await _generate(server, _greedy_body(PROMPT, return_logprob=True))
+    assert plain["meta_info"]["input_token_logprobs"] == []  # logprob_start_len=-1
+
+
+async def test_top_logprobs_and_token_ids_logprob(server: Server) -> None:
+    chosen, k = [2, 198], 3
+    body = _greedy_body(
+        PROMPT,
+        return_logprob=True,
+        logprob_start_len=len(PROMPT) - 4,
+        top_logprobs_num=k,
+        token_ids_logprob=chosen,
+    )
+    out = await _generate(server, body)
+    meta, output = out["meta_info"], out["output_ids"]
+    assert len(meta["input_top_logprobs"]) == len(meta["input_token_ids_logprobs"]) == 4
+    assert meta["input_top_logprobs"][0] is None and meta["input_token_ids_logprobs"][0] is None
+    for top, picked in zip(
+        meta["input_top_logprobs"][1:], meta["input_token_ids_logprobs"][1:], strict=True
+    ):
+        assert len(top) == k and [v for v, _, _ in top] == sorted([v for v, _, _ in top])[::-1]
+        assert [t for _, t, _ in picked] == chosen
+    assert len(meta["output_top_logprobs"]) == len(meta["output_token_ids_logprobs"]) == 4
+    for j, token in enumerate(output):
+        top = meta["output_top_logprobs"][j]
+        assert len(top) == k and top[0][1] == token  # greedy: the sampled token is the top one
+        assert top[0][0] == pytest.approx(meta["output_token_logprobs"][j][0], abs=1e-4)
+        assert [t for _, t, _ in meta["output_token_ids_logprobs"][j]] == chosen
+
+
+async def test_sglang_fields_at_neutral_values_are_accepted(server: Server) -> None:
+    neutral = {
+        "lora_path": None,
+        "return_hidden_states": False,
+        "custom_logit_processor": None,
+        "bootstrap_host": None,
+        "bootstrap_port": None,
+        "bootstrap_room": None,
+        "routed_dp_rank": None,
+        "log_metrics": True,
+        "return_text_in_logprobs": False,
+    }
+    plain = await _generate(server, _greedy_body(PROMPT))
+    body = _greedy_body(PROMPT, **neutral)
+    body["sampling_params"].update(
+        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0
+    )
+    body["sampling_params"].update(json_schema=None, regex=None, spaces_between_special_tokens=True)
+    assert (await _generate(server, body))["output_ids"] == plain["output_ids"]
+    unknown = _greedy_body(PROMPT)
+    unknown["sampling_params"]["top_q"] = 0.5
+    assert (await _post(server, unknown)).status_code >= 400
+
+
+async def test_over_the_context_length_is_a_clear_400(server: Server) -> None:
+    models = httpx.get(server.url + "/v1/models", timeout=30).json()
+    limit = int(models["data"][0]["max_model_len"])
+    response = await _post(server, {"input_ids": [5] * limit})
+    assert response.status_code == 400
+    text = response.text
+    assert "context length" in text or "maximum allowed length" in text
+
+
+async def test_cached_tokens_are_counted_as_sglang_does(server: Server) -> None:
+    # a repeated prompt of P tokens: the whole pages of P - 1 tokens are cached (the last
+    # token is always computed); SGLang's default page is 1 token: P - 1
+    prompt = _unique_prompt(127)
+    await _generate(server, _greedy_body(prompt, 1))
+    again = await _generate(server, _greedy_body(prompt, 1))
+    page = await _model_page(server)
+    assert page is not None
+    assert again["meta_info"]["cached_tokens"] == page_floor(126, page)
+    # a session's turn 2 reuses all of turn 1: its prompt and its whole completion
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        sid = (await client.post("/open_session", json={"capacity_of_str_len": 4096})).json()
+        try:
+            first = _unique_prompt(8)
+            body = _greedy_body(first, 12, session_params={"id": sid}, rid="turn-1")
+            body["sampling_params"]["ignore_eos"] = True
+            turn1 = (await client.post("/generate", json=body)).json()
+            assert turn1["meta_info"]["completion_tokens"] == 12
+            params = {"id": sid, "rid": "turn-1"}
+            body = _greedy_body(SUFFIX, 2, session_params=params, rid="turn-2")
+            turn2 = (await client.post("/generate", json=body)).json()
+            assert turn2["meta_info"]["prompt_tokens"] == 8 + 12 + len(SUFFIX)
+            assert turn2["meta_info"]["cached_tokens"] == 8 + 12
+        finally:
+            await client.post("/close_session", json={"session_id": sid})
