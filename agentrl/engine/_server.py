@@ -66,6 +66,7 @@ from ._server_metrics import (
     prometheus_text,
     served_in_flight,
 )
+from ._server_router import decode_generate
 from ._server_sessions import SessionError, SessionTable, Turn
 
 _JSON = "application/json"
@@ -94,7 +95,7 @@ class _Server:
     async def generate(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         try:
-            req = w.generate_req_decoder.decode(await request.read())
+            req = decode_generate(await request.read())
             items, single = plan_generate(req, self.facts)
         except msgspec.ValidationError as exc:
             return _error(400, f"invalid /generate request: {exc}", w.error_field(exc))

@@ -44,6 +44,7 @@ from agentrl._types import GenerateResult, SamplingParams
 from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
+from ._sglang_router import router_workers, router_workers_blocking
 
 
 class SGLangStatistics(msgspec.Struct, frozen=True):
@@ -58,6 +59,8 @@ class SGLangStatistics(msgspec.Struct, frozen=True):
     session_restarts: int
     fallbacks: int
     """Session requests repeated without the session (server refused or disagreed)."""
+    workers_skipped: int
+    """Workers a router listed as unhealthy when weights were published (left out)."""
     connect_retries: int
 
 
@@ -108,12 +111,17 @@ class SGLangEngine:
                 f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, got {in_flight!r}"
             )
         self.in_flight = in_flight
-        self._servers = [Upstream(u.rstrip("/")) for u in urls]
+        self._entry = [Upstream(u.rstrip("/")) for u in urls]
+        """Where plain requests go: the given URLs (servers and routers)."""
+        self._routers: list[Upstream] = []
+        self._servers = list(self._entry)
+        """The servers themselves (a router's healthy workers in its place): sessions,
+        weights, model info."""
         self._max_context = max_context
         self._bos = bos_token_id
         self._streaming = streaming_sessions
         self._session_timeout = session_timeout_s
-        https = any(s.url.startswith("https") for s in self._servers)
+        https = any(s.url.startswith("https") for s in self._entry)
         self._http = Transport(request_timeout_s, connect_timeout_s, connect_retries, https)
         self._sessions: dict[str, _Session] = {}
         self._weight_version = 0
@@ -137,6 +145,8 @@ class SGLangEngine:
     def max_context(self) -> int:
         """Most tokens one request may reach (asks the servers, blocking, if still unknown)."""
         if self._max_context is None:
+            if not self._connected:
+                self._expand([(s, router_workers_blocking(self._http, s)) for s in self._entry])
             for server in self._servers:
                 self._http.probe_blocking(server)
             self._settle()
@@ -150,7 +160,9 @@ class SGLangEngine:
     # --- connection ---------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """Read every server's model info (weight version, context length, model path)."""
+        """Find the routers among the URLs and their workers, then read every server's model
+        info (weight version, context length, model path)."""
+        await self._list_workers()
         failures: list[str] = []
 
         async def probe(server: Upstream) -> None:
@@ -165,6 +177,33 @@ class SGLangEngine:
         if failures:
             raise EngineError("; ".join(failures))
         self._settle()
+
+    async def _list_workers(self) -> None:
+        """Ask each URL whether it is a router (``GET /workers``) and use its healthy workers
+        as the servers; workers already known keep their state (sessions, loads)."""
+        found: list[tuple[Upstream, list[str] | None]] = []
+
+        async def ask(entry: Upstream) -> None:
+            found.append((entry, await router_workers(self._http, entry)))
+
+        async with anyio.create_task_group() as tg:
+            for entry in self._entry:
+                tg.start_soon(ask, entry)
+        self._expand(sorted(found, key=lambda pair: self._entry.index(pair[0])))
+
+    def _expand(self, found: list[tuple[Upstream, list[str] | None]]) -> None:
+        known = {s.url: s for s in self._servers}
+        servers: list[Upstream] = []
+        self._routers = []
+        for entry, workers in found:
+            if workers is None:
+                servers.append(entry)
+                continue
+            if not workers:
+                raise EngineError(f"the router at {entry.url} lists no healthy worker")
+            self._routers.append(entry)
+            servers.extend(known.get(url) or Upstream(url) for url in workers)
+        self._servers = list({s.url: s for s in servers}.values())
 
     def _settle(self) -> None:
         self._check_in_flight()
@@ -312,7 +351,8 @@ class SGLangEngine:
 
     def _least_loaded(self, *, sessions: bool) -> Upstream:
         self._turn += 1
-        order = self._servers[self._turn % len(self._servers) :] + self._servers
+        pool = self._servers if sessions else self._entry
+        order = pool[self._turn % len(pool) :] + pool
         if sessions:
             return min(order, key=lambda s: (s.sessions, s.inflight))
         return min(order, key=lambda s: s.inflight)
@@ -386,7 +426,9 @@ class SGLangEngine:
 
     async def update_weights(self, version: int, source: str | dict[str, Any]) -> None:
         """``/update_weights_from_disk`` on every server (``source``: a folder they can read),
-        then ``/flush_cache`` on each.
+        then ``/flush_cache`` on each, then each server's ``weight_version`` is read back and
+        must be ``version``. Behind a router, "every server" is every worker it lists as
+        healthy at this moment (asked again here, so workers added since are included).
 
         The update asks for no flush: SGLang 0.5.17's scheduler dies on
         ``flush_cache: true`` while any request is running (an assertion after loading the
@@ -396,6 +438,10 @@ class SGLangEngine:
         await self._ready()
         if not isinstance(source, str | os.PathLike):
             raise EngineError("SGLangEngine updates weights from a path only; save the tensors")
+        if self._routers:
+            before = {s.url for s in self._servers}
+            await self._list_workers()
+            self._counts["workers_skipped"] += len(before - {s.url for s in self._servers})
         request = w.WireUpdateWeightsFromDiskReq(
             model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=False
         )
@@ -412,13 +458,24 @@ class SGLangEngine:
             except (EngineError, msgspec.DecodeError) as exc:
                 failures.append(f"{server.url}: {exc}")
                 return
-            updated.append(server)
             if not await self._flush(server):
                 failures.append(
                     f"{server.url}: weights are at version {int(version)} but /flush_cache kept "
                     f"refusing for {self.flush_timeout_s:g} s (requests running): prefix KV "
                     "from the old weights may be reused"
                 )
+            try:
+                await self._http.probe(server)
+            except EngineError as exc:
+                failures.append(f"{server.url}: cannot read its weight_version back: {exc}")
+                return
+            if server.weight_version != int(version):
+                failures.append(
+                    f"{server.url}: reports weight_version {server.weight_version} after loading "
+                    f"version {int(version)}"
+                )
+                return
+            updated.append(server)
 
         async with anyio.create_task_group() as tg:
             for server in self._servers:
