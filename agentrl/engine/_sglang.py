@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import msgspec
 
 from agentrl._errors import EngineError
@@ -58,6 +59,9 @@ class SGLangStatistics(msgspec.Struct, frozen=True):
     """Context tokens not sent because the session held them."""
     session_restarts: int
     fallbacks: int
+    session_moves: int
+    """Sessions moved to another of a router's workers because theirs stopped accepting
+    connections (the whole context is sent again there)."""
     """Session requests repeated without the session (server refused or disagreed)."""
     workers_skipped: int
     """Workers a router listed as unhealthy when weights were published (left out)."""
@@ -270,7 +274,7 @@ class SGLangEngine:
                     return await self._generate(server, ids, ids, sampling)
                 state.busy = True
                 try:
-                    return await self._in_session(state, ids, sampling)
+                    return await self._session_turn(state, ids, sampling)
                 finally:
                     state.busy = False
             finally:
@@ -278,6 +282,31 @@ class SGLangEngine:
         # only reached when aclose() cancelled this request
         version = self._weight_version
         return GenerateResult([], [], "abort", prompt_tokens=len(ids), weight_version=version)
+
+    async def _session_turn(
+        self, state: _Session, ids: list[int], sampling: SamplingParams
+    ) -> GenerateResult:
+        """One turn; behind a router, a worker that refuses connections (so nothing was sent)
+        loses the session to another worker, where the turn starts over with the whole context."""
+        try:
+            return await self._in_session(state, ids, sampling)
+        except EngineError as exc:
+            connect_failed = isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
+            if not (self._routers and connect_failed and await self._move(state)):
+                raise
+        return await self._in_session(state, ids, sampling)
+
+    async def _move(self, state: _Session) -> bool:
+        await self._list_workers()
+        others = [s for s in self._servers if s.url != state.server.url]
+        if not others:
+            return False
+        state.server.sessions -= 1
+        state.server = min(others, key=lambda s: (s.sessions, s.inflight))
+        state.server.sessions += 1
+        state.remote_id, state.history, state.last_rid, state.used = None, None, None, False
+        self._counts["session_moves"] += 1
+        return True
 
     async def _in_session(
         self, state: _Session, ids: list[int], sampling: SamplingParams

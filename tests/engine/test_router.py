@@ -156,7 +156,14 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
 ) -> None:
     """Runs last: it kills a worker."""
     dead, proc = fleet.workers[-1], fleet.procs[len(fleet.workers) - 1]
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
     async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        sessions = [await engine.open_session() for _ in fleet.workers]  # one on each worker
+        contexts = [list(PROMPT) + [100 + i] for i in range(len(sessions))]
+        for index, session in enumerate(sessions):
+            contexts[index] += list(
+                (await engine.generate(contexts[index], greedy, session)).token_ids
+            )
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
@@ -170,6 +177,11 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
         assert engine.weight_version == 9 and engine.statistics().workers_skipped == 1
         for worker in fleet.workers[:-1]:
             assert httpx.get(worker + "/get_model_info").json()["weight_version"] == "9"
+        # the session whose worker died moves to a live one and goes on from its whole context
+        for index, session in enumerate(sessions):
+            result = await engine.generate(contexts[index] + [7], greedy, session)
+            assert len(result.token_ids) == 2 and result.prompt_tokens == len(contexts[index]) + 1
+        assert engine.statistics().session_moves == 1
         session = await engine.open_session()  # new sessions go to live workers only
         result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), session)
         assert len(result.token_ids) == 2
