@@ -16,6 +16,13 @@ A reply whose ``prompt_tokens`` differs from the context length, or a 400 that m
 session, drops the session state and the request is repeated without the session.
 Weight updates restart every session's chain (streaming KV was computed with the old weights).
 
+Routers (``_sglang_router``). A URL that answers ``GET /workers`` is an ``sglang-router``: plain
+requests go through it (its policy balances them), while sessions, weight updates and model
+info go to the healthy workers it lists, so a session's turns always reach the worker holding
+its KV. Each weight update asks the router for its workers again and reads every worker's
+``weight_version`` back. A session whose worker stops accepting connections moves to another
+worker and sends its whole context there.
+
 Connections (``_sglang_http``): one pooled ``httpx.AsyncClient`` lives while requests are in
 flight; ``async with engine:`` keeps it (and its keep-alive connections) for the whole block.
 Used without ``async with`` (e.g. handed to ``agentrl.rollout``), the pool closes whenever the
