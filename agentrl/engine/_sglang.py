@@ -193,13 +193,19 @@ class SGLangEngine:
         """Ask each URL whether it is a router (``GET /workers``) and use its healthy workers
         as the servers; workers already known keep their state (sessions, loads)."""
         found: list[tuple[Upstream, list[str] | None]] = []
+        failures: list[str] = []
 
         async def ask(entry: Upstream) -> None:
-            found.append((entry, await router_workers(self._http, entry)))
+            try:
+                found.append((entry, await router_workers(self._http, entry)))
+            except EngineError as exc:
+                failures.append(str(exc))
 
         async with anyio.create_task_group() as tg:
             for entry in self._entry:
                 tg.start_soon(ask, entry)
+        if failures:
+            raise EngineError("; ".join(failures))
         self._expand(sorted(found, key=lambda pair: self._entry.index(pair[0])))
 
     def _expand(self, found: list[tuple[Upstream, list[str] | None]]) -> None:
