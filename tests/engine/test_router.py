@@ -151,6 +151,34 @@ async def test_weights_reach_every_worker_with_the_version_checked(
     assert versions == ["8"] * len(fleet.workers)
 
 
+async def test_a_worker_added_to_the_router_gets_the_next_weights(
+    fleet: Fleet, tiny_dir: Path, tmp_path: Path
+) -> None:
+    async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        await engine.update_weights(10, str(tiny_dir))
+        proc, late = start_serve(tiny_dir, tmp_path / "late.log")
+        added = None
+        try:
+            added = httpx.post(fleet.router + "/workers", json={"url": late}, timeout=30)
+            assert added.status_code == 202, added.text
+            deadline = time.monotonic() + 30
+            while not _listed(fleet.router).get(late) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _listed(fleet.router).get(late), "the router did not take the worker"
+            await engine.update_weights(11, str(tiny_dir))
+            for worker in [*fleet.workers, late]:
+                info = httpx.get(worker + "/get_model_info", timeout=10).json()
+                assert info["weight_version"] == "11", (worker, info)
+        finally:
+            if added is not None and added.status_code == 202:
+                worker_id = added.json()["worker_id"]
+                assert httpx.delete(f"{fleet.router}/workers/{worker_id}").status_code == 202
+                deadline = time.monotonic() + 30
+                while late in _listed(fleet.router) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            stop_serve(proc)
+
+
 async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
     fleet: Fleet, tiny_dir: Path
 ) -> None:
