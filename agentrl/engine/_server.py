@@ -83,6 +83,7 @@ from ._server_metrics import (
     prometheus_text,
     served_in_flight,
 )
+from ._server_router import decode_generate
 from ._server_sessions import SessionError, SessionTable, Turn
 
 _JSON = "application/json"
@@ -122,7 +123,7 @@ class _Server:
     async def generate(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         try:
-            req = w.generate_req_decoder.decode(await request.read())
+            req = decode_generate(await request.read())
             check_request_size(req, self.limits)
             items, single = plan_generate(req, self.facts)
         except msgspec.ValidationError as exc:

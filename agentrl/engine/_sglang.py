@@ -16,6 +16,13 @@ A reply whose ``prompt_tokens`` differs from the context length, or a 400 that m
 session, drops the session state and the request is repeated without the session.
 Weight updates restart every session's chain (streaming KV was computed with the old weights).
 
+Routers (``_sglang_router``). A URL that answers ``GET /workers`` is an ``sglang-router``: plain
+requests go through it (its policy balances them), while sessions, weight updates and model
+info go to the healthy workers it lists, so a session's turns always reach the worker holding
+its KV. Each weight update asks the router for its workers again and reads every worker's
+``weight_version`` back. A session whose worker stops accepting connections moves to another
+worker and sends its whole context there.
+
 Connections (``_sglang_http``): one pooled ``httpx.AsyncClient`` lives while requests are in
 flight; ``async with engine:`` keeps it (and its keep-alive connections) for the whole block.
 Used without ``async with`` (e.g. handed to ``agentrl.rollout``), the pool closes whenever the
@@ -36,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import msgspec
 
 from agentrl._errors import EngineError
@@ -44,6 +52,7 @@ from agentrl._types import GenerateResult, SamplingParams
 from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
+from ._sglang_router import router_workers, router_workers_blocking
 
 
 class SGLangStatistics(msgspec.Struct, frozen=True):
@@ -57,7 +66,12 @@ class SGLangStatistics(msgspec.Struct, frozen=True):
     """Context tokens not sent because the session held them."""
     session_restarts: int
     fallbacks: int
+    session_moves: int
+    """Sessions moved to another of a router's workers because theirs stopped accepting
+    connections (the whole context is sent again there)."""
     """Session requests repeated without the session (server refused or disagreed)."""
+    workers_skipped: int
+    """Workers a router listed as unhealthy when weights were published (left out)."""
     connect_retries: int
 
 
@@ -108,12 +122,17 @@ class SGLangEngine:
                 f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, got {in_flight!r}"
             )
         self.in_flight = in_flight
-        self._servers = [Upstream(u.rstrip("/")) for u in urls]
+        self._entry = [Upstream(u.rstrip("/")) for u in urls]
+        """Where plain requests go: the given URLs (servers and routers)."""
+        self._routers: list[Upstream] = []
+        self._servers = list(self._entry)
+        """The servers themselves (a router's healthy workers in its place): sessions,
+        weights, model info."""
         self._max_context = max_context
         self._bos = bos_token_id
         self._streaming = streaming_sessions
         self._session_timeout = session_timeout_s
-        https = any(s.url.startswith("https") for s in self._servers)
+        https = any(s.url.startswith("https") for s in self._entry)
         self._http = Transport(request_timeout_s, connect_timeout_s, connect_retries, https)
         self._sessions: dict[str, _Session] = {}
         self._weight_version = 0
@@ -137,6 +156,8 @@ class SGLangEngine:
     def max_context(self) -> int:
         """Most tokens one request may reach (asks the servers, blocking, if still unknown)."""
         if self._max_context is None:
+            if not self._connected:
+                self._expand([(s, router_workers_blocking(self._http, s)) for s in self._entry])
             for server in self._servers:
                 self._http.probe_blocking(server)
             self._settle()
@@ -150,7 +171,9 @@ class SGLangEngine:
     # --- connection ---------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """Read every server's model info (weight version, context length, model path)."""
+        """Find the routers among the URLs and their workers, then read every server's model
+        info (weight version, context length, model path)."""
+        await self._list_workers()
         failures: list[str] = []
 
         async def probe(server: Upstream) -> None:
@@ -165,6 +188,39 @@ class SGLangEngine:
         if failures:
             raise EngineError("; ".join(failures))
         self._settle()
+
+    async def _list_workers(self) -> None:
+        """Ask each URL whether it is a router (``GET /workers``) and use its healthy workers
+        as the servers; workers already known keep their state (sessions, loads)."""
+        found: list[tuple[Upstream, list[str] | None]] = []
+        failures: list[str] = []
+
+        async def ask(entry: Upstream) -> None:
+            try:
+                found.append((entry, await router_workers(self._http, entry)))
+            except EngineError as exc:
+                failures.append(str(exc))
+
+        async with anyio.create_task_group() as tg:
+            for entry in self._entry:
+                tg.start_soon(ask, entry)
+        if failures:
+            raise EngineError("; ".join(failures))
+        self._expand(sorted(found, key=lambda pair: self._entry.index(pair[0])))
+
+    def _expand(self, found: list[tuple[Upstream, list[str] | None]]) -> None:
+        known = {s.url: s for s in self._servers}
+        servers: list[Upstream] = []
+        self._routers = []
+        for entry, workers in found:
+            if workers is None:
+                servers.append(entry)
+                continue
+            if not workers:
+                raise EngineError(f"the router at {entry.url} lists no healthy worker")
+            self._routers.append(entry)
+            servers.extend(known.get(url) or Upstream(url) for url in workers)
+        self._servers = list({s.url: s for s in servers}.values())
 
     def _settle(self) -> None:
         self._check_in_flight()
@@ -231,7 +287,7 @@ class SGLangEngine:
                     return await self._generate(server, ids, ids, sampling)
                 state.busy = True
                 try:
-                    return await self._in_session(state, ids, sampling)
+                    return await self._session_turn(state, ids, sampling)
                 finally:
                     state.busy = False
             finally:
@@ -239,6 +295,31 @@ class SGLangEngine:
         # only reached when aclose() cancelled this request
         version = self._weight_version
         return GenerateResult([], [], "abort", prompt_tokens=len(ids), weight_version=version)
+
+    async def _session_turn(
+        self, state: _Session, ids: list[int], sampling: SamplingParams
+    ) -> GenerateResult:
+        """One turn; behind a router, a worker that refuses connections (so nothing was sent)
+        loses the session to another worker, where the turn starts over with the whole context."""
+        try:
+            return await self._in_session(state, ids, sampling)
+        except EngineError as exc:
+            connect_failed = isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
+            if not (self._routers and connect_failed and await self._move(state)):
+                raise
+        return await self._in_session(state, ids, sampling)
+
+    async def _move(self, state: _Session) -> bool:
+        await self._list_workers()
+        others = [s for s in self._servers if s.url != state.server.url]
+        if not others:
+            return False
+        state.server.sessions -= 1
+        state.server = min(others, key=lambda s: (s.sessions, s.inflight))
+        state.server.sessions += 1
+        state.remote_id, state.history, state.last_rid, state.used = None, None, None, False
+        self._counts["session_moves"] += 1
+        return True
 
     async def _in_session(
         self, state: _Session, ids: list[int], sampling: SamplingParams
@@ -312,7 +393,8 @@ class SGLangEngine:
 
     def _least_loaded(self, *, sessions: bool) -> Upstream:
         self._turn += 1
-        order = self._servers[self._turn % len(self._servers) :] + self._servers
+        pool = self._servers if sessions else self._entry
+        order = pool[self._turn % len(pool) :] + pool
         if sessions:
             return min(order, key=lambda s: (s.sessions, s.inflight))
         return min(order, key=lambda s: s.inflight)
@@ -386,7 +468,9 @@ class SGLangEngine:
 
     async def update_weights(self, version: int, source: str | dict[str, Any]) -> None:
         """``/update_weights_from_disk`` on every server (``source``: a folder they can read),
-        then ``/flush_cache`` on each.
+        then ``/flush_cache`` on each, then each server's ``weight_version`` is read back and
+        must be ``version``. Behind a router, "every server" is every worker it lists as
+        healthy at this moment (asked again here, so workers added since are included).
 
         The update asks for no flush: SGLang 0.5.17's scheduler dies on
         ``flush_cache: true`` while any request is running (an assertion after loading the
@@ -396,6 +480,10 @@ class SGLangEngine:
         await self._ready()
         if not isinstance(source, str | os.PathLike):
             raise EngineError("SGLangEngine updates weights from a path only; save the tensors")
+        if self._routers:
+            before = {s.url for s in self._servers}
+            await self._list_workers()
+            self._counts["workers_skipped"] += len(before - {s.url for s in self._servers})
         request = w.WireUpdateWeightsFromDiskReq(
             model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=False
         )
@@ -412,13 +500,24 @@ class SGLangEngine:
             except (EngineError, msgspec.DecodeError) as exc:
                 failures.append(f"{server.url}: {exc}")
                 return
-            updated.append(server)
             if not await self._flush(server):
                 failures.append(
                     f"{server.url}: weights are at version {int(version)} but /flush_cache kept "
                     f"refusing for {self.flush_timeout_s:g} s (requests running): prefix KV "
                     "from the old weights may be reused"
                 )
+            try:
+                await self._http.probe(server)
+            except EngineError as exc:
+                failures.append(f"{server.url}: cannot read its weight_version back: {exc}")
+                return
+            if server.weight_version != int(version):
+                failures.append(
+                    f"{server.url}: reports weight_version {server.weight_version} after loading "
+                    f"version {int(version)}"
+                )
+                return
+            updated.append(server)
 
         async with anyio.create_task_group() as tg:
             for server in self._servers:

@@ -136,7 +136,9 @@ class ServerSection(_Section):
     through ``/update_weights_from_disk`` under each new policy version."""
 
     urls: list[str] = pydantic.Field(default_factory=list)
-    """Server base URLs (``http://host:port``); empty: the embedded engine in this process."""
+    """Server base URLs (``http://host:port``); empty: the embedded engine in this process.
+    A URL may be an ``sglang-router``: plain requests go through it, sessions and weight
+    publication go to the workers it lists (docs/scaling.md)."""
     snapshot_dir: str | None = None
     """Where snapshots are written; every server must read this path (default: OUT/weights)."""
     keep_snapshots: int = pydantic.Field(2, ge=1)

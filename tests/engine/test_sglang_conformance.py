@@ -663,3 +663,39 @@ async def test_cached_tokens_are_counted_as_sglang_does(server: Server) -> None:
             assert turn2["meta_info"]["cached_tokens"] == 8 + 12
         finally:
             await client.post("/close_session", json={"session_id": sid})
+
+
+# --- behind sglang-router: what the router forwards, and how a router is told apart ----------
+
+# sglang-router 0.3.2 re-serialises /generate: every body a worker gets carries these.
+ROUTER_FIELDS = {
+    "model": None,
+    "return_text_in_logprobs": False,
+    "stream": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+
+
+async def test_generate_accepts_the_body_sglang_router_forwards(server: Server) -> None:
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        **ROUTER_FIELDS,
+    }
+    async with httpx.AsyncClient(timeout=60) as client:
+        reply = await client.post(server.url + "/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["meta_info"]["output_token_logprobs"]) == 3
+
+
+async def test_a_server_is_not_taken_for_a_router(server: Server) -> None:
+    """``SGLangEngine`` calls a URL a router when ``GET /workers`` lists workers."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await client.get(server.url + "/workers")).status_code == 404

@@ -1,0 +1,216 @@
+"""``agentrl serve`` workers behind the real ``sglang-router`` (the PyPI binary), on loopback:
+the router routes plain ``/generate`` to them and broadcasts ``/flush_cache``; ``SGLangEngine``
+given the router's URL keeps each session on one worker, publishes weights to every healthy
+worker and reads each one's ``weight_version`` back; a worker that dies is left out as the
+router leaves it out. Every process is started here and stopped by its PID. asyncio only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve
+
+from agentrl._types import SamplingParams
+from agentrl.engine import SGLangEngine
+
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio"), pytest.mark.slow]
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
+
+
+@dataclass
+class Fleet:
+    router: str
+    workers: list[str]
+    procs: list[subprocess.Popen[bytes]]
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _listed(router: str) -> dict[str, bool]:
+    workers = httpx.get(router + "/workers", timeout=10).json()["workers"]
+    return {w["url"]: w["is_healthy"] for w in workers}
+
+
+def start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
+    one worker by chance) and a 1 s health check."""
+    port = free_port()
+    cmd = [
+        *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
+        *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
+        *("--health-check-interval-secs", "1", "--health-failure-threshold", "1"),
+        *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sglang-router exited with {proc.returncode}: {log.read_text()}")
+        try:
+            if all(_listed(url).get(w) for w in workers) and len(_listed(url)) == len(workers):
+                return proc, url
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.2)
+    stop_serve(proc)
+    raise RuntimeError(f"sglang-router did not list its workers: {log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    logs = tmp_path_factory.mktemp("fleet")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        workers = []
+        for index in range(3):
+            proc, url = start_serve(tiny_dir, logs / f"worker{index}.log")
+            procs.append(proc)
+            workers.append(url)
+        router, url = start_router(workers, logs / "router.log")
+        procs.append(router)
+        yield Fleet(url, workers, procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                stop_serve(proc)
+
+
+def test_router_routes_generate_and_flush_to_agentrl_workers(fleet: Fleet) -> None:
+    before = [_metric(w, "sglang:num_requests_total") for w in fleet.workers]
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+    }
+    for _ in range(2 * len(fleet.workers)):
+        reply = httpx.post(fleet.router + "/generate", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        meta = reply.json()["meta_info"]
+        assert meta["completion_tokens"] == 3 and len(meta["output_token_logprobs"]) == 3
+    after = [_metric(w, "sglang:num_requests_total") for w in fleet.workers]
+    assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
+    flushed = httpx.post(fleet.router + "/flush_cache", timeout=60)
+    assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == len(fleet.workers)
+    # a flag a worker cannot honour is refused by the worker, through the router, naming it
+    bad = httpx.post(fleet.router + "/generate", json={**body, "return_hidden_states": True})
+    assert bad.status_code == 400 and "return_hidden_states" in bad.text
+
+
+async def test_sessions_stick_to_the_worker_that_holds_their_kv(fleet: Fleet) -> None:
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        sessions = [await engine.open_session() for _ in fleet.workers]
+        contexts = [list(PROMPT) + [100 + i] for i in range(len(sessions))]
+        for turn in range(3):
+            for index, session in enumerate(sessions):
+                result = await engine.generate(contexts[index], greedy, session)
+                if turn > 0:  # everything of the previous turn was held by the same worker
+                    assert result.cached_tokens >= len(contexts[index]) - 1 - 1, result
+                contexts[index] += list(result.token_ids) + [200 + turn]
+        stats = engine.statistics()
+        assert stats.fallbacks == 0 and stats.session_restarts == 0
+        assert stats.session_requests == 2 * len(sessions)
+        # one session per worker: the router's workers, not the router, hold them
+        held = [_metric(w, "agentrl:open_sessions") for w in fleet.workers]
+        for session in sessions:
+            await engine.close_session(session)
+    assert held == [1.0] * len(fleet.workers)
+
+
+async def test_weights_reach_every_worker_with_the_version_checked(
+    fleet: Fleet, tiny_dir: Path, tmp_path: Path
+) -> None:
+    noisy = perturbed_copy(tiny_dir, tmp_path / "noisy")
+    async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        await engine.update_weights(7, str(noisy))
+        assert engine.weight_version == 7
+        for worker in fleet.workers:
+            info = httpx.get(worker + "/get_model_info", timeout=10).json()
+            assert info["weight_version"] == "7", (worker, info)
+        result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
+        assert result.weight_version == 7
+        await engine.update_weights(8, str(tiny_dir))
+    versions = [httpx.get(w + "/get_model_info").json()["weight_version"] for w in fleet.workers]
+    assert versions == ["8"] * len(fleet.workers)
+
+
+async def test_a_worker_added_to_the_router_gets_the_next_weights(
+    fleet: Fleet, tiny_dir: Path, tmp_path: Path
+) -> None:
+    async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        await engine.update_weights(10, str(tiny_dir))
+        proc, late = start_serve(tiny_dir, tmp_path / "late.log")
+        added = None
+        try:
+            added = httpx.post(fleet.router + "/workers", json={"url": late}, timeout=30)
+            assert added.status_code == 202, added.text
+            deadline = time.monotonic() + 30
+            while not _listed(fleet.router).get(late) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _listed(fleet.router).get(late), "the router did not take the worker"
+            await engine.update_weights(11, str(tiny_dir))
+            for worker in [*fleet.workers, late]:
+                info = httpx.get(worker + "/get_model_info", timeout=10).json()
+                assert info["weight_version"] == "11", (worker, info)
+        finally:
+            if added is not None and added.status_code == 202:
+                worker_id = added.json()["worker_id"]
+                assert httpx.delete(f"{fleet.router}/workers/{worker_id}").status_code == 202
+                deadline = time.monotonic() + 30
+                while late in _listed(fleet.router) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            stop_serve(proc)
+
+
+async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
+    fleet: Fleet, tiny_dir: Path
+) -> None:
+    """Runs last: it kills a worker."""
+    dead, proc = fleet.workers[-1], fleet.procs[len(fleet.workers) - 1]
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        sessions = [await engine.open_session() for _ in fleet.workers]  # one on each worker
+        contexts = [list(PROMPT) + [100 + i] for i in range(len(sessions))]
+        for index, session in enumerate(sessions):
+            contexts[index] += list(
+                (await engine.generate(contexts[index], greedy, session)).token_ids
+            )
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _listed(fleet.router).get(dead, False) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _listed(fleet.router).get(dead, False), "the router still lists it healthy"
+        for _ in range(2 * len(fleet.workers)):  # the router routes around it
+            result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
+            assert len(result.token_ids) == 2
+        await engine.update_weights(9, str(tiny_dir))  # every live worker, none left behind
+        assert engine.weight_version == 9 and engine.statistics().workers_skipped == 1
+        for worker in fleet.workers[:-1]:
+            assert httpx.get(worker + "/get_model_info").json()["weight_version"] == "9"
+        # the session whose worker died moves to a live one and goes on from its whole context
+        for index, session in enumerate(sessions):
+            result = await engine.generate(contexts[index] + [7], greedy, session)
+            assert len(result.token_ids) == 2 and result.prompt_tokens == len(contexts[index]) + 1
+        assert engine.statistics().session_moves == 1
+        session = await engine.open_session()  # new sessions go to live workers only
+        result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), session)
+        assert len(result.token_ids) == 2
+        await engine.close_session(session)
