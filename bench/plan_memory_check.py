@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     c = plan["components"]
     between = plan["model_states_bytes"] + c["reduce_bucket"]
     between_used = measured["after_steps"] - measured["baseline"]
-    during = c["activations"] + c["logits"] + c["live_parameters"]
+    during = c["activations"] + c["logits"] + c["live_parameters"] + c["unreduced_gradients"]
     during_used = measured["peak"] - measured["after_steps"]
     print(f"between steps (model states, reduce bucket): predicted {between / 2**30:.2f} GiB, "
           f"measured {between_used / 2**30:.2f} GiB ({between / between_used:.3f}); during a "
-          f"step (activations, logits, live parameters): predicted {during / 2**30:.2f} GiB, "
+          f"step (activations, logits, live parameters, unreduced gradients): predicted "
+          f"{during / 2**30:.2f} GiB, "
           f"measured {during_used / 2**30:.2f} GiB ({during / during_used:.3f})")  # fmt: skip
     parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.items() if v)
     print(f"{args.config.name}: predicted {plan['total_bytes'] / 2**30:.2f} GiB ({parts}), "

@@ -39,6 +39,7 @@ COMPONENTS = (
     "gradients",
     "optimizer",
     "reduce_bucket",
+    "unreduced_gradients",
     "live_parameters",
     "activations",
     "logits",
@@ -252,6 +253,8 @@ def _runtime_buffers(plan: MemoryPlan, shape: ModelShape, s: MemorySettings) -> 
         # gradients pass through DeepSpeed's reduce bucket; it is allocated at
         # reduce_bucket_size elements, of which at most the parameter count is ever written
         comp["reduce_bucket"] = b * min(s.reduce_bucket_size, shape.params)
+        # and each parameter's .grad lives until the bucket it is copied into is reduced
+        comp["unreduced_gradients"] = comp["reduce_bucket"]
     if s.zero == 3:
         # ZeRO-3 keeps gathered (whole) parameters alive during forward and backward, up to
         # stage3_max_live_parameters of them: beyond DeepSpeed's estimators' one layer

@@ -235,7 +235,8 @@ def test_zero3_runtime_buffers_are_counted_beside_the_model_states():
     plan = plan_memory(shape, MemorySettings(zero=3, gpus=8))
     assert plan.components["reduce_bucket"] == 2 * 500_000_000
     assert plan.components["live_parameters"] == 2 * 1_000_000_000
-    assert plan.total_bytes == plan.model_states_bytes + 3 * 10**9
+    assert plan.components["unreduced_gradients"] == 2 * 500_000_000
+    assert plan.total_bytes == plan.model_states_bytes + 4 * 10**9
     offloaded = plan_memory(shape, MemorySettings(zero=3, gpus=8, offload=frozenset({"optimizer"})))
-    assert offloaded.components["reduce_bucket"] == 0
+    assert offloaded.components["reduce_bucket"] == offloaded.components["unreduced_gradients"] == 0
     assert plan_memory(shape, MemorySettings(zero=1)).components["live_parameters"] == 0
