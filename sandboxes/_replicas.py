@@ -15,7 +15,9 @@ whether the request can have run:
   replica was busy, so a caller waits and retries; ``SandboxUnreachable`` when all were down);
 - **anything that may have run** — no answer in time, a connection dropped after the body was
   sent, a 5xx other than ``overloaded``, any other error — is raised to the caller as that
-  request's failure and never sent again, to this replica or another.
+  request's failure and never sent again, to this replica or another. A replica that gave no
+  answer (timeout, dropped connection) is also marked down until a probe answers (each probe
+  bounded by ``probe_timeout_s``), so a hung or dead replica stops taking new requests.
 
 ``run_batch`` splits a batch over the replicas that are up (contiguous parts, one per replica,
 run at once); results keep the batch's order. A part that fails after it may have run comes
@@ -37,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from ._client import SandboxClient, SandboxUnreachable
+from ._client import SandboxClient, SandboxNoAnswer, SandboxUnreachable
 from ._errors import PoolBusy, SandboxError
 from ._types import RunRequest, RunResult
 
@@ -52,7 +54,7 @@ class ReplicaStatistics:
     busy: int = 0
     """Its 429 / 503 ``overloaded`` refusals (nothing ran; the request went elsewhere)."""
     unreachable: int = 0
-    """Connections it refused before a request was sent (it was marked down)."""
+    """Connections it refused, for a request (nothing was sent) or a ``/health`` probe."""
     failures: int = 0
     """Requests that failed after they may have run (reported, never re-sent)."""
     up: bool = True
@@ -88,6 +90,7 @@ class ReplicatedSandbox:
         probe_s: float = 0.5,
         max_probe_s: float = 10.0,
         max_backoff_s: float = 5.0,
+        probe_timeout_s: float = 5.0,
     ) -> None:
         if not clients:
             raise ValueError("ReplicatedSandbox needs at least one client")
@@ -99,6 +102,7 @@ class ReplicatedSandbox:
         self.probe_s = probe_s
         self.max_probe_s = max_probe_s
         self.max_backoff_s = max_backoff_s
+        self.probe_timeout_s = probe_timeout_s
         self._turn = 0
 
     async def refresh(self) -> None:
@@ -122,7 +126,9 @@ class ReplicatedSandbox:
     async def _probe(self, replica: _Replica) -> None:
         replica.probing = True
         try:
-            health = await replica.client.health()
+            health = await replica.client.health(self.probe_timeout_s)
+        except SandboxUnreachable:
+            self._mark_down(replica)
         except Exception:  # noqa: BLE001 — any failure of a probe keeps the replica down
             self._mark_down(replica, counted=False)
         else:
@@ -196,6 +202,10 @@ class ReplicatedSandbox:
                 self._mark_down(replica)
                 last = exc
                 continue
+            except SandboxNoAnswer:  # may have run: never re-sent; the replica is suspect
+                replica.stats.failures += 1
+                self._mark_down(replica, counted=False)  # back when its /health answers
+                raise
             except BaseException:  # may have run: the caller's failure, never re-sent
                 replica.stats.failures += 1
                 raise
