@@ -4,7 +4,8 @@ A spec is what a config's ``sandbox:`` key (or ``agentrl rollout --sandbox``) ho
 
 - ``local`` | ``docker`` | ``gvisor``: an in-process pool of that backend with default options;
 - ``http(s)://HOST:PORT[,HOST:PORT…]``: ``agentrl sandbox serve`` at one or several addresses
-  (requests go to the least busy one; bearer token from ``$AGENTRL_SANDBOX_TOKEN``);
+  (replicas: a ``ReplicatedSandbox`` sends each request to the least loaded one that is up,
+  fails over only what provably did not run; bearer token from ``$AGENTRL_SANDBOX_TOKEN``);
 - a path to a ``PoolConfig`` file (``.json``, ``.yaml`` or ``.yml``);
 - a mapping of the pool's options (a ``PoolConfig``: ``{backend: {type: docker}, size: 8}``).
 
@@ -35,6 +36,7 @@ from agentrl import ConfigError
 from agentrl.sandboxes import (
     PoolBusy,
     PoolConfig,
+    ReplicatedSandbox,
     RunRequest,
     RunResult,
     SandboxClient,
@@ -230,6 +232,12 @@ class MeteredSandbox:
             "sandbox_errors": self.sandbox_errors,
         }
         gauges: dict[str, int] = {}
+        for runner in self.runners:
+            if isinstance(runner, ReplicatedSandbox):
+                for i, replica in enumerate(runner.statistics()):
+                    for key in ("requests", "busy", "unreachable", "failures"):
+                        counts[f"replica{i}/{key}"] = getattr(replica, key)
+                    gauges[f"replica{i}/up"] = int(replica.up)
         if self.pool is not None:
             stats = self.pool.statistics()
             counts.update(recycles=stats.recycles, create_failures=stats.create_failures)
@@ -247,10 +255,12 @@ class SandboxInterval:
 
     counts: dict[str, int]
     """Programs run (``execs``), capacity refusals (``busy_waits``), ``timeouts``,
-    ``sandbox_errors``; with a pool, ``recycles`` and ``create_failures``."""
+    ``sandbox_errors``; with a pool, ``recycles`` and ``create_failures``; with service
+    replicas, ``replica<i>/requests``, ``/busy``, ``/unreachable``, ``/failures`` for the
+    ``i``-th address."""
     gauges: dict[str, int]
-    """A pool's ``in_use``, ``idle``, ``queued`` at the end of the interval (empty for a
-    service)."""
+    """A pool's ``in_use``, ``idle``, ``queued`` at the end of the interval; with service
+    replicas, ``replica<i>/up`` (1 or 0)."""
     exec_s: list[float]
     """Each program's wall time in its sandbox, seconds."""
     request_s: list[float]
@@ -298,13 +308,23 @@ async def open_sandbox_runner(
     with sandbox_errors(f"sandbox {label}"):
         if config is None:
             token = token or os.environ.get(TOKEN_ENV) or None
+            urls = service_urls(str(checked), where)
             async with AsyncExitStack() as stack:
-                clients = []
-                for url in service_urls(str(checked), where):
-                    client = await stack.enter_async_context(SandboxClient(url, token=token))
-                    await client.health()  # fail now, clearly, if a service is not there
-                    clients.append(client)
-                yield MeteredSandbox(clients)
+                if len(urls) == 1:
+                    client = await stack.enter_async_context(SandboxClient(urls[0], token=token))
+                    await client.health()  # fail now, clearly, if the service is not there
+                    yield MeteredSandbox([client])
+                    return
+                # replicas: a refused connection fails over at once (the replica is probed back)
+                clients = [
+                    await stack.enter_async_context(
+                        SandboxClient(url, token=token, connect_retries=0)
+                    )
+                    for url in urls
+                ]
+                replicas = ReplicatedSandbox(clients)
+                await replicas.refresh()  # fail now, clearly, if no replica is there
+                yield MeteredSandbox([replicas])
             return
         if size is not None:
             config = config.model_copy(update={"size": size})

@@ -23,6 +23,8 @@ from ._pool import SandboxPool as SandboxPool
 from ._pool import make_backend as make_backend
 from ._pool import open_sandbox_pool as open_sandbox_pool
 from ._protocol import SandboxRunner as SandboxRunner
+from ._replicas import ReplicaStatistics as ReplicaStatistics
+from ._replicas import ReplicatedSandbox as ReplicatedSandbox
 from ._types import InvalidRequest as InvalidRequest
 from ._types import RunRequest as RunRequest
 from ._types import RunResult as RunResult
@@ -51,6 +53,8 @@ __all__ = [
     "PoolBusy",
     "PoolConfig",
     "PoolStatistics",
+    "ReplicaStatistics",
+    "ReplicatedSandbox",
     "RunRequest",
     "RunResult",
     "SandboxBusy",

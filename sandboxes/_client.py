@@ -146,7 +146,9 @@ class SandboxClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def _timeout(self, program_s: float) -> httpx.Timeout:
+    def _timeout(self, program_s: float, limit_s: float | None = None) -> httpx.Timeout:
+        if limit_s is not None:  # one bound for every phase (a health probe)
+            return httpx.Timeout(limit_s, connect=min(limit_s, self.connect_timeout))
         return httpx.Timeout(
             connect=self.connect_timeout,
             read=self.timeout + program_s,
@@ -154,13 +156,20 @@ class SandboxClient:
             pool=self.timeout,
         )
 
-    async def _send(self, method: str, path: str, body: bytes | None, program_s: float) -> Any:
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        program_s: float,
+        limit_s: float | None = None,
+    ) -> Any:
         connect_failures = 0
         busy_retries = 0
         while True:
             try:
                 response = await self._http.request(
-                    method, path, content=body, timeout=self._timeout(program_s)
+                    method, path, content=body, timeout=self._timeout(program_s, limit_s)
                 )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # nothing was sent: safe to retry, with backoff and a bound
@@ -241,9 +250,10 @@ class SandboxClient:
             )
         return results
 
-    async def health(self) -> dict[str, Any]:
-        """Backend, pool statistics, limits and guarantees."""
-        response = await self._send("GET", "/health", None, 0.0)
+    async def health(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Backend, pool statistics, limits and guarantees; ``timeout_s`` bounds each phase
+        (default: the client's timeouts)."""
+        response = await self._send("GET", "/health", None, 0.0, timeout_s)
         _raise_for_status(response)
         return response.json()
 

@@ -1,6 +1,6 @@
 """The run's sandbox from a spec with several service addresses: requests spread over the
-services (the least busy first), each service's own statistics count what it ran, and the
-metered runner's interval counts every program once."""
+services (the least loaded first), each service's own statistics count what it ran, and the
+metered runner's interval counts every program once and what each replica answered."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ async def test_several_service_addresses_share_the_work(tmp_path):
 async def _spread(spec: str, urls: list[str]) -> None:
     slow = RunRequest(language="python", code="import time; time.sleep(0.3); print(7)")
     async with open_sandbox_runner(spec) as runner:
-        assert [c.base_url for c in runner.runners] == urls
+        (replicas,) = runner.runners
+        assert [r.client.base_url for r in replicas.replicas] == urls
         lease = SandboxLease(runner, env_id="x-v0")
         results = []
 
@@ -53,3 +54,6 @@ async def _spread(spec: str, urls: list[str]) -> None:
     assert execs[0] >= 1 and execs[1] >= 1 and sum(execs) == 4, execs
     assert interval.counts["execs"] == 4 and len(interval.exec_s) == 4
     assert interval.counts["busy_waits"] == lease.busy_waits
+    # per replica: what each answered, and that both are up
+    assert [interval.counts[f"replica{i}/requests"] for i in (0, 1)] == execs
+    assert interval.gauges == {"replica0/up": 1, "replica1/up": 1}
