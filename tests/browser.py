@@ -25,6 +25,8 @@ class PageVisit:
     errors: list[str] = field(default_factory=list)
     """console.error calls, uncaught exceptions and error log entries, in order."""
     screenshot: Path | None = None
+    requests: list[str] = field(default_factory=list)
+    """Every URL the page asked for (the page itself included)."""
 
 
 class _Session:
@@ -32,6 +34,7 @@ class _Session:
         self.ws, self.ids = ws, itertools.count(1)
         self.errors: list[str] = []
         self.events: list[str] = []
+        self.requests: list[str] = []
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
         ident = next(self.ids)
@@ -51,7 +54,9 @@ class _Session:
     def _event(self, message: dict[str, Any]) -> None:
         method, params = message.get("method"), message.get("params", {})
         self.events.append(method)
-        if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+        if method == "Network.requestWillBeSent":
+            self.requests.append(params["request"]["url"])
+        elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
             args = [a.get("value", a.get("description")) for a in params.get("args", [])]
             self.errors.append("console: " + " ".join(map(str, args)))
         elif method == "Runtime.exceptionThrown":
@@ -70,7 +75,7 @@ async def _visit(port: int, page: Path, expression: str, shot: Path | None) -> P
         url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
         async with http.ws_connect(url, max_msg_size=0) as ws:
             s = _Session(ws)
-            for domain in ("Runtime", "Log", "Page"):
+            for domain in ("Runtime", "Log", "Page", "Network"):
                 await s.call(f"{domain}.enable")
             await s.call("Page.navigate", url=page.resolve().as_uri())
             await s.wait_event("Page.loadEventFired")
@@ -80,6 +85,7 @@ async def _visit(port: int, page: Path, expression: str, shot: Path | None) -> P
             if "exceptionDetails" in result:
                 s.errors.append(f"evaluate: {result['exceptionDetails']}")
             visit = PageVisit(result.get("result", {}).get("value"), s.errors)
+            visit.requests = s.requests
             if shot is not None:
                 size = (await s.call("Page.getLayoutMetrics"))["cssContentSize"]
                 clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"]}
