@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl._errors import ConfigError
+
 from ._panels import Panel, build_panels
 from ._read import RunData, load_run
 
@@ -48,9 +50,23 @@ _DRAW = """
 def plotly_js() -> tuple[str, str]:
     """plotly.js (minified, from the ``plotly`` package: the ``dashboard`` extra) and its
     version."""
+    import importlib.util
     from importlib import resources
 
-    source = (resources.files("plotly") / "package_data" / "plotly.min.js").read_text("utf-8")
+    try:
+        found = importlib.util.find_spec("plotly") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        found = False
+    if not found:
+        raise ConfigError(
+            "agentrl dashboard needs plotly (its plotly.js bundle goes into the page), which "
+            "is not installed: pip install 'agentrl[dashboard]'"
+        )
+    try:
+        bundle = resources.files("plotly") / "package_data" / "plotly.min.js"
+        source = bundle.read_text("utf-8")
+    except (OSError, ImportError) as exc:
+        raise ConfigError(f"cannot read plotly.js from the plotly package: {exc}") from None
     head = source[:200].split("plotly.js v", 1)
     version = head[1].split()[0] if len(head) == 2 else "unknown"
     return source.replace("</script", "<\\/script"), version

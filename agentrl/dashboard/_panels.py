@@ -212,7 +212,8 @@ def _tools(run: RunData) -> list[Trace]:
 
 
 def _y2(title: str, **kw: Any) -> dict[str, Any]:
-    return {"yaxis2": {"title": {"text": title}, "overlaying": "y", "side": "right", **kw}}
+    axis = {"title": {"text": title}, "overlaying": "y", "side": "right", "showgrid": False}
+    return {"yaxis2": {**axis, "tickmode": "auto", **kw}}  # its own ticks, not the left's
 
 
 def _specs() -> list[_Spec]:

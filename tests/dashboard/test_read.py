@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +166,10 @@ def test_values_that_are_not_numbers_are_left_out(tmp_path):
     panel = next(p for p in build_panels([load_run(run)]) if p.id == "kl_entropy")
     assert [(t["x"], t["y"]) for t in panel.traces] == [([3], [2])]
     assert math.isfinite(panel.traces[0]["y"][0])
+
+
+def test_without_plotly_the_command_names_the_extra(tmp_path, rng, monkeypatch, capsys):
+    run, _ = make_run(tmp_path, rng)
+    monkeypatch.setitem(sys.modules, "plotly", None)  # import of plotly fails
+    assert main(["dashboard", str(run)]) == 2
+    assert "pip install 'agentrl[dashboard]'" in capsys.readouterr().err
