@@ -19,6 +19,7 @@ COMMAND_EXTRAS = {
     "train": "train",
     "eval": "train",
     "export": "train",
+    "dashboard": "dashboard",
 }
 """The extra a command is documented with, preferred when several extras hold the module."""
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")

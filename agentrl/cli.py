@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="what this host can do")
     sub.add_parser("plan", help="size a run: 'plan memory --model 7B ...', 'plan capacity ...'")
     sub.add_parser(
+        "dashboard", help="write a run's interactive page: 'dashboard RUN [--compare RUN2]'"
+    )
+    sub.add_parser(
         "serve", help="serve a model over SGLang's HTTP API subset (agentrl serve --help)"
     )
     sub.add_parser(  # its options live with the sandboxes package (main() hands it argv)
@@ -575,7 +578,13 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
-DELEGATED = {"serve": _serve, "sandbox": _sandbox, "plan": _plan}
+def _dashboard(argv: list[str]) -> int:
+    from .dashboard._cli import main as dashboard_main
+
+    return dashboard_main(argv)
+
+
+DELEGATED = {"serve": _serve, "sandbox": _sandbox, "plan": _plan, "dashboard": _dashboard}
 """Commands whose options live with their package (the server's import loads torch and aiohttp;
 the sandboxes package runs on its own): they get the rest of argv as it is."""
 

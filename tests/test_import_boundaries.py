@@ -115,7 +115,8 @@ def package_of(module: str) -> str:
     sub = parts[1] if len(parts) > 1 else ""
     if sub in ("envs", "sandboxes", "kernels", "trainer", "engine"):
         return sub
-    if sub in ("loop", "cli", "docs", "plan"):  # plan reads the algorithm table and run ledgers
+    # plan reads the algorithm table and run ledgers; dashboard reads run folders
+    if sub in ("loop", "cli", "docs", "plan", "dashboard"):
         return "root"
     return "core"
 

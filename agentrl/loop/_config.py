@@ -128,6 +128,11 @@ class LoggingSection(_Section):
     """Seconds between the runtime's interval records (``runtime.jsonl`` and TensorBoard's
     ``runtime/``: tokens generated and trained, buffer backlog, in-flight groups, version lag,
     idle fractions); 0: per step only."""
+    dashboard_every_steps: int = pydantic.Field(0, ge=0)
+    """Rewrite OUT/dashboard.html (the run's interactive page, as ``agentrl dashboard OUT``
+    writes it) after every N steps and after the last one; 0: only on demand. Needs the
+    ``dashboard`` extra (plotly). Each rewrite reads the run files in a worker thread, so its
+    cost grows with ``trajectories.jsonl``: pick N so it stays small beside a step."""
 
 
 class ServerSection(_Section):

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
+
+from agentrl._errors import ConfigError
 from agentrl._types import Trajectory, TrajectoryWriter
 
 from ._ledger import Ledger, StepProgress
@@ -16,6 +21,13 @@ from ._ledger import Ledger, StepProgress
 
 class RunFiles:
     def __init__(self, cfg: Any, out: Path, step: int, purge_step: int | None) -> None:
+        self.out = out
+        self.dashboard_every = cfg.logging.dashboard_every_steps
+        if self.dashboard_every and importlib.util.find_spec("plotly") is None:
+            raise ConfigError(
+                "logging.dashboard_every_steps needs plotly, which is not installed: "
+                "pip install 'agentrl[dashboard]'"
+            )
         self.keep_trajectories = cfg.logging.trajectories
         self.trajectories = TrajectoryWriter(str(out / "trajectories.jsonl"))
         self.eval_trajectories = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
@@ -45,6 +57,18 @@ class RunFiles:
                 for lag, count in value.items():
                     tb.add_scalar(f"runtime/version_lag_{lag}", count, second)
         tb.flush()
+
+    async def dashboard(self, step: int, *, last: bool) -> None:
+        """Rewrite OUT/dashboard.html when ``logging.dashboard_every_steps`` says so (and after
+        the last step). A page that cannot be written is reported, never fatal to the run."""
+        if not self.dashboard_every or (step % self.dashboard_every and not last):
+            return
+        from agentrl.dashboard import write_dashboard
+
+        try:
+            await anyio.to_thread.run_sync(write_dashboard, self.out)
+        except Exception as exc:  # the run's files stay the record; the page is a view of them
+            print(f"agentrl: dashboard not written after step {step}: {exc}", file=sys.stderr)
 
     def close(self) -> None:
         self.trajectories.close()

@@ -357,6 +357,8 @@ class _Runtime:
         record["step_s"] = time.perf_counter() - started
         with anyio.CancelScope(shield=True):
             self._commit(step, data, record)
+        if self.files is not None:
+            await self.files.dashboard(step, last=step == self.cfg.train.max_steps)
 
     def _runtime_fields(self, data: Any, version: int, published: dict[str, Any]) -> dict[str, Any]:
         fields: dict[str, Any] = {"learner_version": version}

@@ -1,0 +1,390 @@
+"""The dashboard's panels: which run fields each one plots, as plotly.js figures (plain
+traces and layouts; the page draws them). A panel whose fields this run never wrote carries
+the reason instead of an empty plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._read import RunData
+
+Trace = dict[str, Any]
+DASHES = ("solid", "dash", "dot", "dashdot")
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+@dataclass
+class Panel:
+    id: str
+    title: str
+    traces: list[Trace]
+    layout: dict[str, Any]
+    missing: str | None = None
+    """Why there is no plot: the fields looked for that no run wrote."""
+    note: str = ""
+
+
+@dataclass
+class _Spec:
+    id: str
+    title: str
+    traces: Callable[[RunData], list[Trace]]
+    looked_for: str
+    """What the panel reads, for the message when no run has it."""
+    layout: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def series(rows: Iterable[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """The (x, y) points of the rows where both fields are finite numbers."""
+    xs, ys = [], []
+    for row in rows:
+        px, py = _number(row.get(x)), _number(row.get(y))
+        if px is not None and py is not None:
+            xs.append(px)
+            ys.append(py)
+    return xs, ys
+
+
+def _line(rows: list[dict[str, Any]], x: str, y: str, name: str | None = None, **kw: Any):
+    xs, ys = series(rows, x, y)
+    if not xs:
+        return []
+    return [{"type": "scatter", "mode": "lines+markers", "name": name or y, "x": xs, "y": ys, **kw}]
+
+
+def _lines(rows: list[dict[str, Any]], x: str, names: dict[str, str], **kw: Any) -> list[Trace]:
+    return [t for key, name in names.items() for t in _line(rows, x, key, name, **kw)]
+
+
+def _ledger(*keys: str, names: dict[str, str] | None = None, y2: Iterable[str] = ()):
+    """Ledger fields against the step; ``y2``: those drawn on the right-hand axis."""
+    right = set(y2)
+
+    def traces(run: RunData) -> list[Trace]:
+        out = []
+        for key in keys:
+            extra = {"yaxis": "y2"} if key in right else {}
+            out += _line(run.ledger, "step", key, (names or {}).get(key, key), **extra)
+        return out
+
+    return traces
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default) of a non-empty list."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def reward_quantiles(run: RunData) -> dict[float, tuple[list[int], list[float]]]:
+    """Per quantile, the steps and that quantile of each step's trajectory rewards."""
+    steps = sorted(s for s, r in run.steps.items() if r.rewards)
+    return {q: (steps, [quantile(run.steps[s].rewards, q) for s in steps]) for q in QUANTILES}
+
+
+def _reward(run: RunData) -> list[Trace]:
+    out: list[Trace] = []
+    quantiles = reward_quantiles(run)
+    steps, low = quantiles[QUANTILES[0]]
+    if steps:
+        _, high = quantiles[QUANTILES[-1]]
+        _, median = quantiles[0.5]
+        band = {"type": "scatter", "mode": "lines", "x": steps, "line": {"width": 0}}
+        out.append({**band, "name": "p10", "y": low, "showlegend": False})
+        out.append({**band, "name": "p10–p90", "y": high, "fill": "tonexty"})
+        out.append({"type": "scatter", "mode": "lines", "name": "median", "x": steps, "y": median})
+    out += _line(run.ledger, "step", "reward_mean", "mean")
+    out += _line(run.ledger, "step", "pass_rate", "pass rate")
+    return out
+
+
+def _breakdown(run: RunData) -> list[Trace]:
+    keys = sorted({k for row in run.ledger for k in row if k.startswith("reward/")})
+    return [t for k in keys for t in _line(run.ledger, "step", k, k.removeprefix("reward/"))]
+
+
+def _eval(run: RunData) -> list[Trace]:
+    keys = ["eval_reward_mean", "eval_pass_rate"]
+    keys += sorted({k for row in run.ledger for k in row if k.startswith("eval_reward/")})
+    return [t for k in keys for t in _line(run.ledger, "step", k, k.removeprefix("eval_"))]
+
+
+def _runtime(*keys: str, names: dict[str, str] | None = None):
+    def traces(run: RunData) -> list[Trace]:
+        return _lines(run.runtime, "time_s", {k: (names or {}).get(k, k) for k in keys})
+
+    return traces
+
+
+def _backlog(run: RunData) -> list[Trace]:
+    keys = {"buffer_backlog": "backlog (groups)", "in_flight_groups": "in flight (groups)"}
+    return _lines(run.runtime, "time_s", keys) or _lines(run.ledger, "step", keys)
+
+
+def lag_histogram(run: RunData) -> dict[int, float]:
+    """Groups consumed at each version lag over the run (the steps' windows summed; the
+    interval records' when the ledger has none)."""
+    for rows in (run.ledger, run.runtime):
+        total: dict[int, float] = {}
+        for row in rows:
+            hist = row.get("version_lag_hist")
+            if not isinstance(hist, dict):
+                continue
+            for lag, count in hist.items():
+                n = _number(count)
+                try:
+                    total[int(lag)] = total.get(int(lag), 0.0) + (n or 0.0)
+                except ValueError:
+                    continue
+        if total:
+            return dict(sorted(total.items()))
+    return {}
+
+
+def _lag(run: RunData) -> list[Trace]:
+    hist = lag_histogram(run)
+    if not hist:
+        return []
+    return [{"type": "bar", "name": "groups", "x": list(hist), "y": list(hist.values())}]
+
+
+STEP_TIME = {
+    "rollout_s": "rollout (waiting for groups)",
+    "reference_s": "reference",
+    "logprob_s": "logprob",
+    "update_s": "update",
+    "publish_s": "publish",
+    "checkpoint_s": "checkpoint",
+    "eval_s": "evaluation",
+}
+
+
+def _step_time(run: RunData) -> list[Trace]:
+    out: list[Trace] = []
+    rows = [r for r in run.ledger if "step_s" in r]  # training steps (not the step-0 eval)
+    for key, name in STEP_TIME.items():
+        out += _line(rows, "step", key, name, mode="lines", stackgroup="{run}")
+    out += _line(rows, "step", "step_s", "step (total)", line={"color": "black", "dash": "dot"})
+    return out
+
+
+def _termination(run: RunData) -> list[Trace]:
+    reasons = sorted(
+        {k for r in run.ledger if isinstance(r.get("termination"), dict) for k in r["termination"]}
+    )
+    out: list[Trace] = []
+    rows = [r for r in run.ledger if isinstance(r.get("termination"), dict)]
+    for reason in reasons:
+        flat = [{"step": r.get("step"), "n": r["termination"].get(reason, 0)} for r in rows]
+        out += _line(flat, "step", "n", reason, mode="lines", stackgroup="{run}")
+    return out
+
+
+def _tools(run: RunData) -> list[Trace]:
+    out = _ledger(
+        "tool_calls_per_trajectory",
+        "tool_errors_per_trajectory",
+        names={
+            "tool_calls_per_trajectory": "calls / trajectory",
+            "tool_errors_per_trajectory": "errors / trajectory",
+        },
+    )(run)
+    valid = []
+    for row in run.ledger:
+        calls = _number(row.get("tool_calls_per_trajectory"))
+        errors = _number(row.get("tool_errors_per_trajectory"))
+        if calls and errors is not None:
+            valid.append({"step": row.get("step"), "v": max(0.0, 1.0 - errors / calls)})
+    return out + _line(valid, "step", "v", "valid fraction of calls", yaxis="y2")
+
+
+def _y2(title: str, **kw: Any) -> dict[str, Any]:
+    axis = {"title": {"text": title}, "overlaying": "y", "side": "right", "showgrid": False}
+    return {"yaxis2": {**axis, "tickmode": "auto", **kw}}  # its own ticks, not the left's
+
+
+def _specs() -> list[_Spec]:
+    step = {"xaxis": {"title": {"text": "step"}}}
+    time = {"xaxis": {"title": {"text": "seconds since start"}}}
+    sandbox_failures = ("timeouts", "sandbox_errors", "create_failures", "recycles", "busy_waits")
+    return [
+        _Spec(
+            "reward",
+            "Reward (training trajectories)",
+            _reward,
+            "reward_mean in ledger.jsonl, rewards in trajectories.jsonl",
+            step,
+            "Band: 10th–90th percentile of each step's trajectory rewards.",
+        ),
+        _Spec("reward_breakdown", "Reward breakdown", _breakdown, "reward/<key> fields", step),
+        _Spec("eval", "Held-out evaluation", _eval, "eval_* fields (eval.every_steps)", step),
+        _Spec(
+            "kl_entropy",
+            "KL and entropy",
+            _ledger("kl", "approx_kl", "kl_loss", "entropy", y2=("entropy",)),
+            "kl, approx_kl, entropy",
+            {**step, **_y2("entropy (nats)")},
+        ),
+        _Spec(
+            "clip",
+            "Clip fractions",
+            _ledger(
+                "clip_fraction", "clip_fraction_low", "clip_fraction_high", "tis_clip_fraction"
+            ),
+            "clip_fraction*",
+            step,
+        ),
+        _Spec(
+            "mismatch",
+            "Rollout ↔ trainer logprob mismatch",
+            _ledger("mismatch_abs_mean", "mismatch_abs_max", "mismatch_kl"),
+            "mismatch_* fields",
+            {**step, "yaxis": {"type": "log", "exponentformat": "e"}},
+            "Sampled logprobs against the learner's recomputation of the same tokens (log scale).",
+        ),
+        _Spec(
+            "tokens_interval",
+            "Tokens per interval",
+            _runtime(
+                "generated_tokens",
+                "trained_tokens",
+                names={"generated_tokens": "generated", "trained_tokens": "trained"},
+            ),
+            "runtime.jsonl (logging.interval_s > 0)",
+            time,
+        ),
+        _Spec(
+            "tokens_step",
+            "Tokens per step",
+            _ledger(
+                "gen_tokens",
+                "learner_tokens",
+                "gen_tokens_per_s",
+                "learner_tokens_per_s",
+                y2=("gen_tokens_per_s", "learner_tokens_per_s"),
+            ),
+            "gen_tokens, learner_tokens",
+            {**step, **_y2("tokens/s")},
+        ),
+        _Spec("backlog", "Buffer backlog", _backlog, "buffer_backlog, in_flight_groups", time),
+        _Spec(
+            "version_lag",
+            "Version lag of consumed groups",
+            _lag,
+            "version_lag_hist",
+            {"xaxis": {"title": {"text": "versions behind"}, "dtick": 1}, "barmode": "group"},
+        ),
+        _Spec(
+            "discarded",
+            "Discarded and failed samples",
+            _ledger(
+                "groups_stale",
+                "groups_dropped",
+                "groups_timed_out",
+                "groups_surplus",
+                "groups_filtered",
+                "errors",
+                names={"errors": "failed trajectories"},
+            ),
+            "groups_stale, groups_dropped, groups_timed_out, errors",
+            step,
+        ),
+        _Spec(
+            "step_time",
+            "Step time split (seconds)",
+            _step_time,
+            "step_s, rollout_s, update_s, publish_s",
+            step,
+        ),
+        _Spec(
+            "publish",
+            "Weight publication",
+            _ledger("publish_s", "gather_s", "publish_bytes", y2=("publish_bytes",)),
+            "publish_s, publish_bytes",
+            {**step, **_y2("bytes")},
+        ),
+        _Spec(
+            "sandbox_latency",
+            "Sandbox execution latency (seconds)",
+            _ledger(
+                "sandbox/exec_s_p50",
+                "sandbox/exec_s_p99",
+                "sandbox/request_s_p50",
+                "sandbox/request_s_p99",
+            ),
+            "sandbox/* fields (environments that run code)",
+            step,
+        ),
+        _Spec(
+            "sandbox_failures",
+            "Sandbox executions and failures",
+            _ledger(
+                "sandbox/execs", *(f"sandbox/{k}" for k in sandbox_failures), y2=("sandbox/execs",)
+            ),
+            "sandbox/* fields (environments that run code)",
+            {**step, **_y2("executions")},
+        ),
+        _Spec(
+            "tools",
+            "Tool calls",
+            _tools,
+            "tool_calls_per_trajectory",
+            {**step, **_y2("valid fraction", range=[0, 1.05])},
+        ),
+        _Spec(
+            "termination",
+            "Termination reasons (trajectories)",
+            _termination,
+            "termination",
+            step,
+        ),
+        _Spec(
+            "idle",
+            "Idle fractions",
+            _ledger("actor_idle_fraction", "learner_idle_fraction"),
+            "actor_idle_fraction, learner_idle_fraction",
+            {**step, "yaxis": {"range": [0, 1.05]}},
+        ),
+    ]
+
+
+def build_panels(runs: list[RunData]) -> list[Panel]:
+    """Every panel for ``runs`` (several: overlaid, each run's traces named after it and drawn
+    with its own dash)."""
+    panels = []
+    for spec in _specs():
+        traces: list[Trace] = []
+        for index, run in enumerate(runs):
+            for trace in spec.traces(run):
+                if trace.get("stackgroup") == "{run}":
+                    trace["stackgroup"] = f"run{index}"
+                if len(runs) > 1:
+                    trace["name"] = f"{trace['name']} · {run.name}"
+                    trace["legendgroup"] = f"run{index}"
+                    if trace["type"] == "scatter":
+                        trace["line"] = {**trace.get("line", {}), "dash": DASHES[index % 4]}
+                traces.append(trace)
+        layout = {
+            "margin": {"l": 55, "r": 55, "t": 10, "b": 45},
+            "legend": {"orientation": "h", "y": -0.25},
+            "hovermode": "x unified",
+            **spec.layout,
+        }
+        missing = None
+        if not traces:
+            missing = f"No data in this run: it wrote no {spec.looked_for}."
+        panels.append(Panel(spec.id, spec.title, traces, layout, missing, spec.note))
+    return panels

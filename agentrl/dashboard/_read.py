@@ -1,0 +1,159 @@
+"""Reading a run folder for the dashboard: the step ledger, the runtime's interval records,
+and a per-step summary of the trajectories. Lines that do not parse (a torn last line of a
+killed run, a corrupted record) are skipped and counted, never fatal."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentrl._errors import ConfigError
+
+RUN_FILES = ("ledger.jsonl", "runtime.jsonl", "trajectories.jsonl")
+
+
+class _TrajectorySummary(msgspec.Struct):
+    """The few fields of a trajectory line the dashboard reads (the rest are skipped unparsed
+    into objects: token ids and logprobs stay out of memory)."""
+
+    reward: float | None = None
+    termination_reason: str | None = None
+    status: str | None = None
+    tool_calls: list[Any] = msgspec.field(default_factory=list)
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_TRAJECTORY = msgspec.json.Decoder(_TrajectorySummary)
+
+
+@dataclass
+class StepRewards:
+    """The rewards of one step's trajectories (every fate) and how they ended."""
+
+    rewards: list[float] = field(default_factory=list)
+    fates: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RunData:
+    """What one run folder holds, as the dashboard reads it."""
+
+    path: Path
+    name: str
+    ledger: list[dict[str, Any]]
+    """One record per line of ``ledger.jsonl`` (training steps and evaluation rows)."""
+    runtime: list[dict[str, Any]]
+    """The runtime's interval records (``runtime.jsonl``), in time order."""
+    steps: dict[int, StepRewards]
+    """Per step, from ``trajectories.jsonl`` (each trajectory's ``info.step``)."""
+    skipped: dict[str, int]
+    """Per file: lines that did not parse and were skipped."""
+    config: dict[str, Any]
+    """The run's ``config.yaml`` (empty when missing or unreadable)."""
+
+
+def _finite(value: Any) -> Any:
+    """JSON's NaN/Infinity extensions become None (the page's JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSONL file, and how many non-blank lines were not one."""
+    if not path.is_file():
+        return [], 0
+    rows: list[dict[str, Any]] = []
+    bad = 0
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except ValueError:  # torn or corrupted (bad UTF-8 included)
+                bad += 1
+                continue
+            if not isinstance(row, dict):
+                bad += 1
+                continue
+            rows.append(_finite(row))
+    return rows, bad
+
+
+def read_step_rewards(path: Path) -> tuple[dict[int, StepRewards], int]:
+    """Per step, the rewards and fates of its trajectories; and the lines skipped."""
+    steps: dict[int, StepRewards] = {}
+    bad = 0
+    if not path.is_file():
+        return steps, 0
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                traj = _TRAJECTORY.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                bad += 1
+                continue
+            try:
+                step = int(traj.info.get("step"))  # written as text by the learner role
+            except (TypeError, ValueError):
+                continue  # not a training trajectory of a step (e.g. written by `rollout`)
+            into = steps.setdefault(step, StepRewards())
+            if traj.reward is not None and math.isfinite(traj.reward):
+                into.rewards.append(traj.reward)
+            fate = str(traj.info.get("fate") or "unknown")
+            into.fates[fate] = into.fates.get(fate, 0) + 1
+    return steps, bad
+
+
+def _config(run: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        config = yaml.safe_load((run / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def load_run(path: str | Path, name: str | None = None) -> RunData:
+    """Read the run folder ``path``; a folder that is missing or holds none of the run files
+    is a ``ConfigError`` naming it."""
+    run = Path(path)
+    if not run.is_dir():
+        what = "is not a folder" if run.exists() else "does not exist"
+        raise ConfigError(f"run folder {str(run)!r} {what}")
+    if not any((run / f).is_file() for f in RUN_FILES):
+        raise ConfigError(
+            f"run folder {str(run)!r} holds none of {', '.join(RUN_FILES)}: not a training "
+            "run's output folder (agentrl train --out)"
+        )
+    ledger, bad_ledger = read_records(run / "ledger.jsonl")
+    runtime, bad_runtime = read_records(run / "runtime.jsonl")
+    runtime.sort(key=lambda r: r["time_s"] if isinstance(r.get("time_s"), int | float) else 0)
+    steps, bad_trajectories = read_step_rewards(run / "trajectories.jsonl")
+    skipped = {
+        "ledger.jsonl": bad_ledger,
+        "runtime.jsonl": bad_runtime,
+        "trajectories.jsonl": bad_trajectories,
+    }
+    return RunData(
+        path=run,
+        name=name or run.resolve().name,
+        ledger=ledger,
+        runtime=runtime,
+        steps=steps,
+        skipped={k: v for k, v in skipped.items() if v},
+        config=_config(run),
+    )

@@ -1,0 +1,109 @@
+"""The dashboard of a real (tiny) training run, drawn by Debian's headless Chromium: every
+panel with data has its plot, the others say why not, no console errors, nothing fetched
+from the network, and a screenshot of the page in the test's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from browser import visit
+
+from agentrl.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+PANELS = """window.agentrlDashboard.then(() => Array.from(
+  document.querySelectorAll("section.panel")).map(s => ({
+    id: s.dataset.panel, data: s.dataset.hasData === "true", drawn: s.dataset.drawn === "true",
+    traces: s.querySelectorAll(".plot g.trace").length,
+    svg: s.querySelectorAll(".plot svg.main-svg").length,
+    empty: (s.querySelector(".no-data") || {}).textContent || null})))"""
+# what an async run of vowels-v0 writes (a plain float reward, no tool runs, no sandbox)
+WITH_DATA = {
+    "reward", "eval", "kl_entropy", "clip", "mismatch", "tokens_interval", "tokens_step",
+    "backlog", "version_lag", "discarded", "step_time", "publish", "tools", "termination", "idle",
+}  # fmt: skip
+WITHOUT_DATA = {"reward_breakdown", "sandbox_latency", "sandbox_failures"}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A 4-step async run that rewrites its dashboard every 2 steps."""
+    root = tmp_path_factory.mktemp("dashboard-run")
+    config = {
+        "model": "tiny-random",
+        "env": "vowels_env:vowels-v0",
+        "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 2},
+        "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
+        "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256,
+                  "mode": "async", "max_version_lag": 1},
+        "eval": {"every_steps": 2, "num_tasks": 2},
+        "checkpoint": {"every_steps": 0, "at_end": False},
+        "logging": {"tensorboard": False, "interval_s": 0.3, "dashboard_every_steps": 2},
+    }  # fmt: skip
+    (root / "c.yaml").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "trainer")}
+    run = root / "run"
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--config", str(root / "c.yaml")]
+    subprocess.run([*cmd, "--out", str(run)], env=env, check=True, timeout=600)
+    return run
+
+
+def _check_page(chromium: str, page: Path, shot: Path) -> list[dict]:
+    seen = visit(chromium, page, PANELS, screenshot=shot)
+    print(f"dashboard screenshot: {seen.screenshot}")
+    assert seen.errors == []
+    assert all(url.startswith(("file:", "data:", "blob:")) for url in seen.requests), seen.requests
+    assert shot.stat().st_size > 50_000  # a page of plots, not a blank one
+    for panel in seen.value:
+        if panel["data"]:
+            assert panel["drawn"] and panel["svg"] >= 1 and panel["traces"] >= 1, panel
+        else:
+            assert panel["empty"].startswith("No data in this run"), panel
+            assert panel["svg"] == 0, panel
+    return seen.value
+
+
+@pytest.mark.slow
+def test_the_trainer_writes_a_dashboard_chromium_draws(
+    trained_run, chromium, tmp_path, record_property
+):
+    page = trained_run / "dashboard.html"
+    assert "4 steps" in page.read_text()  # rewritten after the last step
+    shot = tmp_path / "dashboard.png"
+    record_property("screenshot", str(shot))
+    panels = {p["id"]: p for p in _check_page(chromium, page, shot)}
+    drawn = {k for k, p in panels.items() if p["data"]}
+    assert drawn == WITH_DATA and set(panels) - drawn == WITHOUT_DATA
+
+
+def test_the_browser_harness_reports_console_errors_and_exceptions(chromium, tmp_path):
+    page = tmp_path / "bad.html"
+    page.write_text(
+        "<!DOCTYPE html><html><body><script>console.error('drawn badly');"
+        "window.agentrlDashboard = Promise.resolve(1); null.x;</script></body></html>"
+    )
+    seen = visit(chromium, page, "window.agentrlDashboard")
+    assert seen.value == 1
+    assert seen.errors[0] == "console: drawn badly" and "TypeError" in seen.errors[1]
+
+
+@pytest.mark.slow
+def test_compare_overlays_two_runs_in_chromium(trained_run, chromium, tmp_path, record_property):
+    other = tmp_path / "shorter"
+    shutil.copytree(trained_run, other)
+    lines = (other / "ledger.jsonl").read_text().splitlines()
+    (other / "ledger.jsonl").write_text("\n".join(lines[:2]) + '\n{"step": 3, "to')  # torn
+    out = tmp_path / "compare.html"
+    argv = ["dashboard", str(trained_run), "--compare", str(other), "--out", str(out)]
+    assert main(argv) == 0
+    assert "shorter/ledger.jsonl: 1 unreadable line skipped" in out.read_text()
+    shot = tmp_path / "compare.png"
+    record_property("screenshot", str(shot))
+    panels = {p["id"]: p for p in _check_page(chromium, out, shot)}
+    assert panels["step_time"]["traces"] > 8  # both runs' splits

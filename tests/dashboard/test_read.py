@@ -1,0 +1,175 @@
+"""The dashboard's data extraction from run files: what each panel plots, the quantiles
+against numpy's, unreadable lines skipped and counted, and the page's safety and self-
+containment (no network at view time, no markup from the data)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agentrl.cli import main
+from agentrl.dashboard import build_panels, load_run, render, write_dashboard
+from agentrl.dashboard._panels import lag_histogram, reward_quantiles
+
+
+def _write(path: Path, lines: list[str | bytes]) -> None:
+    with path.open("wb") as fh:
+        for line in lines:
+            fh.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+
+
+def _trajectory(step: int, reward: float | None, fate: str = "trained") -> str:
+    return json.dumps(
+        {
+            "id": f"t{step}",
+            "reward": reward,
+            "termination_reason": "stop",
+            "token_ids": list(range(50)),
+            "info": {"fate": fate, "step": str(step)},
+        }
+    )
+
+
+def make_run(root: Path, rng, steps: int = 4) -> tuple[Path, dict[int, list[float]]]:
+    run = root / "run"
+    run.mkdir()
+    ledger, trajectories, rewards = [], [], {}
+    for step in range(1, steps + 1):
+        ledger.append(
+            json.dumps(
+                {
+                    "step": step,
+                    "step_s": 1.0 + step,
+                    "rollout_s": 0.5,
+                    "update_s": 0.4,
+                    "reward_mean": 0.1 * step,
+                    "reward/format": 0.5,
+                    "kl": float("nan") if step == 2 else 0.01 * step,  # NaN: written by json
+                    "termination": {"stop": 3, "max_tokens": step},
+                    "version_lag_hist": {"0": 2, "1": step},
+                    "tool_calls_per_trajectory": 2.0,
+                    "tool_errors_per_trajectory": 0.5,
+                }
+            )
+        )
+        rewards[step] = [rng.random() for _ in range(rng.randrange(1, 9))]
+        trajectories += [_trajectory(step, r) for r in rewards[step]]
+    trajectories.append(_trajectory(1, None, fate="failed"))  # no reward: counted as a fate
+    ledger.insert(0, json.dumps({"step": 0, "eval_reward_mean": 0.25}))
+    _write(run / "ledger.jsonl", [*ledger, "[1, 2]", '{"step": 9, "torn'])
+    _write(run / "trajectories.jsonl", [*trajectories, b"\xff\xfe not utf-8"])
+    _write(
+        run / "runtime.jsonl",
+        [json.dumps({"time_s": t, "buffer_backlog": t % 3, "generated_tokens": 10}) for t in (2, 1)]
+        + ["", "not json"],
+    )
+    return run, rewards
+
+
+def test_reads_the_run_and_counts_the_unreadable_lines(tmp_path, rng):
+    run, rewards = make_run(tmp_path, rng)
+    data = load_run(run)
+    assert data.skipped == {"ledger.jsonl": 2, "runtime.jsonl": 1, "trajectories.jsonl": 1}
+    assert [r["time_s"] for r in data.runtime] == [1, 2]  # in time order
+    assert data.ledger[2]["kl"] is None  # NaN from the file is no number on the page
+    assert data.steps[1].fates == {"trained": len(rewards[1]), "failed": 1}
+    quantiles = reward_quantiles(data)
+    for q, (steps, values) in quantiles.items():
+        assert steps == sorted(rewards)
+        expect = [np.percentile(np.asarray(rewards[s], np.float64), 100 * q) for s in steps]
+        assert values == pytest.approx(expect, rel=1e-12, abs=1e-15)  # float64 both sides
+    assert lag_histogram(data) == {0: 8.0, 1: 10.0}
+
+
+def test_each_panel_plots_its_fields_and_says_when_a_run_has_none(tmp_path, rng):
+    run, _ = make_run(tmp_path, rng)
+    panels = {p.id: p for p in build_panels([load_run(run)])}
+    kl = next(t for t in panels["kl_entropy"].traces if t["name"] == "kl")
+    assert kl["x"] == [1, 3, 4] and kl["y"] == pytest.approx([0.01, 0.03, 0.04])
+    valid = next(t for t in panels["tools"].traces if t["name"].startswith("valid"))
+    assert valid["y"] == [0.75] * 4
+    stop = next(t for t in panels["termination"].traces if t["name"] == "max_tokens")
+    assert stop["y"] == [1, 2, 3, 4] and stop["stackgroup"] == "run0"
+    assert [t["name"] for t in panels["eval"].traces] == ["reward_mean"]
+    for empty in ("sandbox_latency", "sandbox_failures", "publish", "mismatch", "clip"):
+        assert not panels[empty].traces
+        assert panels[empty].missing.startswith("No data in this run")
+    for full in ("reward", "reward_breakdown", "backlog", "tokens_interval", "step_time"):
+        assert panels[full].traces and panels[full].missing is None
+    page = render([load_run(run)])
+    assert page.count('data-has-data="false"') == sum(1 for p in panels.values() if p.missing)
+    assert page.count('class="plot"') == sum(1 for p in panels.values() if not p.missing)
+
+
+def test_compare_overlays_runs_with_their_names_and_dashes(tmp_path, rng):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one, _ = make_run(tmp_path / "a", rng)
+    two, _ = make_run(tmp_path / "b", rng, steps=2)
+    panels = {p.id: p for p in build_panels([load_run(one, "a"), load_run(two, "b")])}
+    names = [t["name"] for t in panels["step_time"].traces]
+    assert "update · a" in names and "update · b" in names
+    groups = {t["stackgroup"] for t in panels["step_time"].traces if "stackgroup" in t}
+    assert groups == {"run0", "run1"}  # each run stacks its own split
+    dashes = {t["name"]: t["line"]["dash"] for t in panels["reward"].traces}
+    assert dashes["mean · a"] != dashes["mean · b"]
+    out = tmp_path / "cmp.html"
+    assert main(["dashboard", str(one), "--compare", str(two), "--out", str(out)]) == 0
+    assert "run (1) vs run (2)" in out.read_text()  # both folders are 'run': numbered
+
+
+def test_the_page_is_self_contained_and_data_cannot_inject_markup(tmp_path, rng):
+    run, _ = make_run(tmp_path, rng)
+    hostile = '</script><script>alert("x")</script><!--'
+    with (run / "ledger.jsonl").open("a") as fh:
+        fh.write(json.dumps({"step": 5, "step_s": 1.0, f"reward/{hostile}": 1.0}) + "\n")
+    path = write_dashboard(run)
+    assert path == run / "dashboard.html"
+    page = path.read_text()
+    assert hostile not in page and "alert(" not in page.replace('alert(\\"x\\")', "")
+    data = page.split('id="dashboard-data">', 1)[1].split("</script>", 1)[0]
+    names = [t["name"] for p in json.loads(data)["panels"] for t in p["traces"]]
+    assert hostile in names  # intact once the browser parses the JSON
+    head, library = page.split("<script>/* plotly.js v", 1)
+    library, rest = library.split("</script>", 1)
+    assert len(library) > 1_000_000  # plotly.js is inline, nothing is loaded at view time
+    assert "src=" not in head + rest and "http" not in head + rest
+    assert not list(run.glob(".dashboard-*"))  # the atomic write left no temporary file
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: p.write_text("x"), "is not a folder"),
+        (lambda p: p.mkdir(), "holds none of ledger.jsonl"),
+    ],
+)
+def test_a_run_folder_that_is_not_one_is_named(tmp_path, capsys, make, message):
+    path = tmp_path / "missing-run"
+    make(path)
+    assert main(["dashboard", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err
+
+
+def test_values_that_are_not_numbers_are_left_out(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 1, "entropy": "high"}, {"step": 2, "entropy": True}, {"step": 3, "entropy": 2}]
+    _write(run / "ledger.jsonl", [json.dumps(r) for r in rows])
+    panel = next(p for p in build_panels([load_run(run)]) if p.id == "kl_entropy")
+    assert [(t["x"], t["y"]) for t in panel.traces] == [([3], [2])]
+    assert math.isfinite(panel.traces[0]["y"][0])
+
+
+def test_without_plotly_the_command_names_the_extra(tmp_path, rng, monkeypatch, capsys):
+    run, _ = make_run(tmp_path, rng)
+    monkeypatch.setitem(sys.modules, "plotly", None)  # import of plotly fails
+    assert main(["dashboard", str(run)]) == 2
+    assert "pip install 'agentrl[dashboard]'" in capsys.readouterr().err
