@@ -32,7 +32,7 @@ BODY_ENDPOINTS = ("/generate", "/open_session", "/close_session", "/update_weigh
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     limits = ["--max-samples-per-request", str(MAX_SAMPLES), "--max-sessions", str(MAX_SESSIONS)]
-    proc, base = start_serve(tiny_dir, log, limits)
+    proc, base = start_serve(tiny_dir, log, *limits)
     try:
         yield base
     finally:
@@ -240,7 +240,7 @@ def test_health_reflects_a_model_that_cannot_generate(
 def test_health_of_a_busy_server_does_not_wait_in_its_queue(tiny_dir: Path, tmp_path: Path) -> None:
     """One batch slot, two long requests queued: the probe would wait ~10 s behind them; the
     tokens they produce meanwhile count as health, as in SGLang."""
-    proc, base = start_serve(tiny_dir, tmp_path / "busy.log", ["--max-batch-size", "1"])
+    proc, base = start_serve(tiny_dir, tmp_path / "busy.log", "--max-batch-size", "1")
     try:
         with httpx.Client(base_url=base, timeout=120) as busy:
             long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}}
