@@ -55,7 +55,7 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -241,7 +241,12 @@ class EmbeddedEngine:
             raise EngineError(f"engine worker crashed: {self._worker.broken!r}")
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        session: str | None = None,
+        *,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> GenerateResult:
         """Sample a continuation of the whole context ``input_ids``.
 
@@ -250,6 +255,10 @@ class EmbeddedEngine:
         whose KV was reused). Raises ``EngineError`` for an unknown session, invalid ids or
         sampling params, a context that leaves no room to generate, a closed engine, or a
         failure while generating this request.
+
+        ``on_tokens`` (optional) is called in this event loop with the output ids and logprobs
+        so far after each step that sampled a token and did not finish the request (what
+        ``agentrl serve`` streams, and keeps when a request is aborted); it must not block.
         """
         self._check_open()
         limit = self._max_context
@@ -282,6 +291,7 @@ class EmbeddedEngine:
             token=anyio.lowlevel.current_token(),
             done=anyio.Event(),
             session=session,
+            on_tokens=on_tokens,
         )
         await self._submit_and_wait(request)
         if request.error is not None:

@@ -59,6 +59,7 @@ from ._server_generate import (
     plan_generate,
     render_result,
 )
+from ._server_info import server_info
 from ._server_metrics import (
     Counters,
     engine_statistics,
@@ -67,6 +68,16 @@ from ._server_metrics import (
     served_in_flight,
 )
 from ._server_sessions import SessionError, SessionTable, Turn
+from ._server_stream import (
+    DONE,
+    Cursor,
+    Live,
+    LiveTable,
+    incremental,
+    reports_progress,
+    sse,
+    stable_text,
+)
 
 _JSON = "application/json"
 
@@ -81,8 +92,19 @@ def _error(status: int, message: str, field: str | None = None) -> web.Response:
 
 
 class _Server:
-    def __init__(self, engine: Engine, tokenizer: Any, model_path: str, served_name: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_path: str,
+        served_name: str,
+        incremental_streaming_output: bool = False,
+    ) -> None:
         self.engine = engine
+        self.incremental_streaming_output = incremental_streaming_output
+        self.live = LiveTable()
+        self._progress = reports_progress(engine.generate)
+        self.last_gen_throughput = 0.0
         self.model_path = model_path
         self.served_name = served_name
         self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
@@ -103,6 +125,8 @@ class _Server:
         except BadRequest as exc:
             return _error(400, str(exc), exc.field)
         await self.sessions.reap()
+        if req.stream:
+            return await self._stream(request, items, single, started)
         results: list[w.WireGenerateResp | None] = [None] * len(items)
         try:
             async with anyio.create_task_group() as tg:
@@ -130,28 +154,47 @@ class _Server:
         raise group  # cancellation and KeyboardInterrupt are not ours to turn into a response
 
     async def _run_item(
-        self, item: Item, index: int, out: list[w.WireGenerateResp | None], started: float
+        self,
+        item: Item,
+        index: int,
+        out: list[w.WireGenerateResp | None],
+        started: float,
+        live: Live | None = None,
     ) -> None:
+        live = live if live is not None else self.live.add(item.rid)
         turn: Turn | None = None
         context, session = item.input_ids, None
-        if item.session is not None:
-            turn = self.sessions.begin(
-                item.session, item.input_ids, item.rid, item.sampling.max_new_tokens
-            )
-            context, session = turn.context, turn.engine_session
         result: GenerateResult | None = None
         try:
+            if item.session is not None:
+                turn = self.sessions.begin(
+                    item.session, item.input_ids, item.rid, item.sampling.max_new_tokens
+                )
+                context, session = turn.context, turn.engine_session
+            live.context = context
             check_logprob_start(item, len(context))
             with anyio.CancelScope() as scope:
+                live.scope = scope
+                if live.aborted:
+                    scope.cancel()
                 if turn is not None:
                     turn.node.cancel = scope.cancel
-                result = await self.engine.generate(context, item.sampling, session=session)
-            if result is None:  # a replace in the same session aborted this request
+                progress = {"on_tokens": live.update} if self._progress else {}
+                result = await self.engine.generate(
+                    context, item.sampling, session=session, **progress
+                )
+            if result is None:  # aborted: /abort_request, a disconnect, or a session replace
                 version = self.engine.weight_version
                 result = GenerateResult(
-                    [], [], "abort", prompt_tokens=len(context), weight_version=version
+                    list(live.ids),
+                    list(live.logprobs),
+                    "abort",
+                    prompt_tokens=len(context),
+                    weight_version=version,
                 )
         finally:
+            live.scope = None
+            self.live.remove(live)
             if turn is not None:
                 ok = result is not None and result.finish_reason != "abort"
                 await self.sessions.finish(turn, result.token_ids if ok and result else None)
@@ -159,7 +202,102 @@ class _Server:
         self.counters.prompt_tokens += len(context)
         self.counters.generation_tokens += len(result.token_ids)
         self.counters.cached_tokens += result.cached_tokens
+        elapsed = time.perf_counter() - started
+        if result.token_ids and elapsed > 0:
+            self.last_gen_throughput = len(result.token_ids) / elapsed
         out[index] = render_result(item, context, result, self.facts, started)
+
+    # --- streaming /generate and /abort_request ------------------------------------------------
+
+    async def _stream(
+        self, request: web.Request, items: list[Item], single: bool, started: float
+    ) -> web.StreamResponse:
+        """SGLang's server-sent events (see ``_server_stream``)."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        lock = anyio.Lock()
+
+        async def write(chunk: bytes) -> None:
+            async with lock:
+                await response.write(chunk)
+
+        results: list[w.WireGenerateResp | None] = [None] * len(items)
+        try:
+            async with anyio.create_task_group() as tg:
+                for index, item in enumerate(items):
+                    at = None if single else index
+                    tg.start_soon(self._stream_item, item, index, at, results, started, write)
+        except BaseExceptionGroup as group:
+            if request.transport is None or request.transport.is_closing():
+                return response  # the client left: its requests were cancelled (KV freed)
+            failure = self._failure(group)  # re-raises cancellation
+            assert isinstance(failure.body, bytes)
+            await write(b"data: " + failure.body + b"\n\n")
+        await write(DONE)
+        await response.write_eof()
+        return response
+
+    async def _stream_item(
+        self,
+        item: Item,
+        index: int,
+        at: int | None,
+        results: list[w.WireGenerateResp | None],
+        started: float,
+        write: Any,
+    ) -> None:
+        live = self.live.add(item.rid)
+        cursor = Cursor()
+        finished = anyio.Event()
+
+        def shaped(resp: w.WireGenerateResp) -> bytes:
+            resp.index = at
+            if self.incremental_streaming_output:
+                resp = incremental(resp, cursor)
+            return sse(resp)
+
+        async def run() -> None:
+            try:
+                await self._run_item(item, index, results, started, live)
+            finally:
+                finished.set()
+                live.changed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            sent = 0
+            while True:
+                await live.changed.wait()
+                live.changed = anyio.Event()
+                if finished.is_set():
+                    break
+                if len(live.ids) > sent and live.context is not None:
+                    sent = len(live.ids)
+                    partial = GenerateResult(
+                        list(live.ids), list(live.logprobs), "abort", prompt_tokens=0
+                    )
+                    resp = render_result(item, live.context, partial, self.facts, started)
+                    resp.text = stable_text(resp.text)
+                    resp.meta_info.finish_reason = None
+                    resp.meta_info.e2e_latency = 0.0
+                    await write(shaped(resp))
+        final = results[index]
+        assert final is not None
+        await write(shaped(final))
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's ``/abort_request``: 200 whether or not anything was running."""
+        try:
+            req = w.abort_req_decoder.decode(await request.read() or b"{}")
+        except msgspec.MsgspecError as exc:
+            return _error(400, f"invalid /abort_request request: {exc}", w.error_field(exc))
+        self.live.abort(req.rid or "", bool(req.abort_all))
+        return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return _json(server_info(self))
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -274,10 +412,21 @@ SERVER_KEY: web.AppKey[_Server] = web.AppKey("agentrl_server", _Server)
 
 
 def create_app(
-    engine: Engine, tokenizer: Any, model_path: str | Path, *, served_model_name: str | None = None
+    engine: Engine,
+    tokenizer: Any,
+    model_path: str | Path,
+    *,
+    served_model_name: str | None = None,
+    incremental_streaming_output: bool = False,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` (which the caller owns and closes)."""
-    server = _Server(engine, tokenizer, str(model_path), served_model_name or str(model_path))
+    server = _Server(
+        engine,
+        tokenizer,
+        str(model_path),
+        served_model_name or str(model_path),
+        incremental_streaming_output,
+    )
     app = web.Application(client_max_size=256 * 1024 * 1024)
     routes = [
         ("POST", "/generate", server.generate),
@@ -293,6 +442,9 @@ def create_app(
         ("GET", "/health", server.health),
         ("GET", "/health_generate", server.health_generate),
         ("GET", "/metrics", server.metrics),
+        ("POST", "/abort_request", server.abort_request),
+        ("GET", "/server_info", server.server_info),
+        ("GET", "/get_server_info", server.server_info),
     ]
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)
@@ -325,13 +477,20 @@ async def run_server(
     *,
     tokenizer: Any = None,
     served_model_name: str | None = None,
+    incremental_streaming_output: bool = False,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled (the caller owns the engine)."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-    app = create_app(engine, tokenizer, model_path, served_model_name=served_model_name)
+    app = create_app(
+        engine,
+        tokenizer,
+        model_path,
+        served_model_name=served_model_name,
+        incremental_streaming_output=incremental_streaming_output,
+    )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
@@ -375,6 +534,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="what a weight update does to running requests: finish them on the old weights "
         "(default), abort (restart on the new ones) or partial (continue on the new ones)",
     )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream: true sends only the new text/output_ids in each chunk (default: cumulative)",
+    )
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -408,7 +572,12 @@ def serve_from_args(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, task.cancel)
         async with open_embedded_engine(folder, **options) as engine:
             await run_server(
-                engine, args.host, args.port, folder, served_model_name=args.served_model_name
+                engine,
+                args.host,
+                args.port,
+                folder,
+                served_model_name=args.served_model_name,
+                incremental_streaming_output=bool(args.incremental_streaming_output),
             )
 
     try:

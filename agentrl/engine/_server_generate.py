@@ -83,8 +83,6 @@ class Item:
 
 def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item], bool]:
     """Validate ``req``; return its samples and whether the response is a single object."""
-    if req.stream:
-        raise BadRequest("stream=true is not supported by agentrl serve", "stream")
     if req.top_logprobs_num:
         raise BadRequest(
             "top_logprobs_num > 0 is not supported by agentrl serve", "top_logprobs_num"
