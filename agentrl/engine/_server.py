@@ -4,7 +4,9 @@ Endpoints: ``POST /generate`` (one prompt or a batch of ``input_ids`` or ``text`
 samples, ``return_logprob``, ``session_params``), ``/open_session``, ``/close_session``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/get_model_info`` (and ``/model_info``),
 ``/get_weight_version``, ``/v1/models``, ``/health``, ``/health_generate``, ``/metrics``
-(Prometheus text). Session semantics are SGLang's (see ``_server_sessions``).
+(Prometheus text), ``/abort_request``, ``/server_info`` (and ``/get_server_info``); ``stream:
+true`` answers server-sent events (see ``_server_stream``). Session semantics are SGLang's
+(see ``_server_sessions``).
 
 Choices where SGLang leaves room, or where agentrl serve differs:
 
@@ -18,7 +20,7 @@ Choices where SGLang leaves room, or where agentrl serve differs:
   embedded engine reports ``stop`` (SGLang reports ``length``; ``SGLangEngine`` normalizes).
 - ``return_logprob`` with ``logprob_start_len=-1`` returns SGLang's one input entry
   ``[null, last_input_id, null]``; input-token logprobs at earlier positions are not computed
-  (400). ``top_logprobs_num`` > 0 and ``stream=true`` are refused (400).
+  (400). ``top_logprobs_num`` > 0 is refused (400).
 - ``weight_version`` is an integer sent as a string (SGLang's type): the version of the first
   output token. ``--in-flight`` chooses what a weight update does to running requests (the
   engine's ``in_flight`` rule, reported as ``agentrl.in_flight`` by ``/get_model_info``); when a

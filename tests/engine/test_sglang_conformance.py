@@ -10,6 +10,7 @@ update case (skipped without it).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -468,3 +469,48 @@ def _open_sessions(url: str) -> int:
     text = httpx.get(url + "/metrics", timeout=30).text
     line = next(x for x in text.splitlines() if x.startswith("agentrl:open_sessions{"))
     return int(float(line.rsplit(" ", 1)[1]))
+
+
+# --- streaming /generate, /abort_request, /server_info -------------------------------------
+
+
+def _sse_payloads(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    parts = raw.split(b"\n\n")[:-1]
+    assert all(p.startswith(b"data: ") for p in parts), parts[:3]
+    return [p[len(b"data: ") :] for p in parts]
+
+
+async def test_stream_is_sse_ending_with_done_and_the_plain_answer(server: Server) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        plain = (await client.post(server.url + "/generate", json=body)).json()
+        resp = await client.post(server.url + "/generate", json={**body, "stream": True})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    payloads = _sse_payloads(resp.content)
+    assert payloads[-1] == b"[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks and all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"] is not None
+    # cumulative output by default (a server started without --incremental-streaming-output)
+    assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
+
+
+async def test_abort_request_answers_200(server: Server) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        resp = await client.post(server.url + "/abort_request", json={"rid": "no-such-rid"})
+    assert resp.status_code == 200
+
+
+async def test_server_info_has_the_fields_clients_read(server: Server) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        info = (await client.get(server.url + "/server_info")).json()
+        model = (await client.get(server.url + "/get_model_info")).json()
+    assert info["model_path"] == model["model_path"]
+    assert isinstance(info["page_size"], int) and info["page_size"] >= 1
+    assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
+    assert isinstance(info["version"], str)
+    assert isinstance(info["internal_states"], list) and info["internal_states"]
+    assert "last_gen_throughput" in info["internal_states"][0]
