@@ -171,7 +171,7 @@ async def test_ignore_eos_turns_stop_ids_off_too(served: Served) -> None:
         ({"input_ids": [1, [2]]}, "input_ids"),
         ({"input_ids": [1], "text": "a"}, "input_ids"),
         ({}, "input_ids"),
-        ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [1], "stream": "yes"}, "stream"),
         ({"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
         ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
