@@ -56,7 +56,7 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -264,6 +264,7 @@ class EmbeddedEngine:
         session: str | None = None,
         *,
         logprobs: LogprobQuery | None = None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> GenerateResult:
         """Sample a continuation of the whole context ``input_ids``.
 
@@ -273,6 +274,10 @@ class EmbeddedEngine:
         too (``GenerateResult.details``, see ``_logprobs``). Raises ``EngineError`` for an
         unknown session, invalid ids, sampling params or logprob query, a context that leaves
         no room to generate, a closed engine, or a failure while generating this request.
+
+        ``on_tokens`` (optional) is called in this event loop with the output ids and logprobs
+        so far after each step that sampled a token and did not finish the request (what
+        ``agentrl serve`` streams, and keeps when a request is aborted); it must not block.
         """
         self._check_open()
         limit = self._max_context
@@ -309,6 +314,7 @@ class EmbeddedEngine:
             done=anyio.Event(),
             session=session,
             logprobs=LogprobCollector(logprobs, len(ids)) if logprobs is not None else None,
+            on_tokens=on_tokens,
         )
         await self._submit_and_wait(request)
         if request.error is not None:

@@ -29,6 +29,7 @@ cached and pinned KV once nothing runs.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -77,6 +78,9 @@ class Request:
     """Input-token, top-k and chosen-id logprobs asked for (``LogprobQuery``), if any."""
     result: GenerateResult | None = None
     error: EngineError | None = None
+    on_tokens: Callable[[list[int], list[float]], None] | None = None
+    """Called in the caller's event loop with the output ids and logprobs so far, after each
+    step that sampled a token for this request and did not finish it (streaming, aborts)."""
 
     def __post_init__(self) -> None:
         self.restart()

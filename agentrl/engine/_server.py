@@ -4,7 +4,9 @@ Endpoints: ``POST /generate`` (one prompt or a batch of ``input_ids`` or ``text`
 samples, ``return_logprob``, ``session_params``), ``/open_session``, ``/close_session``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/get_model_info`` (and ``/model_info``),
 ``/get_weight_version``, ``/v1/models``, ``/health``, ``/health_generate``, ``/metrics``
-(Prometheus text). Session semantics are SGLang's (see ``_server_sessions``).
+(Prometheus text), ``/abort_request``, ``/server_info`` (and ``/get_server_info``); ``stream:
+true`` answers server-sent events (see ``_server_stream``). Session semantics are SGLang's
+(see ``_server_sessions``).
 
 Choices where SGLang leaves room, or where agentrl serve differs:
 
@@ -70,6 +72,7 @@ from ._server_generate import (
 )
 from ._server_guard import install_request_guard
 from ._server_health import ModelHealth
+from ._server_info import server_info
 from ._server_limits import (
     DEFAULT_MAX_SAMPLES_PER_REQUEST,
     DEFAULT_MAX_SESSIONS,
@@ -85,6 +88,16 @@ from ._server_metrics import (
 )
 from ._server_router import decode_generate
 from ._server_sessions import SessionError, SessionTable, Turn
+from ._server_stream import (
+    DONE,
+    Cursor,
+    Live,
+    LiveTable,
+    incremental,
+    reports_progress,
+    sse,
+    stable_text,
+)
 
 _JSON = "application/json"
 
@@ -106,8 +119,13 @@ class _Server:
         model_path: str,
         served_name: str,
         limits: ServeLimits,
+        incremental_streaming_output: bool = False,
     ) -> None:
         self.engine = engine
+        self.incremental_streaming_output = incremental_streaming_output
+        self.live = LiveTable()
+        self._progress = reports_progress(engine.generate)
+        self.last_gen_throughput = 0.0
         self.model_path = model_path
         self.served_name = served_name
         self.limits = limits
@@ -133,6 +151,8 @@ class _Server:
         except (BadRequest, RequestTooLarge) as exc:
             return _error(400, str(exc), exc.field)
         await self.sessions.reap()
+        if req.stream:
+            return await self._stream(request, items, single, started)
         results: list[w.WireGenerateResp | None] = [None] * len(items)
         try:
             async with anyio.create_task_group() as tg:
@@ -161,17 +181,24 @@ class _Server:
         raise group  # cancellation and KeyboardInterrupt are not ours to turn into a response
 
     async def _run_item(
-        self, item: Item, index: int, out: list[w.WireGenerateResp | None], started: float
+        self,
+        item: Item,
+        index: int,
+        out: list[w.WireGenerateResp | None],
+        started: float,
+        live: Live | None = None,
     ) -> None:
+        live = live if live is not None else self.live.add(item.rid)
         turn: Turn | None = None
         context, session = item.input_ids, None
-        if item.session is not None:
-            turn = self.sessions.begin(
-                item.session, item.input_ids, item.rid, item.sampling.max_new_tokens
-            )
-            context, session = turn.context, turn.engine_session
         result: GenerateResult | None = None
         try:
+            if item.session is not None:
+                turn = self.sessions.begin(
+                    item.session, item.input_ids, item.rid, item.sampling.max_new_tokens
+                )
+                context, session = turn.context, turn.engine_session
+            live.context = context
             sampling, query = prepare_run(item, len(context), self.facts)
             extra: dict[str, Any] = {}
             if query is not None:
@@ -182,16 +209,27 @@ class _Server:
                         "return_logprob",
                     )
                 extra["logprobs"] = query
+            if self._progress:
+                extra["on_tokens"] = live.update
             with anyio.CancelScope() as scope:
+                live.scope = scope
+                if live.aborted:
+                    scope.cancel()
                 if turn is not None:
                     turn.node.cancel = scope.cancel
                 result = await self.engine.generate(context, sampling, session=session, **extra)
-            if result is None:  # a replace in the same session aborted this request
+            if result is None:  # aborted: /abort_request, a disconnect, or a session replace
                 version = self.engine.weight_version
                 result = GenerateResult(
-                    [], [], "abort", prompt_tokens=len(context), weight_version=version
+                    list(live.ids),
+                    list(live.logprobs),
+                    "abort",
+                    prompt_tokens=len(context),
+                    weight_version=version,
                 )
         finally:
+            live.scope = None
+            self.live.remove(live)
             if turn is not None:
                 ok = result is not None and result.finish_reason != "abort"
                 await self.sessions.finish(turn, result.token_ids if ok and result else None)
@@ -199,7 +237,102 @@ class _Server:
         self.counters.prompt_tokens += len(context)
         self.counters.generation_tokens += len(result.token_ids)
         self.counters.cached_tokens += result.cached_tokens
+        elapsed = time.perf_counter() - started
+        if result.token_ids and elapsed > 0:
+            self.last_gen_throughput = len(result.token_ids) / elapsed
         out[index] = render_result(item, context, result, self.facts, started)
+
+    # --- streaming /generate and /abort_request ------------------------------------------------
+
+    async def _stream(
+        self, request: web.Request, items: list[Item], single: bool, started: float
+    ) -> web.StreamResponse:
+        """SGLang's server-sent events (see ``_server_stream``)."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        lock = anyio.Lock()
+
+        async def write(chunk: bytes) -> None:
+            async with lock:
+                await response.write(chunk)
+
+        results: list[w.WireGenerateResp | None] = [None] * len(items)
+        try:
+            async with anyio.create_task_group() as tg:
+                for index, item in enumerate(items):
+                    at = None if single else index
+                    tg.start_soon(self._stream_item, item, index, at, results, started, write)
+        except BaseExceptionGroup as group:
+            if request.transport is None or request.transport.is_closing():
+                return response  # the client left: its requests were cancelled (KV freed)
+            failure = self._failure(group)  # re-raises cancellation
+            assert isinstance(failure.body, bytes)
+            await write(b"data: " + failure.body + b"\n\n")
+        await write(DONE)
+        await response.write_eof()
+        return response
+
+    async def _stream_item(
+        self,
+        item: Item,
+        index: int,
+        at: int | None,
+        results: list[w.WireGenerateResp | None],
+        started: float,
+        write: Any,
+    ) -> None:
+        live = self.live.add(item.rid)
+        cursor = Cursor()
+        finished = anyio.Event()
+
+        def shaped(resp: w.WireGenerateResp) -> bytes:
+            resp.index = at
+            if self.incremental_streaming_output:
+                resp = incremental(resp, cursor)
+            return sse(resp)
+
+        async def run() -> None:
+            try:
+                await self._run_item(item, index, results, started, live)
+            finally:
+                finished.set()
+                live.changed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            sent = 0
+            while True:
+                await live.changed.wait()
+                live.changed = anyio.Event()
+                if finished.is_set():
+                    break
+                if len(live.ids) > sent and live.context is not None:
+                    sent = len(live.ids)
+                    partial = GenerateResult(
+                        list(live.ids), list(live.logprobs), "abort", prompt_tokens=0
+                    )
+                    resp = render_result(item, live.context, partial, self.facts, started)
+                    resp.text = stable_text(resp.text)
+                    resp.meta_info.finish_reason = None
+                    resp.meta_info.e2e_latency = 0.0
+                    await write(shaped(resp))
+        final = results[index]
+        assert final is not None
+        await write(shaped(final))
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's ``/abort_request``: 200 whether or not anything was running."""
+        try:
+            req = w.abort_req_decoder.decode(await request.read() or b"{}")
+        except msgspec.MsgspecError as exc:
+            return _error(400, f"invalid /abort_request request: {exc}", w.error_field(exc))
+        self.live.abort(req.rid or "", bool(req.abort_all))
+        return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return _json(server_info(self))
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -311,10 +444,17 @@ def create_app(
     *,
     served_model_name: str | None = None,
     limits: ServeLimits | None = None,
+    incremental_streaming_output: bool = False,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` (which the caller owns and closes)."""
-    name = served_model_name or str(model_path)
-    server = _Server(engine, tokenizer, str(model_path), name, limits or ServeLimits())
+    server = _Server(
+        engine,
+        tokenizer,
+        str(model_path),
+        served_model_name or str(model_path),
+        limits or ServeLimits(),
+        incremental_streaming_output,
+    )
     app = web.Application(client_max_size=256 * 1024 * 1024)
     install_request_guard(app)
     routes = [
@@ -331,6 +471,9 @@ def create_app(
         ("GET", "/health", server.health),
         ("GET", "/health_generate", server.health_generate),
         ("GET", "/metrics", server.metrics),
+        ("POST", "/abort_request", server.abort_request),
+        ("GET", "/server_info", server.server_info),
+        ("GET", "/get_server_info", server.server_info),
     ]
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)
@@ -364,6 +507,7 @@ async def run_server(
     tokenizer: Any = None,
     served_model_name: str | None = None,
     limits: ServeLimits | None = None,
+    incremental_streaming_output: bool = False,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled (the caller owns the engine)."""
     if tokenizer is None:
@@ -371,7 +515,12 @@ async def run_server(
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
     app = create_app(
-        engine, tokenizer, model_path, served_model_name=served_model_name, limits=limits
+        engine,
+        tokenizer,
+        model_path,
+        served_model_name=served_model_name,
+        limits=limits,
+        incremental_streaming_output=incremental_streaming_output,
     )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -436,6 +585,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_SESSIONS,
         help="most sessions open at once; /open_session beyond it is a 400",
     )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream: true sends only the new text/output_ids in each chunk (default: cumulative)",
+    )
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -483,6 +637,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
                 folder,
                 served_model_name=args.served_model_name,
                 limits=limits,
+                incremental_streaming_output=bool(args.incremental_streaming_output),
             )
 
     try:

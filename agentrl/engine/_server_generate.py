@@ -89,8 +89,6 @@ class Item:
 
 def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item], bool]:
     """Validate ``req``; return its samples and whether the response is a single object."""
-    if req.stream:
-        raise BadRequest("stream=true is not supported by agentrl serve", "stream")
     problem = unsupported(req)
     if problem is not None:
         raise BadRequest(*problem)

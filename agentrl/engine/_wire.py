@@ -146,6 +146,15 @@ class WireCloseSessionReq(msgspec.Struct, forbid_unknown_fields=True):
     session_id: str
 
 
+class WireAbortReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST /abort_request``: one ``rid`` (and the samples it expands to) or ``abort_all``."""
+
+    rid: str | None = ""
+    abort_all: bool | None = False
+    finished_reason: dict[str, object] | None = None
+    abort_message: str | None = None
+
+
 class WireUpdateWeightsFromDiskReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     model_path: str
     weight_version: str | None = None
@@ -197,6 +206,8 @@ class WireGenerateResp(msgspec.Struct, omit_defaults=True):
     text: str
     meta_info: WireMetaInfo
     output_ids: list[int] | None = None
+    index: int | None = None
+    """Streamed chunks of a batch or of ``n > 1``: which sample (prompt-major) this chunk is."""
 
 
 class WireUpdateWeightsResp(msgspec.Struct):
@@ -246,6 +257,7 @@ encoder = msgspec.json.Encoder()
 generate_req_decoder = msgspec.json.Decoder(WireGenerateReq)
 open_session_decoder = msgspec.json.Decoder(WireOpenSessionReq)
 close_session_decoder = msgspec.json.Decoder(WireCloseSessionReq)
+abort_req_decoder = msgspec.json.Decoder(WireAbortReq)
 update_weights_req_decoder = msgspec.json.Decoder(WireUpdateWeightsFromDiskReq)
 generate_resp_decoder = msgspec.json.Decoder(WireGenerateResp | list[WireGenerateResp])
 update_weights_resp_decoder = msgspec.json.Decoder(WireUpdateWeightsResp)

@@ -98,6 +98,27 @@ def _notify(item: Command) -> None:
         pass
 
 
+def _report_progress(requests: list[Request]) -> None:
+    """Call each request's ``on_tokens`` in its event loop: one blocking hop per loop."""
+    by_loop: dict[EventLoopToken, list[tuple[Request, list[int], list[float]]]] = {}
+    for request in requests:
+        if request.aborted or request.token is None:
+            continue
+        snapshot = (request, request.output_ids, list(request.output_logprobs))
+        by_loop.setdefault(request.token, []).append(snapshot)
+
+    def deliver(batch: list[tuple[Request, list[int], list[float]]]) -> None:
+        for request, ids, logprobs in batch:
+            if request.on_tokens is not None and not request.aborted:
+                request.on_tokens(ids, logprobs)
+
+    for token, batch in by_loop.items():
+        try:
+            anyio.from_thread.run_sync(deliver, batch, token=token)
+        except Exception:  # the loop is gone, or a callback failed: nobody to tell
+            pass
+
+
 class Worker:
     def __init__(
         self,
@@ -125,6 +146,8 @@ class Worker:
         self._updates: collections.deque[WeightUpdate] = collections.deque()
         self._outbox: list[Command] = []
         """Finished items, notified once the bookkeeping is consistent again."""
+        self._progressed: list[Request] = []
+        """Unfinished requests with an ``on_tokens`` callback that sampled a token this step."""
         self.thread = threading.Thread(
             target=self._main, name="agentrl-embedded-engine", daemon=True
         )
@@ -214,6 +237,8 @@ class Worker:
         return True
 
     def _flush(self) -> None:
+        progressed, self._progressed = self._progressed, []
+        _report_progress([r for r in progressed if r.result is None and r.error is None])
         outbox, self._outbox = self._outbox, []
         for item in outbox:
             _notify(item)
@@ -283,6 +308,8 @@ class Worker:
                 self._fail(request, exc)
                 continue
             if not finished:
+                if request.on_tokens is not None:
+                    self._progressed.append(request)
                 continue
             if request.session is not None and request.result is not None:
                 # SGLang keeps a finished turn's KV through its last sampled token: feed that

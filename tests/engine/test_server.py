@@ -171,7 +171,7 @@ async def test_ignore_eos_turns_stop_ids_off_too(served: Served) -> None:
         ({"input_ids": [1, [2]]}, "input_ids"),
         ({"input_ids": [1], "text": "a"}, "input_ids"),
         ({}, "input_ids"),
-        ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [1], "stream": "yes"}, "stream"),
         ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
         ({"input_ids": [1], "token_ids_logprob": [5, 99999]}, "token_ids_logprob"),
         ({"input_ids": [1], "lora_path": "adapter"}, "lora_path"),

@@ -699,3 +699,48 @@ async def test_a_server_is_not_taken_for_a_router(server: Server) -> None:
     """``SGLangEngine`` calls a URL a router when ``GET /workers`` lists workers."""
     async with httpx.AsyncClient(timeout=30) as client:
         assert (await client.get(server.url + "/workers")).status_code == 404
+
+
+# --- streaming /generate, /abort_request, /server_info -------------------------------------
+
+
+def _sse_payloads(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    parts = raw.split(b"\n\n")[:-1]
+    assert all(p.startswith(b"data: ") for p in parts), parts[:3]
+    return [p[len(b"data: ") :] for p in parts]
+
+
+async def test_stream_is_sse_ending_with_done_and_the_plain_answer(server: Server) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        plain = (await client.post(server.url + "/generate", json=body)).json()
+        resp = await client.post(server.url + "/generate", json={**body, "stream": True})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    payloads = _sse_payloads(resp.content)
+    assert payloads[-1] == b"[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks and all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"] is not None
+    # cumulative output by default (a server started without --incremental-streaming-output)
+    assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
+
+
+async def test_abort_request_answers_200(server: Server) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        resp = await client.post(server.url + "/abort_request", json={"rid": "no-such-rid"})
+    assert resp.status_code == 200
+
+
+async def test_server_info_has_the_fields_clients_read(server: Server) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        info = (await client.get(server.url + "/server_info")).json()
+        model = (await client.get(server.url + "/get_model_info")).json()
+    assert info["model_path"] == model["model_path"]
+    assert isinstance(info["page_size"], int) and info["page_size"] >= 1
+    assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
+    assert isinstance(info["version"], str)
+    assert isinstance(info["internal_states"], list) and info["internal_states"]
+    assert "last_gen_throughput" in info["internal_states"][0]

@@ -1,0 +1,54 @@
+"""``GET /server_info`` (and the older ``/get_server_info``) for ``agentrl serve``.
+
+SGLang answers with its server arguments, its scheduler's limits, ``internal_states`` and its
+version; this is the subset a client reads, with this server's real values: ``model_path``,
+``tokenizer_path``, ``served_model_name``, ``context_length``, ``page_size``,
+``max_total_num_tokens`` (KV pool tokens), ``max_req_input_len``, ``max_running_requests``,
+``incremental_streaming_output``, ``weight_version``, ``version`` (agentrl's) and
+``internal_states`` (``last_gen_throughput`` in tokens/s of the last finished request, and the
+numbers of running and waiting requests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._server_metrics import engine_statistics, kv_facts
+
+if TYPE_CHECKING:
+    from ._server import _Server
+
+
+def server_info(server: _Server) -> dict[str, Any]:
+    import agentrl
+
+    engine = server.engine
+    stats = engine_statistics(engine)
+    options = getattr(engine, "options", None)
+    page = kv_facts(engine)["page_size"]
+    pool_tokens = None
+    if stats is not None and getattr(stats, "kv_blocks", None) is not None:
+        pool_tokens = int(stats.kv_blocks) * int(stats.block_size)
+    context = engine.max_context
+    return {
+        "model_path": server.model_path,
+        "tokenizer_path": server.model_path,
+        "served_model_name": server.served_name,
+        "context_length": context,
+        "page_size": page,
+        "max_total_num_tokens": pool_tokens,
+        "max_req_input_len": context - 1,
+        "max_running_requests": getattr(options, "max_batch_size", None),
+        "incremental_streaming_output": server.incremental_streaming_output,
+        "enable_streaming_session": True,
+        "skip_tokenizer_init": False,
+        "weight_version": str(engine.weight_version),
+        "version": agentrl.__version__,
+        "internal_states": [
+            {
+                "last_gen_throughput": server.last_gen_throughput,
+                "num_running_reqs": getattr(stats, "running", None),
+                "num_queue_reqs": getattr(stats, "waiting", None),
+            }
+        ],
+    }

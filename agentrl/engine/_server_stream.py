@@ -1,0 +1,127 @@
+"""Streaming and aborts for ``agentrl serve``: live requests, ``/abort_request``, SSE chunks.
+
+Every running ``/generate`` sample is a ``Live`` entry keyed by its ``rid``: it holds the output
+so far (reported by the engine after each step, when the engine can report it) and the cancel
+scope that ``/abort_request`` or a client disconnect cancels. Cancelling drops the request in
+the engine, which frees its KV; the sample then ends with ``finish_reason`` ``{"type":
+"abort"}`` and the output it had, as SGLang answers an aborted request.
+
+Server-sent events follow SGLang's ``/generate`` with ``stream: true``: each chunk is ``data:
+<json>\\n\\n`` with the response object so far (``text``, ``output_ids``, ``meta_info``), a batch
+or ``n > 1`` adds the sample's ``index``, and the stream ends with ``data: [DONE]\\n\\n``. By
+default ``text``, ``output_ids`` and the output logprobs are cumulative (SGLang's default); with
+``--incremental-streaming-output`` each chunk carries only what is new. An error after the
+stream started is one ``data: {"error": {"message": ...}}`` chunk before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from . import _wire as w
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: object) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + w.encoder.encode(payload) + b"\n\n"
+
+
+def reports_progress(generate: Callable[..., object]) -> bool:
+    """Whether an engine's ``generate`` takes ``on_tokens`` (the embedded engine does)."""
+    try:
+        return "on_tokens" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(eq=False)
+class Live:
+    """One running sample: its output so far and how to abort it."""
+
+    rid: str
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    scope: anyio.CancelScope | None = None
+    aborted: bool = False
+    context: list[int] | None = None
+    """The whole context once the request started (inside a session: with its history)."""
+
+    def update(self, ids: list[int], logprobs: list[float]) -> None:
+        """The engine's ``on_tokens`` callback (runs in the server's event loop)."""
+        self.ids, self.logprobs = ids, logprobs
+        self.changed.set()
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+class LiveTable:
+    """The running samples of one server, by ``rid``."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, list[Live]] = {}
+
+    def add(self, rid: str) -> Live:
+        live = Live(rid)
+        self._live.setdefault(rid, []).append(live)
+        return live
+
+    def remove(self, live: Live) -> None:
+        entries = self._live.get(live.rid, [])
+        if live in entries:
+            entries.remove(live)
+        if not entries:
+            self._live.pop(live.rid, None)
+
+    def abort(self, rid: str, abort_all: bool) -> int:
+        """Abort ``rid`` and the samples it expands to (``rid-0``, ``rid-1``, ... for a batch or
+        ``n > 1``), or everything with ``abort_all``; returns how many were running."""
+        hits = [
+            live
+            for key, entries in self._live.items()
+            if abort_all or (rid and (key == rid or key.startswith(rid + "-")))
+            for live in entries
+        ]
+        for live in hits:
+            live.abort()
+        return len(hits)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._live.values())
+
+
+def stable_text(text: str) -> str:
+    """Hold back a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until it completes."""
+    return text.rstrip("\ufffd")
+
+
+@dataclass(eq=False)
+class Cursor:
+    """What a stream already sent of one sample (for incremental chunks)."""
+
+    ids: int = 0
+    text: int = 0
+
+
+def incremental(resp: w.WireGenerateResp, cursor: Cursor) -> w.WireGenerateResp:
+    """Cut a cumulative chunk down to what ``cursor`` has not sent yet, and advance it."""
+    ids = resp.output_ids or []
+    text = resp.text
+    new_text = text[cursor.text :] if len(text) >= cursor.text else ""
+    meta = resp.meta_info
+    if meta.output_token_logprobs is not None:
+        meta.output_token_logprobs = meta.output_token_logprobs[cursor.ids :]
+    out = w.WireGenerateResp(
+        text=new_text, meta_info=meta, output_ids=ids[cursor.ids :], index=resp.index
+    )
+    cursor.ids, cursor.text = len(ids), max(cursor.text, len(text))
+    return out

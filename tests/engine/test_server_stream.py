@@ -1,0 +1,314 @@
+"""``agentrl serve``: streaming ``/generate``, ``/abort_request``, client disconnects and
+``/server_info``, against the real server as a subprocess over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_helpers import start_serve, stop_serve
+
+pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
+LONG = {"max_new_tokens": 1900, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, base = start_serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        yield base
+    finally:
+        stop_serve(proc)
+
+
+def events(raw: bytes) -> list[bytes]:
+    """Split an SSE body into its ``data:`` payloads, checking the framing byte for byte."""
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    parts = raw.split(b"\n\n")
+    assert parts[-1] == b""
+    for part in parts[:-1]:
+        assert part.startswith(b"data: ") and b"\n" not in part, part[:200]
+    return [p[len(b"data: ") :] for p in parts[:-1]]
+
+
+def chunks(raw: bytes) -> list[dict]:
+    payloads = events(raw)
+    assert payloads[-1] == b"[DONE]" and b"[DONE]" not in payloads[:-1]
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def assert_kv_all_free(client: httpx.AsyncClient, url: str) -> None:
+    """Nothing runs, and once the radix cache is flushed every KV block is free (no leak)."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = (await client.get(url + "/metrics")).text
+        if metric(text, "sglang:num_running_reqs") == 0:
+            if (await client.post(url + "/flush_cache")).status_code == 200:
+                break
+        assert time.monotonic() < deadline, text
+        await _sleep(0.05)
+    text = (await client.get(url + "/metrics")).text
+    assert metric(text, "agentrl:engine_kv_blocks_free") == metric(text, "agentrl:engine_kv_blocks")
+
+
+async def _sleep(seconds: float) -> None:
+    import anyio
+
+    await anyio.sleep(seconds)
+
+
+async def test_stream_is_sglang_sse_and_ends_like_the_plain_answer(url: str) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        plain = (await client.post(url + "/generate", json=body)).json()
+        resp = await client.post(url + "/generate", json={**body, "stream": True})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    got = chunks(resp.content)
+    assert len(got) >= 2, got  # one chunk per sampled token, then the final one
+    for before, after in zip(got, got[1:], strict=False):  # cumulative, as SGLang by default
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert after["text"].startswith(before["text"])
+    assert all(c["meta_info"]["finish_reason"] is None for c in got[:-1])
+    assert "index" not in got[-1]
+    last = got[-1]
+    assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
+    assert last["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert last["meta_info"]["completion_tokens"] == len(plain["output_ids"])
+
+
+async def test_stream_batch_and_n_tag_each_sample_with_its_index(url: str) -> None:
+    body = {
+        "input_ids": [PROMPT, PROMPT[:6]],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "n": 2},
+        "stream": True,
+    }
+    async with httpx.AsyncClient(timeout=120) as client:
+        plain = (await client.post(url + "/generate", json={**body, "stream": False})).json()
+        got = chunks((await client.post(url + "/generate", json=body)).content)
+    finals = {c["index"]: c for c in got if c["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert {c["index"] for c in got} == {0, 1, 2, 3}
+    for index, answer in enumerate(plain):
+        assert finals[index]["output_ids"] == answer["output_ids"]
+
+
+async def test_stream_inside_a_session_matches_the_plain_turn(url: str) -> None:
+    params = {"max_new_tokens": 6, "temperature": 0.0}
+    async with httpx.AsyncClient(timeout=120) as client:
+        outputs = []
+        for stream in (False, True):
+            sid = (await client.post(url + "/open_session", json={"streaming": True})).json()
+            turn = {"input_ids": PROMPT, "sampling_params": params, "session_params": {"id": sid}}
+            await client.post(url + "/generate", json=turn)
+            turn2 = {**turn, "input_ids": [198, 520], "stream": stream}
+            resp = await client.post(url + "/generate", json=turn2)
+            outputs.append(chunks(resp.content)[-1] if stream else resp.json())
+            await client.post(url + "/close_session", json={"session_id": sid})
+    plain, streamed = outputs
+    assert streamed["output_ids"] == plain["output_ids"]
+    assert streamed["meta_info"]["prompt_tokens"] == plain["meta_info"]["prompt_tokens"]
+
+
+async def test_stream_error_after_start_is_an_error_event_then_done(url: str) -> None:
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 4},
+        "session_params": {"id": "no-such-session"},
+        "stream": True,
+    }
+    async with httpx.AsyncClient(timeout=60) as client:
+        resp = await client.post(url + "/generate", json=body)
+    payloads = events(resp.content)
+    assert payloads[-1] == b"[DONE]" and len(payloads) == 2
+    error = json.loads(payloads[0])["error"]
+    assert "no-such-session" in error["message"]
+
+
+class Reader:
+    """Reads an SSE response: its first event, then everything (all bytes kept)."""
+
+    def __init__(self, stream: httpx.Response) -> None:
+        self._bytes = stream.aiter_raw()
+        self.raw = b""
+
+    async def first_chunk(self) -> dict:
+        while b"\n\n" not in self.raw:
+            self.raw += await self._bytes.__anext__()
+        return json.loads(self.raw.split(b"\n\n")[0][len(b"data: ") :])
+
+    async def aclose(self) -> None:
+        await self._bytes.aclose()  # type: ignore[attr-defined]
+
+    async def rest(self) -> bytes:
+        async for piece in self._bytes:
+            self.raw += piece
+        return self.raw
+
+
+async def test_abort_request_ends_a_stream_with_abort_and_frees_its_kv(url: str) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": LONG, "rid": "abort-me", "stream": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", url + "/generate", json=body) as stream:
+            reader = Reader(stream)
+            first = await reader.first_chunk()
+            assert first["meta_info"]["finish_reason"] is None
+            abort = await client.post(url + "/abort_request", json={"rid": "abort-me"})
+            assert abort.status_code == 200
+            rest = await reader.rest()
+        got = [json.loads(p) for p in events(rest)[:-1]]
+        last = got[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(last["output_ids"]) < LONG["max_new_tokens"]
+        assert last["meta_info"]["completion_tokens"] == len(last["output_ids"])
+        await assert_kv_all_free(client, url)
+
+
+async def test_abort_all_ends_plain_requests_with_their_partial_output(url: str) -> None:
+    import anyio
+
+    answers: list[dict] = []
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(rid: str) -> None:
+            body = {"input_ids": PROMPT, "sampling_params": LONG, "rid": rid}
+            answers.append((await client.post(url + "/generate", json=body)).json())
+
+        async with anyio.create_task_group() as tg:
+            for rid in ("a", "b"):
+                tg.start_soon(one, rid)
+            deadline = time.monotonic() + 30
+            while metric((await client.get(url + "/metrics")).text, "sglang:num_running_reqs") < 2:
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.02)
+            await client.post(url + "/abort_request", json={"abort_all": True})
+        assert len(answers) == 2
+        for answer in answers:
+            assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+            assert len(answer["output_ids"]) < LONG["max_new_tokens"]
+        await assert_kv_all_free(client, url)
+
+
+async def test_abort_of_an_unknown_rid_is_a_no_op(url: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        assert (
+            await client.post(url + "/abort_request", json={"rid": "nobody"})
+        ).status_code == 200
+        bad = await client.post(url + "/abort_request", json={"rid": "x", "abort_al": True})
+    assert bad.status_code == 400 and "abort_al" in bad.text
+
+
+async def hang_up_after_first_chunk(url: str, body: dict) -> None:
+    """A client on a bare TCP socket: send the request, read up to the first event, close."""
+    import anyio
+
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    async with await anyio.connect_tcp(host, int(port)) as sock:
+        await sock.send(head.encode() + payload)
+        received = b""
+        while b"data: " not in received or not received.split(b"data: ", 1)[1].count(b"\n\n"):
+            received += await sock.receive()
+    assert b"200 OK" in received.split(b"\r\n", 1)[0]
+
+
+async def _running(client: httpx.AsyncClient, url: str) -> float:
+    return metric((await client.get(url + "/metrics")).text, "sglang:num_running_reqs")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_disconnects_aborts_its_request(url: str, stream: bool) -> None:
+    import anyio
+
+    body = {"input_ids": PROMPT, "sampling_params": LONG, "stream": stream}
+    async with httpx.AsyncClient(timeout=120) as client:
+        text = (await client.get(url + "/metrics")).text
+        before = metric(text, "agentrl:engine_requests_aborted")
+        generated = metric(text, "sglang:generation_tokens_total")
+
+        async def leave_early() -> None:
+            async with httpx.AsyncClient(timeout=120) as leaver:
+                async with leaver.stream("POST", url + "/generate", json=body) as resp:
+                    reader = Reader(resp)
+                    try:
+                        await reader.first_chunk()
+                    finally:
+                        await reader.aclose()
+
+        if stream:
+            await hang_up_after_first_chunk(url, body)
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(leave_early)
+                deadline = time.monotonic() + 30
+                while await _running(client, url) < 1:
+                    assert time.monotonic() < deadline
+                    await anyio.sleep(0.02)
+                tg.cancel_scope.cancel()  # hang up while the server generates
+        deadline = time.monotonic() + 30
+        while True:
+            text = (await client.get(url + "/metrics")).text
+            if metric(text, "agentrl:engine_requests_aborted") > before:
+                break
+            assert time.monotonic() < deadline, text
+            await anyio.sleep(0.05)
+        await assert_kv_all_free(client, url)
+        text = (await client.get(url + "/metrics")).text
+        assert metric(text, "sglang:generation_tokens_total") - generated < LONG["max_new_tokens"]
+
+
+async def test_an_aborted_session_turn_rolls_the_session_back(url: str) -> None:
+    params = {"max_new_tokens": 5, "temperature": 0.0}
+    async with httpx.AsyncClient(timeout=120) as client:
+        sid = (await client.post(url + "/open_session", json={"streaming": True})).json()
+        turn1 = {"input_ids": PROMPT, "sampling_params": params, "session_params": {"id": sid}}
+        first = (await client.post(url + "/generate", json=turn1)).json()
+        long_turn = {**turn1, "input_ids": [198, 520], "sampling_params": LONG, "rid": "t2"}
+        async with client.stream(
+            "POST", url + "/generate", json={**long_turn, "stream": True}
+        ) as s:
+            reader = Reader(s)
+            await reader.first_chunk()
+            await client.post(url + "/abort_request", json={"rid": "t2"})
+            aborted = [json.loads(p) for p in events(await reader.rest())[:-1]][-1]
+        assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+        turn3 = {**turn1, "input_ids": [198, 9690]}
+        third = (await client.post(url + "/generate", json=turn3)).json()
+        await client.post(url + "/close_session", json={"session_id": sid})
+    expected = len(PROMPT) + len(first["output_ids"]) + 2  # turn 2 left no trace
+    assert third["meta_info"]["prompt_tokens"] == expected
+
+
+async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        info = (await client.get(url + "/server_info")).json()
+        old = (await client.get(url + "/get_server_info")).json()
+        model = (await client.get(url + "/get_model_info")).json()
+        metrics = (await client.get(url + "/metrics")).text
+    assert info.keys() == old.keys()
+    assert info["model_path"] == model["model_path"] == str(tiny_dir)
+    assert info["tokenizer_path"] == str(tiny_dir)
+    assert info["page_size"] == model["agentrl"]["page_size"]
+    assert info["context_length"] == model["agentrl"]["max_context_length"]
+    blocks = metric(metrics, "agentrl:engine_kv_blocks")
+    assert info["max_total_num_tokens"] == blocks * info["page_size"]
+    assert info["weight_version"] == model["weight_version"]
+    assert isinstance(info["version"], str) and info["version"]
+    assert info["internal_states"][0]["last_gen_throughput"] >= 0
