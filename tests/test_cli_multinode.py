@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_helpers import free_port
+from serve_helpers import free_port, start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,3 +176,44 @@ def test_a_dead_node_ends_the_other_with_an_error(tmp_path):
     assert took < 120, took
     print(f"survivor ended {took:.1f} s after the other node died")
     assert "127.0.0.1" in out or "peer" in out.lower(), out[-3000:]
+
+
+def test_two_ranks_sample_from_shared_servers(tmp_path, tiny_model_path):
+    """``server.urls`` under torchrun (sync): both ranks sample their share of each step from
+    the same two ``agentrl serve`` processes; rank 0 publishes each version once (one snapshot
+    folder per version), both servers end at the last version, and the trainer's logprobs of
+    every rank's samples match the servers' (the servers held the learner's weights)."""
+    import httpx
+
+    from agentrl import read_trajectories
+
+    servers = [start_serve(tiny_model_path, tmp_path / f"serve{i}.log") for i in (0, 1)]
+    urls = [url for _, url in servers]
+    try:
+        config = _config(tmp_path, server={"urls": urls}, train={**CONFIG["train"], "max_steps": 2})
+        run = tmp_path / "run"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=BOUND_S)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+        versions = [httpx.get(u + "/get_weight_version", timeout=10).json() for u in urls]
+    finally:
+        for server, _ in servers:
+            stop_serve(server)
+    assert [str(v["weight_version"]) for v in versions] == ["2", "2"]
+    assert sorted(p.name for p in (run / "weights").iterdir()) == [
+        "v00000000",
+        "v00000001",
+        "v00000002",
+    ]
+    ledger = _ledger(run)
+    assert [r["step"] for r in ledger] == [1, 2]
+    for record in ledger:
+        assert record["rollout_version"] == record["step"] - 1
+        assert record["trajectories_in"] == 2 * 2, "both ranks' groups reached the learner"
+        assert record["mismatch_abs_mean"] < 1e-3, record  # scored the ids the servers sampled
+    trajs = read_trajectories(str(run / "trajectories.jsonl"))
+    assert sorted({t.policy_version for t in trajs}) == [0, 1]
+    assert len(trajs) == 2 * 2 * 2
