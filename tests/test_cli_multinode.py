@@ -190,7 +190,11 @@ def test_two_ranks_sample_from_shared_servers(tmp_path, tiny_model_path):
     servers = [start_serve(tiny_model_path, tmp_path / f"serve{i}.log") for i in (0, 1)]
     urls = [url for _, url in servers]
     try:
-        config = _config(tmp_path, server={"urls": urls}, train={**CONFIG["train"], "max_steps": 2})
+        config = _config(
+            tmp_path,
+            server={"urls": urls, "keep_snapshots": 5},
+            train={**CONFIG["train"], "max_steps": 2},
+        )
         run = tmp_path / "run"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
