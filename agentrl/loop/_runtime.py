@@ -144,7 +144,9 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = check_resume(cfg, out, fingerprint) if resume else None
     check_out(out, resume=resume)
-    dist = init_distributed(num_threads=cfg.train.num_threads)
+    dist = init_distributed(
+        num_threads=cfg.train.num_threads, timeout_s=cfg.train.collective_timeout_s
+    )
     _check_world(cfg, dist.world_size)
     lead = dist.rank == 0  # writes the run files
     if lead:
