@@ -62,7 +62,13 @@ class Node:
             raise
 
     def kill(self) -> None:
-        """SIGKILL the node: its torchrun agent and worker (the process group it leads)."""
+        """SIGKILL the node: its workers (torchrun starts each in its own session), then its
+        torchrun agent's process group."""
+        for pid in _children(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.proc.poll() is None or _group_alive(self.proc.pid):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -72,6 +78,20 @@ class Node:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def _group_alive(pgid: int) -> bool:
@@ -169,7 +189,12 @@ def test_a_dead_node_ends_the_other_with_an_error(tmp_path):
             time.sleep(0.5)
         nodes[1].kill()
         killed = time.monotonic()
-        code = nodes[0].wait(TIMEOUT_S + 120)  # the timeout, then torchrun's teardown
+        try:
+            code = nodes[0].proc.wait(TIMEOUT_S + 120)  # the timeout, then torchrun's teardown
+        except subprocess.TimeoutExpired:
+            ps = ["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(nodes[0].proc.pid)]
+            tree = subprocess.run(ps, capture_output=True, text=True).stdout
+            raise AssertionError(f"still running:\n{tree}\n{nodes[0].output()[-3000:]}") from None
         took = time.monotonic() - killed
     finally:
         for n in nodes:
