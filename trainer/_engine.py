@@ -19,6 +19,7 @@ Precision: fp32 on CPU (this AVX2 host has no fast bf16), bf16 with fp32 master 
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import socket
 import warnings
@@ -58,10 +59,11 @@ def _quiet_torch_distributed() -> None:
     )
 
 
-def init_distributed(*, num_threads: int | None = None) -> DistInfo:
+def init_distributed(*, num_threads: int | None = None, timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the process group; idempotent. Sets torch's CPU threads to
     ``num_threads`` or ``cpu_count // local world size`` (torchrun's ``OMP_NUM_THREADS=1`` is
-    respected when set)."""
+    respected when set). ``timeout_s``: the longest a collective waits for the other ranks
+    (None: PyTorch's default)."""
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/agentrl/torch_extensions")
     )
@@ -81,8 +83,14 @@ def init_distributed(*, num_threads: int | None = None) -> DistInfo:
         if torch.cuda.get_device_capability(local_rank)[0] == 9:  # DeepSpeed's op builder
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # fails on Hopper's "9.0a"
     if not torch.distributed.is_initialized():
+        extra: dict[str, Any] = {}
+        if timeout_s is not None:
+            extra["timeout"] = datetime.timedelta(seconds=timeout_s)
         deepspeed.init_distributed(
-            dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, verbose=False
+            dist_backend="nccl" if cuda else "gloo",
+            auto_mpi_discovery=False,
+            verbose=False,
+            **extra,
         )
     world = torch.distributed.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

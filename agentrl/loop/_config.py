@@ -79,6 +79,11 @@ class TrainSection(_Section):
     """A trajectory with reward >= this counts as passed (pass rate)."""
     num_threads: int | None = pydantic.Field(None, ge=1)
     """Torch CPU threads of the learner (default: cores / local ranks)."""
+    collective_timeout_s: float | None = pydantic.Field(None, gt=0)
+    """Several ranks: the longest one collective operation may wait for the other ranks, so a
+    hung or lost node ends the run after this long (an error, not a hang). It must exceed the
+    ranks' largest difference in a step's rollout time. None: PyTorch's default (30 min for
+    gloo, 10 min for NCCL)."""
     max_steps_without_update: int = pydantic.Field(3, ge=0)
     """Stop the run (non-zero exit, ``stop_reason`` in the ledger) after this many consecutive
     steps that trained on nothing: every trajectory failed (e.g. the env's ``reward()`` raises)
@@ -269,7 +274,8 @@ class TrainConfig(_Section):
 
     def hash(self) -> str:
         """sha256 (16 hex) of what decides the training trajectory: everything except
-        ``train.max_steps``/``num_threads``/``max_steps_without_update``, checkpointing,
+        ``train.max_steps``/``num_threads``/``collective_timeout_s``/``max_steps_without_update``,
+        checkpointing,
         logging, eval, engine options, the servers, the sandbox and rollout concurrency (those
         may change on resume)."""
         data = self.model_dump(mode="json")
@@ -278,6 +284,7 @@ class TrainConfig(_Section):
             data.pop(section)
         data["train"].pop("max_steps")
         data["train"].pop("num_threads")
+        data["train"].pop("collective_timeout_s")
         data["train"].pop("max_steps_without_update")
         data["rollout"].pop("concurrency")
         blob = json.dumps(data, sort_keys=True).encode()

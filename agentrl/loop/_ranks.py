@@ -8,16 +8,24 @@ sum to the full-batch gradient), and every rank publishes the gathered weights t
 Per-trajectory seeds depend on the task and the sample, not on the rank, so N ranks sample what
 one process would. Rank 0 alone writes the run files (trajectories gathered from every rank, the
 ledger with every rank's learner statistics merged, TensorBoard, progress); checkpoints are
-written by all ranks together (``save_checkpoint``).
+written by all ranks together (``save_checkpoint``: rank 0 the manifest and state, each rank
+its own ZeRO partitions and RNG states, into the same folder).
+
+Across nodes (``torchrun --nnodes N``) the same holds, so the run folder must be one
+filesystem that every node sees (NFS, Lustre, a mounted bucket with POSIX renames):
+``check_shared_out`` refuses to start otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from agentrl._errors import ConfigError
 from agentrl.trainer import barrier as barrier
 from agentrl.trainer import rank_world as rank_world
 
@@ -30,6 +38,26 @@ def gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def check_shared_out(out: Path, config_text: str) -> None:
+    """Every rank must see the ``config.yaml`` rank 0 just wrote into ``out`` (call after a
+    barrier): with a node-local ``--out`` the other nodes' checkpoint partitions would land
+    where no resume finds them. All ranks raise the same error, naming the ranks that differ."""
+    if rank_world()[1] == 1:
+        return
+    try:
+        seen = (out / "config.yaml").read_text() == config_text
+    except OSError:
+        seen = False
+    views = gather((seen, os.uname().nodename))
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise ConfigError(
+            f"--out {out}: {', '.join(blind)} cannot see the config.yaml rank 0 wrote there; "
+            "every node must name the same run folder on a filesystem all nodes share "
+            "(checkpoints hold each rank's partitions)"
+        )
 
 
 def shard(items: list[Any]) -> list[Any]:

@@ -16,8 +16,10 @@ slow verifier holds no engine slot. With ``server.urls`` the engines are servers
 publisher writes safetensors snapshots they load from disk. ``train.mode: sync`` is the
 schedule ``max_version_lag = 0`` of the same runtime.
 
-With several processes (``torchrun``, sync mode) the ranks split each step's task slots and
-train data-parallel; rank 0 writes the run files.
+With several processes (``torchrun``, sync mode, on one node or many) the ranks split each
+step's task slots and train data-parallel; rank 0 writes the run files, which must be on a
+filesystem every rank sees (checked at start). With ``server.urls`` every rank samples its share
+from the same servers and rank 0 alone publishes each version to them.
 
 Resume (``resume=True``): the newest checkpoint restores the learner, the RNG states, the task
 accounting and the policy version; the run files are cut back to their length at that
@@ -55,12 +57,13 @@ from ._checkpointer import (
     prepare_out,
     restore_files,
 )
-from ._config import TrainConfig
+from ._config import TrainConfig, dump_config
 from ._evaluator import Evaluator, sandbox_metrics
 from ._files import RunFiles
 from ._learner import LearnerRole
 from ._publisher import EngineWeightSink, Publisher
-from ._ranks import barrier
+from ._rank_publish import wrap_for_ranks
+from ._ranks import barrier, check_shared_out
 from ._records import (
     Clock,
     TrainingStalled,
@@ -141,11 +144,15 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = check_resume(cfg, out, fingerprint) if resume else None
     check_out(out, resume=resume)
-    dist = init_distributed(num_threads=cfg.train.num_threads)
+    dist = init_distributed(
+        num_threads=cfg.train.num_threads, timeout_s=cfg.train.collective_timeout_s
+    )
     _check_world(cfg, dist.world_size)
     lead = dist.rank == 0  # writes the run files
     if lead:
         prepare_out(cfg, out, model_path)
+    barrier()
+    check_shared_out(out, dump_config(cfg))
     options = cfg.engine
     if dist.world_size > 1 and options.num_threads is None:  # the ranks share the cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
@@ -160,12 +167,11 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
 
 
 def _check_world(cfg: TrainConfig, world: int) -> None:
-    if cfg.server.urls and world > 1:
-        raise ConfigError("server.urls: rollouts on servers run from one process (no torchrun)")
     if world > 1 and cfg.train.mode == "async" and cfg.train.max_version_lag > 0:
         raise ConfigError(
             f"train.mode=async with {world} ranks: asynchronous training runs in one process "
-            "(its engines may be servers: server.urls); use train.mode=sync under torchrun"
+            "(its engines may be servers: server.urls); several ranks (torchrun, on one node or "
+            "many) train in train.mode=sync, with embedded engines or with server.urls"
         )
 
 
@@ -260,11 +266,14 @@ async def _open_engine(stack: AsyncExitStack, setup: _Setup) -> tuple[Any, Engin
                 in_flight=cfg.engine.in_flight,
             )
         )
-        sink = EngineWeightSink(
-            engine,
-            snapshot_dir=cfg.server.snapshot_dir or str(setup.out / "weights"),
-            model_path=setup.model_path,
-            keep=cfg.server.keep_snapshots,
+        # several ranks share the servers: rank 0 publishes, every rank waits for it
+        sink = wrap_for_ranks(
+            EngineWeightSink(
+                engine,
+                snapshot_dir=cfg.server.snapshot_dir or str(setup.out / "weights"),
+                model_path=setup.model_path,
+                keep=cfg.server.keep_snapshots,
+            )
         )
     else:
         options = setup.engine_options
