@@ -112,3 +112,36 @@ def chromium():
 @pytest.fixture
 def agentrl_cli():
     return [sys.executable, "-m", "agentrl.cli"]
+
+
+TINY_ASYNC_CONFIG = {
+    "model": "tiny-random",
+    "env": "vowels_env:vowels-v0",
+    "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 2},
+    "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
+    "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256,
+              "mode": "async", "max_version_lag": 1},
+    "eval": {"every_steps": 2, "num_tasks": 2},
+    "checkpoint": {"every_steps": 0, "at_end": False},
+    "logging": {"tensorboard": False, "interval_s": 0.3, "dashboard_every_steps": 2},
+}  # fmt: skip
+"""A 4-step async run of tiny-random on vowels-v0 (``tiny_async_run``)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_async_run(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One real ``agentrl train`` run of ``TINY_ASYNC_CONFIG`` (async, lag 1, eval and the
+    dashboard every 2 steps), shared by the tests that read run folders: copy it before
+    changing it."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("tiny-async-run")
+    (root / "c.yaml").write_text(json.dumps(TINY_ASYNC_CONFIG))
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": str(tests / "trainer")}
+    run = root / "run"
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--config", str(root / "c.yaml")]
+    subprocess.run([*cmd, "--out", str(run)], env=env, check=True, timeout=600)
+    return run

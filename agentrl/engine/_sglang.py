@@ -36,11 +36,11 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -53,6 +53,8 @@ from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
 from ._sglang_router import router_workers, router_workers_blocking
+
+T = TypeVar("T")
 
 
 class SGLangStatistics(msgspec.Struct, frozen=True):
@@ -174,38 +176,18 @@ class SGLangEngine:
         """Find the routers among the URLs and their workers, then read every server's model
         info (weight version, context length, model path)."""
         await self._list_workers()
-        failures: list[str] = []
-
-        async def probe(server: Upstream) -> None:
-            try:
-                await self._http.probe(server)
-            except EngineError as exc:
-                failures.append(str(exc))
-
-        async with anyio.create_task_group() as tg:
-            for server in self._servers:
-                tg.start_soon(probe, server)
-        if failures:
-            raise EngineError("; ".join(failures))
+        await _each(self._servers, self._http.probe)
         self._settle()
 
     async def _list_workers(self) -> None:
         """Ask each URL whether it is a router (``GET /workers``) and use its healthy workers
         as the servers; workers already known keep their state (sessions, loads)."""
         found: list[tuple[Upstream, list[str] | None]] = []
-        failures: list[str] = []
 
         async def ask(entry: Upstream) -> None:
-            try:
-                found.append((entry, await router_workers(self._http, entry)))
-            except EngineError as exc:
-                failures.append(str(exc))
+            found.append((entry, await router_workers(self._http, entry)))
 
-        async with anyio.create_task_group() as tg:
-            for entry in self._entry:
-                tg.start_soon(ask, entry)
-        if failures:
-            raise EngineError("; ".join(failures))
+        await _each(self._entry, ask)
         self._expand(sorted(found, key=lambda pair: self._entry.index(pair[0])))
 
     def _expand(self, found: list[tuple[Upstream, list[str] | None]]) -> None:
@@ -577,3 +559,20 @@ class SGLangEngine:
 def _extends(ids: list[int], held: list[int], bos: int | None) -> bool:
     n = len(held)
     return len(ids) > n and ids[:n] == held and ids[n] != bos
+
+
+async def _each(items: Sequence[T], call: Callable[[T], Awaitable[object]]) -> None:
+    """``call`` every item at once; one ``EngineError`` naming every item that failed."""
+    failures: list[str] = []
+
+    async def one(item: T) -> None:
+        try:
+            await call(item)
+        except EngineError as exc:
+            failures.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        for item in items:
+            tg.start_soon(one, item)
+    if failures:
+        raise EngineError("; ".join(failures))

@@ -4,11 +4,7 @@ from the network, and a screenshot of the page in the test's folder."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,26 +28,9 @@ WITHOUT_DATA = {"reward_breakdown", "sandbox_latency", "sandbox_failures"}
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
-    """A 4-step async run that rewrites its dashboard every 2 steps."""
-    root = tmp_path_factory.mktemp("dashboard-run")
-    config = {
-        "model": "tiny-random",
-        "env": "vowels_env:vowels-v0",
-        "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 2},
-        "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
-        "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256,
-                  "mode": "async", "max_version_lag": 1},
-        "eval": {"every_steps": 2, "num_tasks": 2},
-        "checkpoint": {"every_steps": 0, "at_end": False},
-        "logging": {"tensorboard": False, "interval_s": 0.3, "dashboard_every_steps": 2},
-    }  # fmt: skip
-    (root / "c.yaml").write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "trainer")}
-    run = root / "run"
-    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--config", str(root / "c.yaml")]
-    subprocess.run([*cmd, "--out", str(run)], env=env, check=True, timeout=600)
-    return run
+def trained_run(tiny_async_run) -> Path:
+    """A 4-step async run that rewrote its dashboard every 2 steps (``tiny_async_run``)."""
+    return tiny_async_run
 
 
 def _check_page(chromium: str, page: Path, shot: Path) -> list[dict]:

@@ -4,17 +4,13 @@ rules, the actor search, and calibration from a real training run's folder."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import shutil
 
 import pytest
 
 from agentrl.cli import main
 from agentrl.plan._capacity import CapacitySettings, plan_capacity, simulate
 
-ROOT = Path(__file__).resolve().parents[2]
 BASE = dict(
     actor_tokens_per_s=1000.0,
     learner_tokens_per_s=4000.0,
@@ -99,22 +95,9 @@ def test_missing_rates_and_bad_runs_are_named(capsys, argv, message):
 
 
 @pytest.mark.slow
-def test_calibrates_from_a_real_async_run(tmp_path, capsys):
-    config = {
-        "model": "tiny-random",
-        "env": "vowels_env:vowels-v0",
-        "rollout": {"max_new_tokens": 8, "concurrency": 8, "group_size": 2},
-        "algorithm": {"name": "grpo", "old_logprobs": "recompute", "tis_cap": 2.0},
-        "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256,
-                  "mode": "async", "max_version_lag": 1},
-        "checkpoint": {"every_steps": 0, "at_end": False},
-        "logging": {"tensorboard": False, "interval_s": 0.5},
-    }  # fmt: skip
-    (tmp_path / "c.yaml").write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "trainer")}
+def test_calibrates_from_a_real_async_run(tiny_async_run, tmp_path, capsys):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--config", str(tmp_path / "c.yaml")]
-    subprocess.run([*cmd, "--out", str(run)], env=env, check=True, timeout=600)
+    shutil.copytree(tiny_async_run, run)
     with (run / "ledger.jsonl").open("a") as f:
         f.write('{"step": 9, "torn')  # a killed run's last line: skipped, not fatal
     assert main(["plan", "capacity", "--from-run", str(run), "--json"]) == 0
