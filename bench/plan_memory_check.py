@@ -92,17 +92,21 @@ def predict(folder: Path, args: argparse.Namespace) -> dict:
     from agentrl.plan import MemorySettings, load_shape, plan_memory
 
     tokens = min(args.micro_batch_tokens, args.seqs * args.seq_len)
+    shape = load_shape(str(folder))
     settings = MemorySettings(
+        # a CPU process's resident set holds only the written pages of DeepSpeed's reduce
+        # bucket (allocated at 5e8 elements): at most one element per parameter
+        reduce_bucket_size=min(500_000_000, shape.params),
         gpus=1,
         dtype="fp32",
         zero=3,
         optimizer_state=args.optimizer_state,
         micro_batch_tokens=tokens,
         checkpointing=args.gradient_checkpointing,
-        logprob="fused",
+        logprob="chunked",  # --kernels torch: the CPU learner's path
         chunk_size=1024,
     )
-    return plan_memory(load_shape(str(folder)), settings).to_json()
+    return plan_memory(shape, settings).to_json()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ class MemorySettings:
     reward: ModelShape | None = None
     micro_batch_tokens: int = 4096
     checkpointing: bool = False
-    logprob: Literal["fused", "naive"] = "fused"
+    logprob: Literal["fused", "chunked", "naive"] = "fused"
     chunk_size: int = 1024
     reduce_bucket_size: int = 500_000_000
     """DeepSpeed's ``zero_optimization.reduce_bucket_size`` (elements; its default)."""
@@ -207,12 +207,15 @@ def activation_bytes(shape: ModelShape, tokens: int, b: int, checkpointing: bool
 
 def logits_bytes(shape: ModelShape, tokens: int, b: int, path: str, chunk: int) -> int:
     """Peak bytes of the log-prob computation over ``tokens`` positions. Naive: the 16-bit
-    logits, their fp32 copy and the fp32 log-softmax at once (``tokens x vocab``). Fused: at
-    most one chunk of fp32 logits and its gradient (the Triton kernel holds less)."""
+    logits, their fp32 copy and the fp32 log-softmax at once (``tokens x vocab``). Chunked (the
+    torch path): one chunk of fp32 logits and its gradient. Fused (the Triton kernel): no
+    logits at all, only fp32 per-token results (log-prob, entropy, log-sum-exp)."""
     assert shape.vocab is not None
     if path == "naive":
         return tokens * shape.vocab * (b + 8)
-    return min(tokens, chunk) * shape.vocab * 8
+    if path == "chunked":
+        return min(tokens, chunk) * shape.vocab * 8
+    return tokens * 12
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, context: int, b: int) -> int:
@@ -250,11 +253,11 @@ def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
 def _runtime_buffers(plan: MemoryPlan, shape: ModelShape, s: MemorySettings) -> None:
     comp, b, t = plan.components, DTYPE_BYTES[s.dtype], s.micro_batch_tokens
     if s.zero >= 2 and "optimizer" not in s.offload:
-        # gradients pass through DeepSpeed's reduce bucket; it is allocated at
-        # reduce_bucket_size elements, of which at most the parameter count is ever written
-        comp["reduce_bucket"] = b * min(s.reduce_bucket_size, shape.params)
+        # gradients pass through DeepSpeed's reduce bucket, allocated at reduce_bucket_size
+        # elements (on a CPU only the written pages are resident: at most the parameters)
+        comp["reduce_bucket"] = b * s.reduce_bucket_size
         # and each parameter's .grad lives until the bucket it is copied into is reduced
-        comp["unreduced_gradients"] = comp["reduce_bucket"]
+        comp["unreduced_gradients"] = b * min(s.reduce_bucket_size, shape.params)
     if s.zero == 3:
         # ZeRO-3 keeps gathered (whole) parameters alive during forward and backward, up to
         # stage3_max_live_parameters of them: beyond DeepSpeed's estimators' one layer
@@ -271,7 +274,8 @@ def _runtime_buffers(plan: MemoryPlan, shape: ModelShape, s: MemorySettings) -> 
         return
     acts = {f"checkpointing={on}": activation_bytes(shape, t, b, on) for on in (False, True)}
     comp["activations"] = acts[f"checkpointing={s.checkpointing}"]
-    logits = {p: logits_bytes(shape, t, b, p, s.chunk_size) for p in ("naive", "fused")}
+    paths = ("naive", "chunked", "fused")
+    logits = {p: logits_bytes(shape, t, b, p, s.chunk_size) for p in paths}
     comp["logits"] = logits[s.logprob]
     plan.alternatives = {"activations": acts, "logits": logits}
     if s.colocate:

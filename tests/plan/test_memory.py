@@ -234,6 +234,9 @@ def test_zero3_runtime_buffers_are_counted_beside_the_model_states():
     shape = load_shape("2B")
     plan = plan_memory(shape, MemorySettings(zero=3, gpus=8))
     assert plan.components["reduce_bucket"] == 2 * 500_000_000
+    small = plan_memory(load_shape("100M"), MemorySettings(zero=3))
+    assert small.components["reduce_bucket"] == 2 * 500_000_000  # allocated whole
+    assert small.components["unreduced_gradients"] == 2 * 100_000_000  # one per parameter
     assert plan.components["live_parameters"] == 2 * 1_000_000_000
     assert plan.components["unreduced_gradients"] == 2 * 500_000_000
     assert plan.total_bytes == plan.model_states_bytes + 4 * 10**9
