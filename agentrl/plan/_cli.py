@@ -30,8 +30,12 @@ def _memory_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seq-len", type=int, default=4096, help="context of a rollout (KV cache)")
     m.add_argument("--micro-batch-tokens", type=int, default=4096, help="tokens per micro-batch")
     m.add_argument("--activation-checkpointing", action="store_true")
-    m.add_argument("--logprob", default="fused", choices=["fused", "chunked", "naive"],
-                   help="fused: the Triton kernel (GPU); chunked: its torch fallback; naive")
+    m.add_argument(
+        "--logprob",
+        default="fused",
+        choices=["fused", "chunked", "naive"],
+        help="fused: the Triton kernel (GPU); chunked: its torch fallback; naive",
+    )
     m.add_argument("--chunk-size", type=int, default=1024, help="the chunked path's chunk")
     m.add_argument("--colocate", action="store_true", help="the rollout engine shares the GPU")
     m.add_argument("--rollout-batch", type=int, default=64, help="sequences the engine holds")
