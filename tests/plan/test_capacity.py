@@ -108,7 +108,7 @@ def test_calibrates_from_a_real_async_run(tmp_path, capsys):
         "train": {"max_steps": 4, "tasks_per_step": 2, "micro_batch_tokens": 256,
                   "mode": "async", "max_version_lag": 1},
         "checkpoint": {"every_steps": 0, "at_end": False},
-        "logging": {"tensorboard": False, "interval_s": 0.5},
+        "logging": {"trackers": [], "interval_s": 0.5},
     }  # fmt: skip
     (tmp_path / "c.yaml").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "trainer")}
