@@ -42,8 +42,8 @@ def _wandb_chunks(path: Path) -> list[bytes]:
 
 
 def wandb_offline_runs(folder: Path) -> list[dict[str, Any]]:
-    """Each offline run under ``folder`` (in the order they were started): its id, whether it
-    resumed, its config and its history rows (``{name: value}``, W&B's own keys dropped)."""
+    """Each offline run under ``folder`` (in the order they were started): its id, its config
+    and its history rows (``{name: value}``, W&B's own keys dropped)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     runs = []
@@ -54,7 +54,7 @@ def wandb_offline_runs(folder: Path) -> list[dict[str, Any]]:
             record.ParseFromString(chunk)
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                run["id"], run["resumed"] = record.run.run_id, record.run.resume
+                run["id"] = record.run.run_id
                 for item in record.run.config.update:
                     run["config"][item.key] = json.loads(item.value_json)
             elif kind == "config":
