@@ -11,7 +11,7 @@ import re
 from importlib import metadata
 
 DISTRIBUTION = "agentrl"
-IMPORT_NAMES = {"yaml": "pyyaml"}
+IMPORT_NAMES = {"yaml": "pyyaml", "mlflow": "mlflow-skinny"}
 """Import names whose distribution is named differently (the rest are the same)."""
 COMMAND_EXTRAS = {
     "serve": "serve",

@@ -57,7 +57,7 @@ def _config(args: argparse.Namespace, mode: str, lag: int, urls: list[str]) -> d
         "server": {"urls": urls},
         "checkpoint": {"every_steps": 0, "at_end": False},
         "eval": {"every_steps": args.steps, "num_tasks": args.eval_tasks},
-        "logging": {"progress": False, "tensorboard": False, "interval_s": 0},
+        "logging": {"progress": False, "trackers": [], "interval_s": 0},
     }
 
 

@@ -184,7 +184,7 @@ def loop(args: argparse.Namespace) -> dict:
     from agentrl.loop import load_train_config, read_ledger, train
 
     sets = [
-        "eval.every_steps=0", "eval.at_start=false", "logging.tensorboard=false",
+        "eval.every_steps=0", "eval.at_start=false", "logging.trackers=[]",
         "checkpoint.every_steps=0", "checkpoint.at_end=false", *args.set,
     ]  # fmt: skip
     cfg = load_train_config(args.config, sets, model=args.model, max_steps=args.steps)

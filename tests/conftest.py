@@ -123,7 +123,7 @@ TINY_ASYNC_CONFIG = {
               "mode": "async", "max_version_lag": 1},
     "eval": {"every_steps": 2, "num_tasks": 2},
     "checkpoint": {"every_steps": 0, "at_end": False},
-    "logging": {"tensorboard": False, "interval_s": 0.3, "dashboard_every_steps": 2},
+    "logging": {"trackers": [], "interval_s": 0.3, "dashboard_every_steps": 2},
 }  # fmt: skip
 """A 4-step async run of tiny-random on vowels-v0 (``tiny_async_run``)."""
 

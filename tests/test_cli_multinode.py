@@ -26,7 +26,7 @@ CONFIG = {
     "train": {"max_steps": 3, "tasks_per_step": 2, "micro_batch_tokens": 256},
     "checkpoint": {"every_steps": 1, "keep": 5},
     "eval": {"every_steps": 0},
-    "logging": {"tensorboard": False},
+    "logging": {"trackers": []},
 }
 BOUND_S = 600  # one node's whole run on a shared 2-core box
 TIMEOUT_S = 60  # train.collective_timeout_s: well above a tiny step's rollout imbalance

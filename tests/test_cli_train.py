@@ -31,7 +31,7 @@ CONFIG = {
     "train": {"max_steps": STEPS, "tasks_per_step": 2, "micro_batch_tokens": 256},
     "checkpoint": {"every_steps": 1, "keep": 5},
     "eval": {"every_steps": 2, "num_tasks": 2},
-    "logging": {"tensorboard": False},
+    "logging": {"trackers": []},
 }
 
 

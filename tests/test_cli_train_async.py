@@ -33,7 +33,7 @@ CONFIG = {
         "mode": "async", "max_version_lag": 2,
     },
     "checkpoint": {"every_steps": 1, "keep": 2},
-    "logging": {"tensorboard": False, "interval_s": 0.5},
+    "logging": {"trackers": [], "interval_s": 0.5},
 }  # fmt: skip
 
 

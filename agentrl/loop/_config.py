@@ -35,6 +35,7 @@ from agentrl.trainer import (
 MOVED_SETTINGS: dict[tuple[str, ...], str] = {
     ("env_kwargs",): "rollout.env_kwargs",
     ("algorithm", "group_size"): "rollout.group_size",
+    ("logging", "tensorboard"): "logging.trackers (a list: [tensorboard], or [] for none)",
 }
 """Settings that used to live in two places, at their old path → their one home."""
 
@@ -120,17 +121,71 @@ class CheckpointSection(_Section):
     """Also save after the last step."""
 
 
+class WandbSection(_Section):
+    """The Weights & Biases run (``logging.trackers: [wandb]``; ``pip install 'agentrl[wandb]'``).
+    Credentials and the server come from W&B's own environment (``WANDB_API_KEY``,
+    ``wandb login``)."""
+
+    project: str = "agentrl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user; default: the account's)."""
+    name: str | None = None
+    """Display name of the run (default: the name of the output folder)."""
+    group: str | None = None
+    """W&B group of related runs."""
+    tags: list[str] = pydantic.Field(default_factory=list)
+    """W&B tags of the run."""
+    mode: Literal["online", "offline"] | None = None
+    """online, or offline (files under ``dir``, uploaded later with ``wandb sync``); None:
+    W&B's own choice (``WANDB_MODE``, else online)."""
+    dir: str | None = None
+    """Folder W&B writes its files in (default: OUT, i.e. OUT/wandb)."""
+
+
+class MlflowSection(_Section):
+    """The MLflow run (``logging.trackers: [mlflow]``; ``pip install 'agentrl[mlflow]'``)."""
+
+    tracking_uri: str | None = None
+    """Tracking store: a server (``http://host:5000``), a database (``sqlite:///mlflow.db``)
+    or a folder (``file:///path/mlruns``; MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true``
+    to use one). None: MLflow's own default (``MLFLOW_TRACKING_URI``, …)."""
+    experiment: str = "agentrl"
+    """Experiment name (created when missing)."""
+    run_name: str | None = None
+    """Display name of the run (default: the name of the output folder)."""
+
+
 class LoggingSection(_Section):
     """What the run writes besides the ledger."""
 
-    tensorboard: bool = True
-    """TensorBoard event files in OUT/tensorboard."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = pydantic.Field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Experiment trackers the ledger streams to, each with the same metric names at the
+    training step and the run config attached: tensorboard (event files in OUT/tensorboard),
+    wandb (``logging.wandb``), mlflow (``logging.mlflow``). A resumed run appends to the same
+    tracker runs (their ids are kept in OUT/trackers.json). A tracker that fails while training
+    is switched off with a warning; training goes on. []: none."""
+    wandb: WandbSection = pydantic.Field(default_factory=WandbSection)
+    """Weights & Biases settings (used when ``trackers`` lists wandb)."""
+    mlflow: MlflowSection = pydantic.Field(default_factory=MlflowSection)
+    """MLflow settings (used when ``trackers`` lists mlflow)."""
+
+    @pydantic.field_validator("trackers")
+    @classmethod
+    def _once(cls, value: list[str]) -> list[str]:
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        return value
+
     progress: bool = True
     """A rich progress bar with ETA (on a terminal) and one line per step."""
     trajectories: bool = True
     """Append every training trajectory to OUT/trajectories.jsonl."""
     interval_s: float = pydantic.Field(10.0, ge=0)
-    """Seconds between the runtime's interval records (``runtime.jsonl`` and TensorBoard's
+    """Seconds between the runtime's interval records (``runtime.jsonl`` and the trackers'
     ``runtime/``: tokens generated and trained, buffer backlog, in-flight groups, version lag,
     idle fractions); 0: per step only."""
     dashboard_every_steps: int = pydantic.Field(0, ge=0)
@@ -200,7 +255,7 @@ class TrainConfig(_Section):
     checkpoint: CheckpointSection = pydantic.Field(default_factory=CheckpointSection)
     """Where and how often the loop is checkpointed."""
     logging: LoggingSection = pydantic.Field(default_factory=LoggingSection)
-    """TensorBoard, progress, trajectory files."""
+    """Trackers (TensorBoard, W&B, MLflow), progress, trajectory files."""
     eval: EvalSection = pydantic.Field(default_factory=EvalSection)
     """Held-out evaluation."""
     sandbox: SandboxSpec | None = None

@@ -1,11 +1,10 @@
 """What rank 0 writes while training: trajectories, eval trajectories, the step ledger
-(+ TensorBoard), the runtime's interval records (``runtime.jsonl``) and the progress display."""
+(+ the trackers), the runtime's interval records (``runtime.jsonl``) and the progress display."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -16,11 +15,12 @@ import anyio
 from agentrl._errors import ConfigError
 from agentrl._types import Trajectory, TrajectoryWriter
 
-from ._ledger import Ledger, StepProgress
+from ._ledger import Ledger, StepProgress, interval_scalars
+from ._trackers import Trackers
 
 
 class RunFiles:
-    def __init__(self, cfg: Any, out: Path, step: int, purge_step: int | None) -> None:
+    def __init__(self, cfg: Any, out: Path, step: int, trackers: Trackers) -> None:
         self.out = out
         self.dashboard_every = cfg.logging.dashboard_every_steps
         if self.dashboard_every and importlib.util.find_spec("plotly") is None:
@@ -31,7 +31,7 @@ class RunFiles:
         self.keep_trajectories = cfg.logging.trajectories
         self.trajectories = TrajectoryWriter(str(out / "trajectories.jsonl"))
         self.eval_trajectories = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
-        self.ledger = Ledger(out, tensorboard=cfg.logging.tensorboard, purge_step=purge_step)
+        self.ledger = Ledger(out, trackers)
         self.progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
         self.runtime = open(out / "runtime.jsonl", "a")
 
@@ -40,23 +40,12 @@ class RunFiles:
             self.trajectories.write(traj)
 
     def interval(self, record: dict[str, Any]) -> None:
-        """One interval record: ``runtime.jsonl`` and TensorBoard's ``runtime/`` (x axis:
-        whole seconds since the run started)."""
+        """One interval record: ``runtime.jsonl`` and the trackers' ``runtime/`` scalars."""
         self.runtime.write(json.dumps(record) + "\n")
         self.runtime.flush()
         os.fsync(self.runtime.fileno())
-        tb = self.ledger.tensorboard
-        if tb is None:
-            return
-        second = int(record["time_s"])
-        for key, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                if key != "time_s" and math.isfinite(value):
-                    tb.add_scalar(f"runtime/{key}", value, second)
-            elif isinstance(value, dict) and key == "version_lag_hist":
-                for lag, count in value.items():
-                    tb.add_scalar(f"runtime/version_lag_{lag}", count, second)
-        tb.flush()
+        scalars = interval_scalars(record)
+        self.ledger.trackers.log_interval(float(record["time_s"]), int(record["step"]), scalars)
 
     async def dashboard(self, step: int, *, last: bool) -> None:
         """Rewrite OUT/dashboard.html when ``logging.dashboard_every_steps`` says so (and after

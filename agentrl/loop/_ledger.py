@@ -1,5 +1,6 @@
 """The run's ledger: ``OUT/ledger.jsonl`` (one JSON object per step, flushed and fsynced),
-TensorBoard scalars and histograms, and the terminal progress (rich, with ETA).
+the trackers' scalars and histograms (TensorBoard, W&B, MLflow: ``_trackers``), and the
+terminal progress (rich, with ETA).
 
 Per step, at least: ``step, policy_version, reward_mean, kl, version_lag, gen_tokens_per_s,
 learner_tokens, publish_s``; then reward std and pass rate, entropy, clip fractions, ratio
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl._types import Trajectory
+
+from ._trackers import TensorBoardTracker, Trackers
 
 # TensorBoard tag prefix per ledger field (fields not listed go under "train/")
 _GROUPS = {
@@ -125,61 +128,67 @@ def first_error(traj: Trajectory) -> dict[str, Any]:
 
 
 class Ledger:
-    """Appends one object per step to ``ledger.jsonl`` and mirrors numbers to TensorBoard."""
+    """Appends one object per step to ``ledger.jsonl`` and mirrors its numbers to the run's
+    trackers (``logging.trackers``; default: TensorBoard in ``OUT/tensorboard``)."""
 
     def __init__(
         self,
         out: str | os.PathLike[str],
+        trackers: Trackers | None = None,
         *,
-        tensorboard: bool = True,
         purge_step: int | None = None,
     ) -> None:
-        """``purge_step`` (a resumed run: the first step it will write again): TensorBoard
-        discards the earlier run's events at steps >= it, so the steps redone after a resume
-        are not shown twice (``ledger.jsonl`` itself is truncated by the resume)."""
+        """``purge_step`` (a resumed run: the first step it will write again; used by the
+        default TensorBoard tracker): TensorBoard discards the earlier run's events at steps >=
+        it (``ledger.jsonl`` itself is truncated by the resume)."""
         self.path = Path(out) / "ledger.jsonl"
         self._fh = open(self.path, "a")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(Path(out) / "tensorboard"), purge_step=purge_step)
-
-    @property
-    def tensorboard(self) -> Any:
-        """The TensorBoard writer (None when off)."""
-        return self._tb
+        if trackers is None:
+            trackers = Trackers([TensorBoardTracker(Path(out) / "tensorboard", purge_step)])
+        self.trackers = trackers
 
     def write(self, record: dict[str, Any], *, rewards: Sequence[float] = ()) -> None:
         self._fh.write(json.dumps(record, sort_keys=False) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
-        if self._tb is None:
-            return
-        step = int(record["step"])
-        for key, value in record.items():
-            if key == "termination" and isinstance(value, dict):
-                for reason, count in value.items():
-                    self._tb.add_scalar(f"termination/{reason}", count, step)
-            elif key == "version_lag_hist" and isinstance(value, dict):
-                for lag, count in value.items():
-                    self._tb.add_scalar(f"runtime/version_lag_{lag}", count, step)
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                if math.isfinite(value):
-                    tag = _GROUPS.get(key) or (f"time/{key}" if key in _TIME_FIELDS else None)
-                    if tag is None and "/" in key:  # already a tag: reward/<breakdown key>
-                        tag = key
-                    self._tb.add_scalar(tag or f"train/{key}", value, step)
-        if rewards:
-            import numpy as np
-
-            self._tb.add_histogram("reward/histogram", np.asarray(rewards), step)
-        self._tb.flush()
+        self.trackers.log_step(int(record["step"]), step_scalars(record), rewards)
 
     def close(self) -> None:
         self._fh.close()
-        if self._tb is not None:
-            self._tb.close()
+        self.trackers.close()
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def step_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A ledger record's numbers under their tracker names: ``reward/mean``,
+    ``policy/kl_to_reference``, ``time/update_s``, ``termination/<reason>``,
+    ``runtime/version_lag_<k>`` …, ``train/<field>`` for the rest."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "termination" and isinstance(value, dict):
+            out.update({f"termination/{reason}": count for reason, count in value.items()})
+        elif key == "version_lag_hist" and isinstance(value, dict):
+            out.update({f"runtime/version_lag_{lag}": count for lag, count in value.items()})
+        elif _number(value):
+            tag = _GROUPS.get(key) or (f"time/{key}" if key in _TIME_FIELDS else None)
+            if tag is None and "/" in key:  # already a tag: reward/<breakdown key>
+                tag = key
+            out[tag or f"train/{key}"] = value
+    return out
+
+
+def interval_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """An interval record's numbers as ``runtime/<field>`` (``time_s`` is the x axis)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "version_lag_hist" and isinstance(value, dict):
+            out.update({f"runtime/version_lag_{lag}": count for lag, count in value.items()})
+        elif key != "time_s" and _number(value):
+            out[f"runtime/{key}"] = value
+    return out
 
 
 def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -73,6 +73,7 @@ from ._records import (
     trained_on_nothing,
 )
 from ._tasks import TaskLedger, TaskStream
+from ._trackers import Trackers, check_trackers, open_trackers
 
 
 @dataclass
@@ -109,6 +110,8 @@ class _Setup:
     purge_step: int | None = None
     engine_options: Any = None
     accept_lost: bool = False
+    trackers: Trackers | None = None
+    """The run's trackers (rank 0)."""
 
 
 async def atrain(
@@ -125,6 +128,8 @@ async def atrain(
     cut to its last complete line instead of refused."""
     setup = _prepare(cfg, Path(out), resume, accept_lost_records)
     async with AsyncExitStack() as stack:
+        if setup.trackers is not None:
+            stack.callback(setup.trackers.close)  # also when the run fails before its files
         runtime = await _compose(stack, setup)
         return await runtime.run(stop)
 
@@ -138,6 +143,7 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     from agentrl.trainer import init_distributed
 
     spec = env_spec(cfg.env)
+    check_trackers(cfg.logging.trackers)  # a missing package stops the run before the model
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     model_path = str(resolve_model(cfg.model))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -162,6 +168,14 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     setup.engine_options = options
     setup.accept_lost = accept_lost
     _restore(setup, resume_from, resume)
+    if lead:
+        setup.trackers = open_trackers(
+            cfg.logging,
+            out,
+            cfg.model_dump(mode="json"),
+            resume=resume,
+            purge_step=setup.purge_step,
+        )
     barrier()  # the run files are ready before anyone opens them
     return setup
 
@@ -247,7 +261,9 @@ async def _compose(stack: AsyncExitStack, setup: _Setup) -> _Runtime:
         model_name=cfg.model,
         env_resources=resources,
     )
-    files = RunFiles(cfg, setup.out, setup.step, setup.purge_step) if setup.lead else None
+    files = None
+    if setup.trackers is not None:
+        files = RunFiles(cfg, setup.out, setup.step, setup.trackers)
     if files is not None:
         stack.callback(files.close)
     return _Runtime(setup, base, sink, files)

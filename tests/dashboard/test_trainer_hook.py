@@ -19,7 +19,7 @@ def _files(tmp_path, every: int) -> RunFiles:
             "model": "tiny-random",
             "env": "vowels_env:vowels-v0",
             "train": {"max_steps": 5},
-            "logging": {"tensorboard": False, "progress": False, "dashboard_every_steps": every},
+            "logging": {"trackers": [], "progress": False, "dashboard_every_steps": every},
         }
     )
     return RunFiles(cfg, tmp_path, 0, None)

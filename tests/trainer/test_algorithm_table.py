@@ -127,7 +127,7 @@ def test_an_algorithm_registered_in_the_table_alone_trains(registered, tmp_path,
         "optimizer": {"lr": 1e-3},
         "train": {"max_steps": 1, "tasks_per_step": 2, "micro_batch_tokens": 256},
         "checkpoint": {"every_steps": 0, "at_end": False},
-        "logging": {"progress": False, "tensorboard": False},
+        "logging": {"progress": False, "trackers": []},
     }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))

@@ -111,7 +111,7 @@ def test_resolved_config_round_trips_and_hash_ignores_what_may_change(tmp_path):
     again_file.write_text(dump_config(cfg))
     again = load_train_config(again_file)
     assert again == cfg and again.hash() == cfg.hash()
-    same = ["train.max_steps=99", "eval.num_tasks=5", "logging.tensorboard=false"]
+    same = ["train.max_steps=99", "eval.num_tasks=5", "logging.trackers=[]"]
     same.append("engine.max_batch_size=3")
     assert load_train_config(again_file, same).hash() == cfg.hash()
     assert load_train_config(again_file, ["optimizer.lr=0.5"]).hash() != cfg.hash()

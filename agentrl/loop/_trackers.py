@@ -1,0 +1,319 @@
+"""The experiment trackers the ledger streams to (``logging.trackers``): TensorBoard, Weights &
+Biases, MLflow — one interface, one implementation each.
+
+Every tracker gets the same scalars under the same names (``reward/mean``,
+``policy/kl_to_reference``, ``runtime/buffer_backlog`` …; see ``step_scalars`` /
+``interval_scalars``) at the training step,
+and the run's resolved config (W&B: the run config; MLflow: params, flattened with dots). The
+ids of the tracker runs are kept in ``OUT/trackers.json`` so that ``--resume`` appends to the
+same W&B run (``resume="allow"`` with its id) and the same MLflow run (its ``run_id``).
+
+A tracker that cannot start (its package is not installed, a bad setting, a store that refuses
+the run) stops the run before training with a ``ConfigError`` naming the setting and the extra
+to install. A tracker that fails while training is switched off with a warning on stderr: the
+ledger (the run's record of truth) and the other trackers go on, and training is never
+stopped by a dashboard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import secrets
+import string
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from agentrl._errors import ConfigError
+
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""The module each tracker imports (its extra: ``_extras.missing_dependency_message``)."""
+_EXTRAS = {"tensorboard": "train", "wandb": "wandb", "mlflow": "mlflow"}
+IDS_FILE = "trackers.json"
+"""Where a run keeps its tracker run ids (``OUT/trackers.json``)."""
+
+# MLflow's limits (mlflow.utils.validation), fixed here so the params are cut the same way
+# whatever version is installed
+MLFLOW_PARAM_VALUE_MAX = 6000
+MLFLOW_KEY_MAX = 250
+_MLFLOW_BATCH_PARAMS = 100
+_MLFLOW_BATCH_METRICS = 1000
+_MLFLOW_KEY_BAD = re.compile(r"[^\w\-. /:]")
+
+
+class Tracker(Protocol):
+    """One experiment tracker (a sink of the ledger's scalars)."""
+
+    name: str
+
+    def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
+        """One ledger record's scalars at training step ``step`` (and the step's rewards)."""
+
+    def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
+        """One interval record's scalars, ``time_s`` seconds into the run, at step ``step``."""
+
+    def close(self) -> None: ...
+
+
+def check_trackers(names: Sequence[str]) -> None:
+    """Refuse a tracker whose package is not installed, naming the extra that installs it."""
+    from agentrl._extras import missing_dependency_message
+
+    for name in names:
+        module = TRACKER_MODULES[name]
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise  # the package is there but broken: its own error says why
+            hint = missing_dependency_message(exc, "train") or (
+                f"{module!r} is not installed: pip install 'agentrl[{_EXTRAS[name]}]'"
+            )
+            raise ConfigError(f"logging.trackers: {name}: {hint}") from None
+
+
+class Trackers:
+    """The run's trackers; a tracker that raises is warned about once and switched off."""
+
+    def __init__(self, trackers: Sequence[Tracker]) -> None:
+        self.trackers = list(trackers)
+        self.failed: dict[str, str] = {}
+        """Trackers switched off while training → the error that did it."""
+
+    def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
+        self._each(f"step {step}", lambda t: t.log_step(step, scalars, rewards))
+
+    def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
+        self._each(f"{time_s:.0f} s", lambda t: t.log_interval(time_s, step, scalars))
+
+    def close(self) -> None:
+        self._each("close", lambda t: t.close())
+        self.trackers = []
+
+    def _each(self, where: str, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as exc:  # a dashboard never stops training
+                self.trackers.remove(tracker)
+                self.failed[tracker.name] = f"{type(exc).__name__}: {exc}"
+                print(
+                    f"warning: tracker {tracker.name} failed at {where} "
+                    f"({type(exc).__name__}: {exc}); it is off for the rest of this run "
+                    "(ledger.jsonl and the other trackers go on)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def open_trackers(
+    logging: Any,
+    out: Path,
+    config: dict[str, Any],
+    *,
+    resume: bool,
+    purge_step: int | None,
+) -> Trackers:
+    """Start ``logging.trackers`` for the run in ``out`` (``config``: the resolved config as
+    plain data). ``resume``: continue the tracker runs recorded in ``OUT/trackers.json``."""
+    check_trackers(logging.trackers)
+    ids_path = out / IDS_FILE
+    ids = json.loads(ids_path.read_text()) if resume and ids_path.is_file() else {}
+    opened: list[Tracker] = []
+    try:
+        for name in logging.trackers:
+            if name == "tensorboard":
+                opened.append(TensorBoardTracker(out / "tensorboard", purge_step))
+            elif name == "wandb":
+                opened.append(WandbTracker(logging.wandb, out, config, ids))
+            else:
+                opened.append(MlflowTracker(logging.mlflow, out, config, ids))
+    except BaseException:
+        Trackers(opened).close()
+        raise
+    ids_path.write_text(json.dumps(ids, indent=2) + "\n")
+    return Trackers(opened)
+
+
+class TensorBoardTracker:
+    """Event files in ``OUT/tensorboard``; interval records at whole seconds since the start."""
+
+    name = "tensorboard"
+
+    def __init__(self, folder: Path, purge_step: int | None) -> None:
+        """``purge_step`` (a resumed run: the first step it will write again): TensorBoard
+        discards the earlier run's events at steps >= it, so the steps redone after a resume
+        are not shown twice."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(folder), purge_step=purge_step)
+
+    def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        if rewards:
+            import numpy as np
+
+            self.writer.add_histogram("reward/histogram", np.asarray(rewards), step)
+        self.writer.flush()
+
+    def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, int(time_s))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run (online, or offline files under ``logging.wandb.dir``, synced later with
+    ``wandb sync``). Every scalar is plotted against ``train/step``; interval records carry
+    ``train/step`` (the step the learner is at) and ``runtime/time_s``."""
+
+    name = "wandb"
+
+    def __init__(self, options: Any, out: Path, config: dict[str, Any], ids: dict) -> None:
+        import wandb
+
+        self._wandb = wandb
+        known = ids.get("wandb") or {}
+        run_id = known.get("id") or _new_id()
+        folder = Path(options.dir) if options.dir else out
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(
+                project=options.project,
+                entity=options.entity,
+                name=options.name or out.name,
+                group=options.group,
+                tags=list(options.tags) or None,
+                dir=str(folder),
+                mode=options.mode,
+                id=run_id,
+                resume="allow",
+            )
+        except Exception as exc:
+            raise ConfigError(f"logging.wandb: could not start the W&B run: {exc}") from exc
+        self.run.config.update(config, allow_val_change=True)
+        self.run.define_metric("train/step")
+        self.run.define_metric("*", step_metric="train/step")
+        ids["wandb"] = {"id": run_id, "project": options.project, "entity": options.entity}
+
+    def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
+        row: dict[str, Any] = {**scalars, "train/step": step}
+        if rewards:
+            row["reward/histogram"] = self._wandb.Histogram(list(rewards))
+        self.run.log(row)
+
+    def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({**scalars, "train/step": step, "runtime/time_s": time_s})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run at ``logging.mlflow.tracking_uri`` (any store MLflow supports: a tracking
+    server, a database, a ``file:`` store). Metrics at the training step; interval records at
+    whole seconds since the start (as TensorBoard). The config is logged as params (flattened
+    with dots; a value longer than MLflow's limit is cut, and the whole config is the run's
+    ``config.json`` artifact)."""
+
+    name = "mlflow"
+
+    def __init__(self, options: Any, out: Path, config: dict[str, Any], ids: dict) -> None:
+        from mlflow.tracking import MlflowClient
+
+        known = ids.get("mlflow") or {}
+        uri = known.get("tracking_uri") or options.tracking_uri
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            if known.get("run_id"):
+                self.run_id = known["run_id"]
+                self.client.update_run(self.run_id, status="RUNNING")
+            else:
+                experiment = self.client.get_experiment_by_name(options.experiment)
+                experiment_id = (
+                    experiment.experiment_id
+                    if experiment is not None
+                    else self.client.create_experiment(options.experiment)
+                )
+                run = self.client.create_run(experiment_id, run_name=options.run_name or out.name)
+                self.run_id = run.info.run_id
+            self._log_config(config)
+        except Exception as exc:
+            raise ConfigError(
+                f"logging.mlflow: could not start the MLflow run at tracking_uri={uri!r}: {exc}"
+            ) from exc
+        ids["mlflow"] = {"run_id": self.run_id, "tracking_uri": self.client.tracking_uri}
+
+    def _log_config(self, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = mlflow_params(config)
+        logged = self.client.get_run(self.run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+        if changed:  # a resume with changed settings: MLflow params are immutable
+            print(
+                f"warning: tracker mlflow: params are write-once; the run keeps its first "
+                f"value of {', '.join(changed)} (the run's config.yaml has the current ones)",
+                file=sys.stderr,
+                flush=True,
+            )
+        new = [Param(k, v) for k, v in params.items() if k not in logged]
+        for i in range(0, len(new), _MLFLOW_BATCH_PARAMS):
+            self.client.log_batch(self.run_id, params=new[i : i + _MLFLOW_BATCH_PARAMS])
+        self.client.log_dict(self.run_id, config, "config.json")
+
+    def _log(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(mlflow_key(k), float(v), stamp, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), _MLFLOW_BATCH_METRICS):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + _MLFLOW_BATCH_METRICS])
+
+    def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
+        self._log(scalars, step)
+
+    def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
+        self._log(scalars, int(time_s))
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _new_id() -> str:
+    """A W&B run id (8 lowercase letters and digits, as W&B makes its own)."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def mlflow_key(name: str) -> str:
+    """A metric or param name MLflow accepts (letters, digits, ``_ - . space / :``; at most
+    250 characters): other characters become ``_``."""
+    return _MLFLOW_KEY_BAD.sub("_", name)[:MLFLOW_KEY_MAX]
+
+
+def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
+    """The config as MLflow params: nested keys joined with dots, lists and empty mappings as
+    JSON, values cut to MLflow's 6000 characters (ending in a note that says so)."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+            return
+        text = value if isinstance(value, str) else json.dumps(value)
+        if len(text) > MLFLOW_PARAM_VALUE_MAX:
+            note = f"… [{len(text)} characters; whole value in config.json]"
+            text = text[: MLFLOW_PARAM_VALUE_MAX - len(note)] + note
+        flat[mlflow_key(prefix)] = text
+
+    walk("", config)
+    return flat

@@ -1,0 +1,88 @@
+"""The trackers' contract without a training run: the moved ``logging.tensorboard`` setting,
+a tracker whose package is missing or whose store refuses the run (a ConfigError before
+training), a tracker that fails while training (warned about, switched off, the others go on),
+and MLflow's param limits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from agentrl import ConfigError
+from agentrl.loop._config import LoggingSection, load_train_config
+from agentrl.loop._trackers import (
+    MLFLOW_PARAM_VALUE_MAX,
+    MlflowTracker,
+    TensorBoardTracker,
+    check_trackers,
+    mlflow_params,
+    open_trackers,
+)
+
+
+def test_the_old_tensorboard_flag_is_refused_with_its_new_home(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"logging": {"tensorboard": False}}))
+    with pytest.raises(ConfigError, match=r"logging\.tensorboard.*moved to logging\.trackers"):
+        load_train_config(path)
+    with pytest.raises(ConfigError, match="wandb listed more than once"):
+        load_train_config(path, ["logging={trackers: [wandb, wandb]}"])
+
+
+@pytest.mark.parametrize(("tracker", "module"), [("wandb", "wandb"), ("mlflow", "mlflow")])
+def test_a_tracker_not_installed_names_its_extra(monkeypatch, tracker, module):
+    monkeypatch.setitem(sys.modules, module, None)  # what Python does for a missing package
+    with pytest.raises(ConfigError, match=rf"logging.trackers: {tracker}: .*agentrl\[{tracker}\]"):
+        check_trackers(["tensorboard", tracker])
+
+
+def test_a_store_that_refuses_the_run_is_a_config_error(tmp_path):
+    logging = LoggingSection(trackers=["mlflow"], mlflow={"tracking_uri": "nosuchscheme://x"})
+    with pytest.raises(ConfigError, match=r"logging\.mlflow: .*tracking_uri='nosuchscheme://x'"):
+        open_trackers(logging, tmp_path, {"a": 1}, resume=False, purge_step=None)
+    assert not (tmp_path / "trackers.json").exists()
+
+
+def test_a_tracker_failing_mid_run_is_switched_off_and_the_others_go_on(
+    tmp_path, monkeypatch, capsys
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = tmp_path / "mlruns"
+    logging = LoggingSection(
+        trackers=["tensorboard", "mlflow"], mlflow={"tracking_uri": store.as_uri()}
+    )
+    trackers = open_trackers(logging, tmp_path, {"a": 1}, resume=False, purge_step=None)
+    assert [type(t) for t in trackers.trackers] == [TensorBoardTracker, MlflowTracker]
+    trackers.log_step(1, {"reward/mean": 0.5}, [0.5])
+    shutil.rmtree(store)  # the store disappears under the run
+    trackers.log_step(2, {"reward/mean": 0.75}, [0.75])
+    trackers.log_step(3, {"reward/mean": 1.0}, [1.0])
+    trackers.close()
+    err = capsys.readouterr().err
+    assert "warning: tracker mlflow failed at step 2" in err and err.count("warning") == 1
+    assert list(trackers.failed) == ["mlflow"]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
+        (1, 0.5),
+        (2, 0.75),
+        (3, 1.0),
+    ]
+    assert set(json.loads((tmp_path / "trackers.json").read_text())) == {"mlflow"}
+
+
+def test_mlflow_params_are_flat_and_within_mlflow_limits():
+    long = "x" * (3 * MLFLOW_PARAM_VALUE_MAX)
+    params = mlflow_params(
+        {"a": {"b": 1, "c": [1, 2], "d": {}, "e": None}, "long": long, "bad key!": "v"}
+    )
+    assert params["a.b"] == "1" and params["a.c"] == "[1, 2]" and params["a.d"] == "{}"
+    assert params["a.e"] == "null" and params["bad key_"] == "v"
+    assert len(params["long"]) == MLFLOW_PARAM_VALUE_MAX
+    assert params["long"].startswith("x" * 1000) and "whole value in config.json" in params["long"]
