@@ -13,7 +13,8 @@ from ._capacity import CapacitySettings
 
 @dataclass
 class RunMeasures:
-    """What the run's ledger says about its schedule (steady state: the first step dropped)."""
+    """What the run's ledger says about its schedule (steady state: the first and, from four
+    steps on, the last step left out)."""
 
     actors: int
     steps: int
@@ -66,7 +67,9 @@ def from_run(run_dir: str) -> tuple[CapacitySettings, RunMeasures]:
     rows = [r for r in _read_jsonl(ledger) if "update_s" in r and r.get("trajectories")]
     if len(rows) < 2:
         raise ConfigError(f"--from-run {run}: {len(rows)} training step(s) in the ledger; need 2")
-    steady = rows[1:]  # the first step includes start-up (compiles, empty pipeline)
+    # the first step includes start-up (compiles, an empty pipeline); the last one drains it
+    # (nothing more is admitted, so actors idle): a steady state leaves both out when it can
+    steady = rows[1:-1] if len(rows) >= 4 else rows[1:]
     train, rollout = config.get("train") or {}, config.get("rollout") or {}
     urls = (config.get("server") or {}).get("urls") or []
     busy = sum((1 - (r.get("actor_idle_fraction") or 0.0)) * r["step_s"] for r in steady)
@@ -88,7 +91,8 @@ def from_run(run_dir: str) -> tuple[CapacitySettings, RunMeasures]:
     measures = _measures(steady, max(1, len(urls)))
     runtime = run / "runtime.jsonl"
     if runtime.exists():  # interval samples: a time average rather than one value per step
-        samples = [r for r in _read_jsonl(runtime) if (r.get("step") or 0) >= steady[0]["step"]]
+        first, last = steady[0]["step"], steady[-1]["step"]
+        samples = [r for r in _read_jsonl(runtime) if first <= (r.get("step") or 0) <= last]
         if samples:
             measures.backlog_mean = _sum(samples, "buffer_backlog") / len(samples)
     return settings, measures
