@@ -98,6 +98,7 @@ from ._server_stream import (
     sse,
     stable_text,
 )
+from ._server_tokenize import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 
 _JSON = "application/json"
 
@@ -199,7 +200,10 @@ class _Server:
                 )
                 context, session = turn.context, turn.engine_session
             live.context = context
-            sampling, query = prepare_run(item, len(context), self.facts)
+            streaming = turn is not None and turn.session.streaming
+            sampling, query = prepare_run(
+                item, len(context), self.facts, streaming_session=streaming
+            )
             extra: dict[str, Any] = {}
             if query is not None:
                 if not self.logprob_queries:
@@ -333,6 +337,32 @@ class _Server:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return _json(server_info(self))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            req = tokenize_decoder.decode(await request.read())
+            answer = await asyncio.to_thread(
+                tokenize, req, self.facts.tokenizer, self.facts.max_context
+            )
+        except msgspec.ValidationError as exc:
+            return _error(400, f"invalid /tokenize request: {exc}", w.error_field(exc))
+        except msgspec.DecodeError as exc:
+            return _error(400, f"/tokenize body is not valid JSON: {exc}")
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.field)
+        return _json(answer)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            req = detokenize_decoder.decode(await request.read())
+            answer = detokenize(req, self.facts.tokenizer, self.facts.vocab_size)
+        except msgspec.ValidationError as exc:
+            return _error(400, f"invalid /detokenize request: {exc}", w.error_field(exc))
+        except msgspec.DecodeError as exc:
+            return _error(400, f"/detokenize body is not valid JSON: {exc}")
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.field)
+        return _json(answer)
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -474,6 +504,10 @@ def create_app(
         ("POST", "/abort_request", server.abort_request),
         ("GET", "/server_info", server.server_info),
         ("GET", "/get_server_info", server.server_info),
+        ("POST", "/tokenize", server.tokenize),
+        ("POST", "/v1/tokenize", server.tokenize),
+        ("POST", "/detokenize", server.detokenize),
+        ("POST", "/v1/detokenize", server.detokenize),
     ]
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)

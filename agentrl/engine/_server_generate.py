@@ -283,11 +283,13 @@ def _sampling(
 
 
 def prepare_run(
-    item: Item, context_len: int, facts: ModelFacts
+    item: Item, context_len: int, facts: ModelFacts, *, streaming_session: bool = False
 ) -> tuple[SamplingParams, LogprobQuery | None]:
     """Check ``item`` against its whole context (in a session: history + suffix) and the
     context length; return its sampling (``max_new_tokens`` capped to the room left) and what
-    it asks of the engine beyond the sampled tokens' logprobs."""
+    it asks of the engine beyond the sampled tokens' logprobs. In a streaming session
+    ``logprob_start_len`` is ignored (-1), as SGLang 0.5.17 does, so the turn keeps reusing
+    the session's KV."""
     limit, sampling = facts.max_context, item.sampling
     if context_len >= limit:
         raise BadRequest(
@@ -309,7 +311,7 @@ def prepare_run(
         sampling = SamplingParams(**{**fields, "max_new_tokens": limit - context_len})
     if not item.return_logprob:
         return sampling, None  # SGLang ignores the other logprob fields then
-    start = item.logprob_start_len
+    start = -1 if streaming_session else item.logprob_start_len
     if start > context_len:
         raise BadRequest(
             f"logprob_start_len ({start}) is larger than the number of input tokens "

@@ -167,18 +167,16 @@ def test_batched_prompts_take_their_own_logprob_settings(
         check_top(second["input_top_logprobs"][position - 4], rows[position - 1], 2, bound)
 
 
-@pytest.mark.parametrize("streaming", [False, True])
 def test_session_turns_count_logprob_start_len_from_the_whole_context(
-    url: str, logprob_error: LogprobError, streaming: bool
+    url: str, logprob_error: LogprobError
 ) -> None:
-    sid = httpx.post(url + "/open_session", json={"streaming": streaming}, timeout=30).json()
+    sid = httpx.post(url + "/open_session", json={}, timeout=30).json()
     try:
         t1 = greedy(url, PROMPT, session_params={"id": sid}, rid="t1")
-        parent = {"id": sid} if streaming else {"id": sid, "rid": "t1"}
         t2 = greedy(
             url,
             SUFFIX,
-            session_params=parent,
+            session_params={"id": sid, "rid": "t1"},
             rid="t2",
             return_logprob=True,
             logprob_start_len=3,
@@ -188,6 +186,24 @@ def test_session_turns_count_logprob_start_len_from_the_whole_context(
         rows, bound = reference(logprob_error, full)
         check_input(t2["meta_info"]["input_token_logprobs"], full, 3, rows, bound)
         assert t2["meta_info"]["cached_tokens"] <= 3
+    finally:
+        httpx.post(url + "/close_session", json={"session_id": sid}, timeout=30)
+
+
+def test_streaming_sessions_ignore_logprob_start_len_and_keep_their_kv(url: str) -> None:
+    """As SGLang 0.5.17: a streaming session's turn reports no input logprobs (start -1) and
+    reuses the whole previous turn's KV."""
+    sid = httpx.post(url + "/open_session", json={"streaming": True}, timeout=30).json()
+    try:
+        t1 = greedy(url, PROMPT, session_params={"id": sid}, rid="t1")
+        t2 = greedy(
+            url, SUFFIX, session_params={"id": sid}, return_logprob=True, logprob_start_len=0
+        )
+        meta = t2["meta_info"]
+        assert meta["prompt_tokens"] == len(PROMPT) + len(t1["output_ids"]) + len(SUFFIX)
+        assert meta["input_token_logprobs"] == []
+        assert len(meta["output_token_logprobs"]) == len(t2["output_ids"])
+        assert meta["cached_tokens"] >= len(PROMPT) + len(t1["output_ids"]) - 16  # whole pages
     finally:
         httpx.post(url + "/close_session", json={"session_id": sid}, timeout=30)
 

@@ -744,3 +744,23 @@ async def test_server_info_has_the_fields_clients_read(server: Server) -> None:
     assert isinstance(info["version"], str)
     assert isinstance(info["internal_states"], list) and info["internal_states"]
     assert "last_gen_throughput" in info["internal_states"][0]
+
+
+# --- /tokenize and /detokenize -------------------------------------------------------------------
+
+
+async def test_tokenize_and_detokenize_round_trip(server: Server) -> None:
+    text = "Hello SGLang world! 123"
+    async with httpx.AsyncClient(timeout=60) as client:
+        for prefix in ("", "/v1"):
+            out = await client.post(server.url + prefix + "/tokenize", json={"prompt": text})
+            assert out.status_code == 200, out.text
+            body = out.json()
+            assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+            back = await client.post(
+                server.url + prefix + "/detokenize",
+                json={"tokens": body["tokens"], "skip_special_tokens": True},
+            )
+            assert back.status_code == 200 and back.json()["text"] == text, back.text
+        bad = await client.post(server.url + "/tokenize", json={"prompt": 12345})
+        assert bad.status_code == 400, bad.text
