@@ -8,6 +8,8 @@ import asyncio
 import base64
 import itertools
 import json
+import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -102,7 +104,11 @@ async def _visit(port: int, page: Path, expression: str, shot: Path | None) -> P
 
 def visit(chromium: str, page: Path, expression: str, screenshot: Path | None = None) -> PageVisit:
     """Load ``page`` in a fresh headless Chromium, evaluate ``expression`` once it loaded."""
-    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+    # chromium's helper processes outlive the browser process for a moment: the whole process
+    # group (its own session) is ended, and a profile file written late does not fail the test
+    with tempfile.TemporaryDirectory(
+        prefix="chromium-profile-", ignore_cleanup_errors=True
+    ) as profile:
         proc = subprocess.Popen(
             [
                 chromium,
@@ -121,6 +127,7 @@ def visit(chromium: str, page: Path, expression: str, screenshot: Path | None = 
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             active = Path(profile) / "DevToolsActivePort"
@@ -134,9 +141,18 @@ def visit(chromium: str, page: Path, expression: str, screenshot: Path | None = 
             port = int(active.read_text().split()[0])
             return asyncio.run(_visit(port, page, expression, screenshot))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _end_group(proc)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """End the browser and every helper process of its session (this test started them)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(0.2)  # helpers exit after the browser
