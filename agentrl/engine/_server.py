@@ -47,7 +47,7 @@ import inspect
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,25 @@ def _json(payload: msgspec.Struct | list | dict | str, status: int = 200) -> web
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
     body = w.WireError(w.WireErrorBody(message, field), code=status)
     return _json(body, status)
+
+
+async def _answer_body(
+    request: web.Request,
+    decoder: msgspec.json.Decoder,
+    endpoint: str,
+    run: Callable[[Any], dict[str, Any]],
+) -> web.Response:
+    """Decode ``request``'s body and answer ``run(body)`` (in a thread: tokenizers are slow);
+    a body that does not decode, or that ``run`` refuses, is a 400 naming the field."""
+    try:
+        req = decoder.decode(await request.read())
+        return _json(await asyncio.to_thread(run, req))
+    except msgspec.ValidationError as exc:
+        return _error(400, f"invalid {endpoint} request: {exc}", w.error_field(exc))
+    except msgspec.DecodeError as exc:
+        return _error(400, f"{endpoint} body is not valid JSON: {exc}")
+    except BadRequest as exc:
+        return _error(400, str(exc), exc.field)
 
 
 class _Server:
@@ -339,30 +358,16 @@ class _Server:
         return _json(server_info(self))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        try:
-            req = tokenize_decoder.decode(await request.read())
-            answer = await asyncio.to_thread(
-                tokenize, req, self.facts.tokenizer, self.facts.max_context
-            )
-        except msgspec.ValidationError as exc:
-            return _error(400, f"invalid /tokenize request: {exc}", w.error_field(exc))
-        except msgspec.DecodeError as exc:
-            return _error(400, f"/tokenize body is not valid JSON: {exc}")
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.field)
-        return _json(answer)
+        def run(req: Any) -> dict[str, Any]:
+            return tokenize(req, self.facts.tokenizer, self.facts.max_context)
+
+        return await _answer_body(request, tokenize_decoder, "/tokenize", run)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        try:
-            req = detokenize_decoder.decode(await request.read())
-            answer = detokenize(req, self.facts.tokenizer, self.facts.vocab_size)
-        except msgspec.ValidationError as exc:
-            return _error(400, f"invalid /detokenize request: {exc}", w.error_field(exc))
-        except msgspec.DecodeError as exc:
-            return _error(400, f"/detokenize body is not valid JSON: {exc}")
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.field)
-        return _json(answer)
+        def run(req: Any) -> dict[str, Any]:
+            return detokenize(req, self.facts.tokenizer, self.facts.vocab_size)
+
+        return await _answer_body(request, detokenize_decoder, "/detokenize", run)
 
     # --- sessions -----------------------------------------------------------------------------
 
