@@ -6,9 +6,12 @@ gradients, so both outputs' gradients flow) of three paths, each in the same run
 - ``naive``: ``logits = h Wᵀ`` in the working dtype, ``log_softmax`` in fp32, gather, entropy —
   what a trainer without a fused kernel writes;
 - ``chunked``: the torch fallback (``backend='torch'``, 1024 tokens per chunk);
-- ``triton``: the fused kernel. On a GPU it is timed; on CPU, ``--interpreter`` runs it in
-  Triton's interpreter for its *memory* only (it allocates what it allocates on a GPU — the
-  fp32 gradient buffers, ``[T]`` vectors and per-program tiles; the interpreter is no speed test).
+- ``triton``: the Triton backend (``backend='triton'``, 1024 tokens per chunk): for bf16 its
+  GEMM path (cuBLAS fp32-output GEMMs + Triton row kernels). On a GPU it is timed; on CPU,
+  ``--interpreter`` runs it in Triton's interpreter for its *memory* only (the interpreter is no
+  speed test);
+- ``tiles`` (GPU): the all-Triton tile kernel (``FusedLogprobEntropy``, the backend's fp32 path)
+  on the same bf16 inputs, for comparison.
 
 Reported per path: peak memory *added* by the computation (CUDA: ``max_memory_allocated`` over
 the inputs; CPU: the process's VmHWM after resetting it through ``/proc/self/clear_refs``, one
@@ -64,6 +67,10 @@ def _path(name: str):
 
     if name == "naive":
         return naive
+    if name == "tiles":
+        from agentrl.kernels import FusedLogprobEntropy
+
+        return lambda h, w, y: FusedLogprobEntropy.apply(h, w, y, 1.0)
     backend = {"chunked": "torch", "triton": "triton"}[name]
     return lambda h, w, y: fused_logprob_entropy(h, w, y, backend=backend, chunk_size=1024)
 
@@ -196,6 +203,7 @@ def main() -> None:
     if args.interpreter and not os.environ.get("TRITON_INTERPRET"):
         p.error("--interpreter needs TRITON_INTERPRET=1 in the environment")
     paths = ["naive", "chunked"] + (["triton"] if cuda or args.interpreter else [])
+    paths += ["tiles"] if cuda else []
     card = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     print(f"# kernels_bench  {datetime.date.today()}  device={device} ({card})  dtype={args.dtype}")
     print(f"# torch {torch.__version__}  cores={os.cpu_count()}  hidden={args.hidden}")

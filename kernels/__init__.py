@@ -14,6 +14,7 @@ on purpose: transformers probes a top-level ``kernels`` package for one.
 from . import reference as reference
 from ._logprob import FusedLogprobEntropy as FusedLogprobEntropy
 from ._logprob import fused_logprob_entropy as fused_logprob_entropy
+from ._logprob_gemm import GemmLogprobEntropy as GemmLogprobEntropy
 from ._paged_attention import paged_decode_attention as paged_decode_attention
 from ._policy_loss import MAX_LOG_RATIO as MAX_LOG_RATIO
 from ._policy_loss import PolicyLossStats as PolicyLossStats
@@ -28,6 +29,7 @@ from ._triton import use_triton as use_triton
 __all__ = [
     "BACKENDS",
     "FusedLogprobEntropy",
+    "GemmLogprobEntropy",
     "MAX_LOG_RATIO",
     "PolicyLossStats",
     "fused_logprob_entropy",

@@ -2,10 +2,14 @@
 full ``[T, V]`` logits: 16k tokens × 152k vocabulary are 9.3 GiB in fp32 per copy, and a naive
 ``log_softmax`` + entropy forward and backward keeps several.
 
-Two paths behind one function, ``fused_logprob_entropy``:
+Two backends behind one function, ``fused_logprob_entropy``:
 
-- **triton** (``_logprob_triton``): logits live only in registers, tile by tile (forward: online
-  log-sum-exp over vocabulary tiles; backward: recomputed tiles, atomics into the gradients).
+- **triton**: bf16/fp16 inputs take the GEMM path (``_logprob_gemm``): ``chunk_size`` tokens at
+  a time, cuBLAS GEMMs with fp32 output for the products and Triton row kernels for the
+  log-sum-exp, entropy and ``dL/dz``. fp32 inputs (and bf16/fp16 where torch lacks fp32-output
+  GEMMs) take the tile kernel (``_logprob_triton``): logits live only in registers, tile by tile
+  (forward: online log-sum-exp over vocabulary tiles; backward: recomputed tiles, atomics into
+  the gradients), with IEEE fp32 dots.
 - **torch** (``_ChunkedLogprobEntropy``): ``chunk_size`` tokens at a time against the whole
   vocabulary; at most ``chunk_size × V`` logits exist, in the forward *and* the backward (the
   autograd function saves only its inputs and recomputes each chunk's logits).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ._logprob_gemm import GemmLogprobEntropy, gemm_path_available
 from ._triton import Backend, use_triton
 
 
@@ -153,9 +158,11 @@ def fused_logprob_entropy(
     return 0 and get no gradient. Returns ``(logprob [T], entropy [T])`` in float32 (float64 for
     float64 inputs); differentiable in ``hidden`` and ``weight``.
 
-    ``backend``: ``auto`` runs the Triton kernel on CUDA and the chunked torch path (``chunk_size``
-    tokens at a time) elsewhere; ``triton`` / ``torch`` force one (``triton`` on CPU needs
-    ``TRITON_INTERPRET=1``, for tests). float64 always takes the torch path.
+    ``backend``: ``auto`` runs the Triton backend on CUDA and the chunked torch path elsewhere;
+    ``triton`` / ``torch`` force one (``triton`` on CPU needs ``TRITON_INTERPRET=1``, for tests).
+    float64 always takes the torch path. ``chunk_size`` tokens are processed at a time by the
+    torch path and by the Triton backend's GEMM path (bf16/fp16): at most ``chunk_size × V``
+    logits exist at once.
     """
     if hidden.ndim != 2 or weight.ndim != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
@@ -189,7 +196,11 @@ def fused_logprob_entropy(
     if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
         bad = targets[(targets < 0) | (targets >= vocab)][0].item()
         raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab})")
-    if triton_path:
+    if triton_path and gemm_path_available(hidden.dtype, hidden.device):
+        lp, ent = GemmLogprobEntropy.apply(
+            hidden, weight, targets, float(temperature), int(chunk_size)
+        )
+    elif triton_path:
         lp, ent = FusedLogprobEntropy.apply(hidden, weight, targets, float(temperature))
     else:
         lp, ent = _ChunkedLogprobEntropy.apply(

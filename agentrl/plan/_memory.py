@@ -208,14 +208,19 @@ def activation_bytes(shape: ModelShape, tokens: int, b: int, checkpointing: bool
 def logits_bytes(shape: ModelShape, tokens: int, b: int, path: str, chunk: int) -> int:
     """Peak bytes of the log-prob computation over ``tokens`` positions. Naive: the 16-bit
     logits, their fp32 copy and the fp32 log-softmax at once (``tokens x vocab``). Chunked (the
-    torch path): one chunk of fp32 logits and its gradient. Fused (the Triton kernel): no
-    logits at all, only fp32 per-token results (log-prob, entropy, log-sum-exp)."""
+    torch path): one chunk of fp32 logits and its gradient. Fused (the Triton backend): fp32
+    per-token results (log-prob, entropy, log-sum-exp); with 16-bit weights its GEMM path also
+    holds one chunk of fp32 logits and of 16-bit ``dL/dz``, and the fp32 head gradient with
+    one chunk's product being added to it (fp32 weights: the tile kernel, no logits)."""
     assert shape.vocab is not None
     if path == "naive":
         return tokens * shape.vocab * (b + 8)
     if path == "chunked":
         return min(tokens, chunk) * shape.vocab * 8
-    return tokens * 12
+    if b == 4:
+        return tokens * 12
+    head = 2 * 4 * shape.vocab * shape.hidden  # type: ignore[operator]
+    return min(tokens, chunk) * shape.vocab * (4 + b) + head + tokens * 12
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, context: int, b: int) -> int:

@@ -8,7 +8,12 @@ import torch
 from kernel_devices import DEVICES, needs_triton
 from numerics import TF32_UNIT_ROUNDOFF, assert_within, logprob_entropy_bounds, unit_roundoff
 
-from agentrl.kernels import FusedLogprobEntropy, fused_logprob_entropy, reference
+from agentrl.kernels import (
+    FusedLogprobEntropy,
+    GemmLogprobEntropy,
+    fused_logprob_entropy,
+    reference,
+)
 
 
 def _inputs(gen, t, h, v, dtype, device, *, scale=1.0):
@@ -41,8 +46,9 @@ def test_three_way(gen, device, dtype, t, h, v, temperature):
     g_lp = torch.randn(t, generator=gen, dtype=torch.float64).to(device)
     g_ent = torch.randn(t, generator=gen, dtype=torch.float64).to(device)
 
-    def kernel(*a):
-        return fused_logprob_entropy(*a, backend="triton")
+    def kernel(*a):  # several chunks of the GEMM path (bf16) everywhere
+        chunk = 16 if device == "cpu" else 512
+        return fused_logprob_entropy(*a, backend="triton", chunk_size=chunk)
 
     def torch_path(*a):
         return fused_logprob_entropy(*a, backend="torch", chunk_size=16)
@@ -78,13 +84,14 @@ def test_three_way(gen, device, dtype, t, h, v, temperature):
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
-def test_extreme_logits_stay_finite(gen, device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # tile kernel, GEMM path
+def test_extreme_logits_stay_finite(gen, device, dtype):
     """Logits of ±thousands: the online log-sum-exp must not overflow, logprob ≤ 0, entropy ≥ 0."""
-    hidden, weight, targets = _inputs(gen, 19, 32, 150, torch.float32, device, scale=400.0)
+    hidden, weight, targets = _inputs(gen, 19, 32, 150, dtype, device, scale=400.0)
     weight.data[7] *= 50  # one token dominates wherever it scores high
     targets[:5] = 7
-    lp, ent = fused_logprob_entropy(hidden, weight, targets, 1.0, backend="triton")
-    ref_lp, ref_ent = reference.logprob_entropy(hidden, weight, targets)
+    lp, ent = fused_logprob_entropy(hidden, weight, targets, 1.0, backend="triton", chunk_size=8)
+    ref_lp, ref_ent = reference.logprob_entropy(hidden.double(), weight.double(), targets)
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert (lp <= 0).all() and (ent >= 0).all()
     # fp32 logits of magnitude ~1e4 carry absolute rounding errors ~1e-3: the model scales
@@ -98,8 +105,9 @@ def test_extreme_logits_stay_finite(gen, device):
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty_and_fully_masked(gen, device):
-    hidden, weight, targets = _inputs(gen, 9, 16, 40, torch.float32, device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_and_fully_masked(gen, device, dtype):
+    hidden, weight, targets = _inputs(gen, 9, 16, 40, dtype, device)
     none = torch.zeros(9, dtype=torch.bool, device=device)
     lp, ent = fused_logprob_entropy(hidden, weight, targets, 1.0, none, backend="triton")
     assert (lp == 0).all() and (ent == 0).all()
@@ -111,11 +119,15 @@ def test_empty_and_fully_masked(gen, device):
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
-def test_only_hidden_needs_grad(gen, device):
+@pytest.mark.parametrize("path", ["tiles", "gemm"])
+def test_only_hidden_needs_grad(gen, device, path):
     """A frozen head (reference-style) still gets the right hidden gradient."""
     hidden, weight, targets = _inputs(gen, 21, 24, 90, torch.float32, device)
     weight = weight.detach()
-    lp, ent = FusedLogprobEntropy.apply(hidden, weight, targets, 1.0)
+    if path == "tiles":
+        lp, ent = FusedLogprobEntropy.apply(hidden, weight, targets, 1.0)
+    else:  # fp32 operands through the GEMM path's code (fp32 GEMMs, fp32 dL/dz)
+        lp, ent = GemmLogprobEntropy.apply(hidden, weight, targets, 1.0, 8)
     lp.sum().backward()
     leaf = hidden.detach().double().requires_grad_()  # the reference's gradient in float64
     ref_lp, _ = reference.logprob_entropy(leaf, weight, targets)
@@ -160,6 +172,7 @@ def test_auto_uses_torch_on_cpu(gen, monkeypatch):
         raise AssertionError("the Triton path ran on CPU under backend='auto'")
 
     monkeypatch.setattr(mod.FusedLogprobEntropy, "apply", boom)
+    monkeypatch.setattr(mod.GemmLogprobEntropy, "apply", boom)
     hidden, weight, targets = _inputs(gen, 11, 16, 30, torch.float32, "cpu")
     lp, _ = fused_logprob_entropy(hidden, weight, targets)
     ref, _ = reference.logprob_entropy(hidden, weight, targets)
