@@ -69,6 +69,20 @@ def test_a_missing_sglang_bundle_fails_that_section_only(tmp_path: Path) -> None
     assert rc == 1
 
 
+def test_a_missing_sglang_bundle_fails_the_conformance_and_router_sections(tmp_path: Path) -> None:
+    """Both sections share one step (their servers start together): its error fails each."""
+    missing = tmp_path / "no-bundle"
+    rc, report, _ = _run(
+        tmp_path, "--sections", "sglang-conformance", "sglang-router", "--sglang", str(missing)
+    )
+    sections = report["sections"]
+    assert list(sections) == ["staging", "environment", "sglang-conformance", "sglang-router"]
+    for name in ("sglang-conformance", "sglang-router"):
+        assert sections[name]["status"] == "failed", sections[name]
+        assert str(missing) in sections[name]["detail"]
+    assert rc == 1
+
+
 def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--sections", "gpu"],
@@ -80,8 +94,9 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 2 and "/no/such/python" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--sections", "sglang"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "need --sglang BUNDLE" in proc.stderr
+    for name in ("sglang", "sglang-conformance", "sglang-router"):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--sections", name],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 2 and "need --sglang BUNDLE" in proc.stderr, name
