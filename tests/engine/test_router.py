@@ -5,12 +5,12 @@ worker and reads each one's ``weight_version`` back; a worker that dies is left 
 router leaves it out. Every process is started here and stopped by its PID. asyncio only.
 
 With ``AGENTRL_SGLANG_WORKER_URLS=url1,url2,...`` the workers are real SGLang servers started
-outside (``scripts/gpu-check`` starts them on a GPU, with ``--enable-metrics``) instead of
-``agentrl serve`` processes; the router is still started here. ``AGENTRL_SGLANG_UPDATE_PATH``
-then names a weights folder on the workers' host, and ``AGENTRL_SGLANG_WORKER_PGIDS`` (the
-workers' process groups, same order) lets the dead-worker test kill the last one. What only
-``agentrl serve`` does (its own metrics, refusing flags SGLang honours, a worker started here)
-is skipped there with the reason."""
+outside (``scripts/gpu-check`` starts them on a GPU) instead of ``agentrl serve`` processes; the
+router is still started here. ``AGENTRL_SGLANG_UPDATE_PATH`` then names a weights folder on the
+workers' host, and ``AGENTRL_SGLANG_WORKER_PGIDS`` (the workers' process groups, same order)
+lets the dead-worker test kill the last one. What only ``agentrl serve`` can answer (its
+open-session gauge, refusing a flag SGLang honours, a worker started here) is checked against
+``agentrl serve`` only."""
 
 from __future__ import annotations
 
@@ -53,13 +53,10 @@ class Fleet:
 
 
 def _metric(url: str, name: str) -> float:
-    """The sum of every series of ``name`` (SGLang labels a counter's series, e.g. by
-    ``is_streaming``); 0 before a labelled counter has its first series."""
-    total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
 
 
 def _only_agentrl(fleet: Fleet, why: str) -> None:
@@ -133,22 +130,41 @@ def fleet(
                 stop_serve(proc)
 
 
-def test_router_routes_generate_and_flush_to_agentrl_workers(fleet: Fleet) -> None:
-    before = [_metric(w, "sglang:num_requests_total") for w in fleet.workers]
-    body = {
-        "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True,
-    }
-    for _ in range(2 * len(fleet.workers)):
+def _cached(worker: str, prompt: list[int]) -> int:
+    """The ``cached_tokens`` of ``prompt`` sent straight to ``worker``: more than 0 when its
+    prefix cache held it (the probe then leaves it there)."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    reply = httpx.post(worker + "/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["meta_info"]["cached_tokens"]
+
+
+def test_router_routes_generate_and_flushes_every_worker(fleet: Fleet) -> None:
+    """Which worker served a request shows in its prefix cache (the prompts share no prefix):
+    each routed prompt is held by exactly one worker, every worker got some, and after the
+    router's ``/flush_cache`` no worker holds any."""
+    flushed = httpx.post(fleet.router + "/flush_cache", timeout=60)
+    assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == len(fleet.workers)
+    prompts = [[300 + i, *PROMPT * 4] for i in range(2 * len(fleet.workers))]
+    for prompt in prompts:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        }
         reply = httpx.post(fleet.router + "/generate", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         meta = reply.json()["meta_info"]
         assert meta["completion_tokens"] == 3 and len(meta["output_token_logprobs"]) == 3
-    after = [_metric(w, "sglang:num_requests_total") for w in fleet.workers]
-    assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
+    holders = [[w for w in fleet.workers if _cached(w, prompt) > 0] for prompt in prompts]
+    assert all(len(held) == 1 for held in holders), holders
+    assert {held[0] for held in holders} == set(fleet.workers), holders
+    # every worker now holds every prompt (the probes put them there): the flush empties all
     flushed = httpx.post(fleet.router + "/flush_cache", timeout=60)
     assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == len(fleet.workers)
+    assert [[_cached(w, p) for p in prompts] for w in fleet.workers] == [
+        [0] * len(prompts) for _ in fleet.workers
+    ]
     if fleet.sglang:  # SGLang honours the flag below
         return
     # a flag a worker cannot honour is refused by the worker, through the router, naming it
