@@ -7,10 +7,11 @@ router leaves it out. Every process is started here and stopped by its PID. asyn
 With ``AGENTRL_SGLANG_WORKER_URLS=url1,url2,...`` the workers are real SGLang servers started
 outside (``scripts/gpu-check`` starts them on a GPU) instead of ``agentrl serve`` processes; the
 router is still started here. ``AGENTRL_SGLANG_UPDATE_PATH`` then names a weights folder on the
-workers' host, and ``AGENTRL_SGLANG_WORKER_PGIDS`` (the workers' process groups, same order)
+workers' host, ``AGENTRL_SGLANG_SPARE_URL`` one more server the added-worker test registers
+with the router, and ``AGENTRL_SGLANG_WORKER_PGIDS`` (the workers' process groups, same order)
 lets the dead-worker test kill the last one. What only ``agentrl serve`` can answer (its
-open-session gauge, refusing a flag SGLang honours, a worker started here) is checked against
-``agentrl serve`` only."""
+open-session gauge, refusing a flag SGLang honours) is checked against ``agentrl serve``
+only."""
 
 from __future__ import annotations
 
@@ -57,11 +58,6 @@ def _metric(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
-
-
-def _only_agentrl(fleet: Fleet, why: str) -> None:
-    if fleet.sglang:
-        pytest.skip(f"real SGLang workers: {why}")
 
 
 @pytest.fixture
@@ -214,12 +210,16 @@ async def test_weights_reach_every_worker_with_the_version_checked(
 
 
 async def test_a_worker_added_to_the_router_gets_the_next_weights(
-    fleet: Fleet, tiny_dir: Path, tmp_path: Path
+    fleet: Fleet, update_path: Path, tmp_path: Path
 ) -> None:
-    _only_agentrl(fleet, "a worker started here is an agentrl serve process")
+    """A worker registered with the running router (``POST /workers``): started here, or with
+    real SGLang workers the spare one ``AGENTRL_SGLANG_SPARE_URL`` names."""
+    spare = os.environ.get("AGENTRL_SGLANG_SPARE_URL", "").rstrip("/")
+    if fleet.sglang and not spare:
+        pytest.skip("real SGLang workers: AGENTRL_SGLANG_SPARE_URL names no spare one to add")
     async with SGLangEngine(fleet.router, max_context=2048) as engine:
-        await engine.update_weights(10, str(tiny_dir))
-        proc, late = start_serve(tiny_dir, tmp_path / "late.log")
+        await engine.update_weights(10, str(update_path))
+        proc, late = (None, spare) if fleet.sglang else start_serve(update_path, tmp_path / "l.log")
         added = None
         try:
             added = httpx.post(fleet.router + "/workers", json={"url": late}, timeout=30)
@@ -228,7 +228,7 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
             while not _listed(fleet.router).get(late) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert _listed(fleet.router).get(late), "the router did not take the worker"
-            await engine.update_weights(11, str(tiny_dir))
+            await engine.update_weights(11, str(update_path))
             for worker in [*fleet.workers, late]:
                 info = httpx.get(worker + "/get_model_info", timeout=10).json()
                 assert info["weight_version"] == "11", (worker, info)
@@ -239,7 +239,8 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
                 deadline = time.monotonic() + 30
                 while late in _listed(fleet.router) and time.monotonic() < deadline:
                     time.sleep(0.2)
-            stop_serve(proc)
+            if proc is not None:
+                stop_serve(proc)
 
 
 def _kill_last_worker(fleet: Fleet) -> None:
