@@ -4,6 +4,7 @@ it (a subprocess), writing the same JSON + markdown report."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,14 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 
 
-def _run(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[int, dict, str]:
+def _run(
+    tmp_path: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> tuple[int, dict, str]:
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--python", sys.executable, "--out", str(out),
          "--work", str(tmp_path / "work"), *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
     report = json.loads((out / "gpu-check.json").read_text())
     assert (out / "gpu-check.md").read_text().startswith("# gpu-check (dry run)")
@@ -69,6 +72,42 @@ def test_a_missing_sglang_bundle_fails_that_section_only(tmp_path: Path) -> None
     assert rc == 1
 
 
+def test_a_missing_sglang_bundle_fails_the_conformance_and_router_sections(tmp_path: Path) -> None:
+    """Both sections share one step (their servers start together): its error fails each."""
+    missing = tmp_path / "no-bundle"
+    rc, report, _ = _run(
+        tmp_path, "--sections", "sglang-conformance", "sglang-router", "--sglang", str(missing)
+    )
+    sections = report["sections"]
+    assert list(sections) == ["staging", "environment", "sglang-conformance", "sglang-router"]
+    for name in ("sglang-conformance", "sglang-router"):
+        assert sections[name]["status"] == "failed", sections[name]
+        assert str(missing) in sections[name]["detail"]
+    assert rc == 1
+
+
+def test_a_router_that_does_not_import_fails_its_section_before_any_server(
+    tmp_path: Path,
+) -> None:
+    """The ``sglang-router`` section checks its launcher imports with the staged packages (the
+    wheel missing from ``.gpu-check/wheels``) before it extracts the bundle or starts SGLang."""
+    shadow = tmp_path / "shadow" / "sglang_router"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no router wheel here')\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
+    missing = tmp_path / "no-bundle"
+    rc, report, _ = _run(
+        tmp_path, "--sections", "sglang-conformance", "sglang-router", "--sglang", str(missing),
+        env=env,
+    )  # fmt: skip
+    router = report["sections"]["sglang-router"]
+    assert router["status"] == "failed"
+    assert "no router wheel here" in router["detail"] and "--prepare" in router["detail"], router
+    conformance = report["sections"]["sglang-conformance"]  # it goes on, to its own error
+    assert conformance["status"] == "failed" and str(missing) in conformance["detail"]
+    assert rc == 1
+
+
 def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--sections", "gpu"],
@@ -80,8 +119,9 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 2 and "/no/such/python" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--sections", "sglang"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "need --sglang BUNDLE" in proc.stderr
+    for name in ("sglang", "sglang-conformance", "sglang-router"):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--sections", name],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 2 and "need --sglang BUNDLE" in proc.stderr, name

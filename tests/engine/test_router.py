@@ -2,7 +2,16 @@
 the router routes plain ``/generate`` to them and broadcasts ``/flush_cache``; ``SGLangEngine``
 given the router's URL keeps each session on one worker, publishes weights to every healthy
 worker and reads each one's ``weight_version`` back; a worker that dies is left out as the
-router leaves it out. Every process is started here and stopped by its PID. asyncio only."""
+router leaves it out. Every process is started here and stopped by its PID. asyncio only.
+
+With ``AGENTRL_SGLANG_WORKER_URLS=url1,url2,...`` the workers are real SGLang servers started
+outside (``scripts/gpu-check`` starts them on a GPU) instead of ``agentrl serve`` processes; the
+router is still started here. ``AGENTRL_SGLANG_UPDATE_PATH`` then names a weights folder on the
+workers' host, ``AGENTRL_SGLANG_SPARE_URL`` one more server the added-worker test registers
+with the router, and ``AGENTRL_SGLANG_WORKER_PGIDS`` (the workers' process groups, same order)
+lets the dead-worker test kill the last one. What only ``agentrl serve`` can answer (its
+open-session gauge, refusing a flag SGLang honours) is checked against ``agentrl serve``
+only."""
 
 from __future__ import annotations
 
@@ -27,11 +36,21 @@ pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio"), pytest.m
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
 
 
+EXTERNAL = [
+    u.strip().rstrip("/") for u in os.environ.get("AGENTRL_SGLANG_WORKER_URLS", "").split(",")
+]
+EXTERNAL = [u for u in EXTERNAL if u]
+"""Real SGLang workers started outside, when given: the fleet is made of them."""
+
+
 @dataclass
 class Fleet:
     router: str
     workers: list[str]
     procs: list[subprocess.Popen[bytes]]
+    """The processes started here: the workers (``agentrl serve`` only), then the router."""
+    sglang: bool = False
+    """The workers are real SGLang servers started outside."""
 
 
 def _metric(url: str, name: str) -> float:
@@ -39,6 +58,17 @@ def _metric(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+@pytest.fixture
+def update_path(fleet: Fleet, request: pytest.FixtureRequest) -> Path:
+    """A weights folder the workers can load: on their host for external workers."""
+    if not fleet.sglang:
+        return request.getfixturevalue("tiny_dir")
+    path = os.environ.get("AGENTRL_SGLANG_UPDATE_PATH")
+    if not path:
+        pytest.skip("AGENTRL_SGLANG_UPDATE_PATH (weights on the workers' host) is not set")
+    return Path(path)
 
 
 def _listed(router: str) -> dict[str, bool]:
@@ -74,40 +104,65 @@ def start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes]
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        workers = []
-        for index in range(3):
-            proc, url = start_serve(tiny_dir, logs / f"worker{index}.log")
-            procs.append(proc)
-            workers.append(url)
+        workers = list(EXTERNAL)
+        if not workers:
+            tiny_dir = request.getfixturevalue("tiny_dir")
+            for index in range(3):
+                proc, url = start_serve(tiny_dir, logs / f"worker{index}.log")
+                procs.append(proc)
+                workers.append(url)
         router, url = start_router(workers, logs / "router.log")
         procs.append(router)
-        yield Fleet(url, workers, procs)
+        yield Fleet(url, workers, procs, sglang=bool(EXTERNAL))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 stop_serve(proc)
 
 
-def test_router_routes_generate_and_flush_to_agentrl_workers(fleet: Fleet) -> None:
-    before = [_metric(w, "sglang:num_requests_total") for w in fleet.workers]
-    body = {
-        "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-        "return_logprob": True,
-    }
-    for _ in range(2 * len(fleet.workers)):
+def _cached(worker: str, prompt: list[int]) -> int:
+    """The ``cached_tokens`` of ``prompt`` sent straight to ``worker``: more than 0 when its
+    prefix cache held it (the probe then leaves it there)."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    reply = httpx.post(worker + "/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["meta_info"]["cached_tokens"]
+
+
+def test_router_routes_generate_and_flushes_every_worker(fleet: Fleet) -> None:
+    """Which worker served a request shows in its prefix cache (the prompts share no prefix):
+    each routed prompt is held by exactly one worker, every worker got some, and after the
+    router's ``/flush_cache`` no worker holds any."""
+    flushed = httpx.post(fleet.router + "/flush_cache", timeout=60)
+    assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == len(fleet.workers)
+    prompts = [[300 + i, *PROMPT * 4] for i in range(2 * len(fleet.workers))]
+    for prompt in prompts:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        }
         reply = httpx.post(fleet.router + "/generate", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         meta = reply.json()["meta_info"]
         assert meta["completion_tokens"] == 3 and len(meta["output_token_logprobs"]) == 3
-    after = [_metric(w, "sglang:num_requests_total") for w in fleet.workers]
-    assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
+    holders = [[w for w in fleet.workers if _cached(w, prompt) > 0] for prompt in prompts]
+    assert all(len(held) == 1 for held in holders), holders
+    assert {held[0] for held in holders} == set(fleet.workers), holders
+    # every worker now holds every prompt (the probes put them there): the flush empties all
     flushed = httpx.post(fleet.router + "/flush_cache", timeout=60)
     assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == len(fleet.workers)
+    assert [[_cached(w, p) for p in prompts] for w in fleet.workers] == [
+        [0] * len(prompts) for _ in fleet.workers
+    ]
+    if fleet.sglang:  # SGLang honours the flag below
+        return
     # a flag a worker cannot honour is refused by the worker, through the router, naming it
     bad = httpx.post(fleet.router + "/generate", json={**body, "return_hidden_states": True})
     assert bad.status_code == 400 and "return_hidden_states" in bad.text
@@ -127,17 +182,20 @@ async def test_sessions_stick_to_the_worker_that_holds_their_kv(fleet: Fleet) ->
         stats = engine.statistics()
         assert stats.fallbacks == 0 and stats.session_restarts == 0
         assert stats.session_requests == 2 * len(sessions)
-        # one session per worker: the router's workers, not the router, hold them
-        held = [_metric(w, "agentrl:open_sessions") for w in fleet.workers]
+        # one session per worker: the router's workers, not the router, hold them (SGLang does
+        # not export its open sessions: there the cached tokens above show where the KV is)
+        if not fleet.sglang:
+            held = [_metric(w, "agentrl:open_sessions") for w in fleet.workers]
+            assert held == [1.0] * len(fleet.workers)
         for session in sessions:
             await engine.close_session(session)
-    assert held == [1.0] * len(fleet.workers)
 
 
 async def test_weights_reach_every_worker_with_the_version_checked(
-    fleet: Fleet, tiny_dir: Path, tmp_path: Path
+    fleet: Fleet, update_path: Path, tmp_path: Path
 ) -> None:
-    noisy = perturbed_copy(tiny_dir, tmp_path / "noisy")
+    # other weights than the workers hold, where they can be written next to them
+    noisy = update_path if fleet.sglang else perturbed_copy(update_path, tmp_path / "noisy")
     async with SGLangEngine(fleet.router, max_context=2048) as engine:
         await engine.update_weights(7, str(noisy))
         assert engine.weight_version == 7
@@ -146,17 +204,22 @@ async def test_weights_reach_every_worker_with_the_version_checked(
             assert info["weight_version"] == "7", (worker, info)
         result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
         assert result.weight_version == 7
-        await engine.update_weights(8, str(tiny_dir))
+        await engine.update_weights(8, str(update_path))
     versions = [httpx.get(w + "/get_model_info").json()["weight_version"] for w in fleet.workers]
     assert versions == ["8"] * len(fleet.workers)
 
 
 async def test_a_worker_added_to_the_router_gets_the_next_weights(
-    fleet: Fleet, tiny_dir: Path, tmp_path: Path
+    fleet: Fleet, update_path: Path, tmp_path: Path
 ) -> None:
+    """A worker registered with the running router (``POST /workers``): started here, or with
+    real SGLang workers the spare one ``AGENTRL_SGLANG_SPARE_URL`` names."""
+    spare = os.environ.get("AGENTRL_SGLANG_SPARE_URL", "").rstrip("/")
+    if fleet.sglang and not spare:
+        pytest.skip("real SGLang workers: AGENTRL_SGLANG_SPARE_URL names no spare one to add")
     async with SGLangEngine(fleet.router, max_context=2048) as engine:
-        await engine.update_weights(10, str(tiny_dir))
-        proc, late = start_serve(tiny_dir, tmp_path / "late.log")
+        await engine.update_weights(10, str(update_path))
+        proc, late = (None, spare) if fleet.sglang else start_serve(update_path, tmp_path / "l.log")
         added = None
         try:
             added = httpx.post(fleet.router + "/workers", json={"url": late}, timeout=30)
@@ -165,7 +228,7 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
             while not _listed(fleet.router).get(late) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert _listed(fleet.router).get(late), "the router did not take the worker"
-            await engine.update_weights(11, str(tiny_dir))
+            await engine.update_weights(11, str(update_path))
             for worker in [*fleet.workers, late]:
                 info = httpx.get(worker + "/get_model_info", timeout=10).json()
                 assert info["weight_version"] == "11", (worker, info)
@@ -176,14 +239,39 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
                 deadline = time.monotonic() + 30
                 while late in _listed(fleet.router) and time.monotonic() < deadline:
                     time.sleep(0.2)
-            stop_serve(proc)
+            if proc is not None:
+                stop_serve(proc)
+
+
+def _kill_last_worker(fleet: Fleet) -> None:
+    """SIGKILL the last worker: the process started here, or the external worker's whole
+    process group (SGLang's scheduler and detokenizer are processes of their own)."""
+    if not fleet.sglang:
+        proc = fleet.procs[len(fleet.workers) - 1]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        return
+    pgids = [p for p in os.environ.get("AGENTRL_SGLANG_WORKER_PGIDS", "").split(",") if p.strip()]
+    os.killpg(int(pgids[len(fleet.workers) - 1]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(fleet.workers[-1] + "/health", timeout=1)
+        except httpx.HTTPError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{fleet.workers[-1]} still answers after SIGKILL of its group")
 
 
 async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
-    fleet: Fleet, tiny_dir: Path
+    fleet: Fleet, update_path: Path
 ) -> None:
     """Runs last: it kills a worker."""
-    dead, proc = fleet.workers[-1], fleet.procs[len(fleet.workers) - 1]
+    if fleet.sglang:
+        pgids = [p for p in os.environ.get("AGENTRL_SGLANG_WORKER_PGIDS", "").split(",") if p]
+        if len(pgids) != len(fleet.workers):
+            pytest.skip("AGENTRL_SGLANG_WORKER_PGIDS does not name each worker's process group")
+    dead = fleet.workers[-1]
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
     async with SGLangEngine(fleet.router, max_context=2048) as engine:
         sessions = [await engine.open_session() for _ in fleet.workers]  # one on each worker
@@ -192,8 +280,7 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
             contexts[index] += list(
                 (await engine.generate(contexts[index], greedy, session)).token_ids
             )
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill_last_worker(fleet)
         deadline = time.monotonic() + 30
         while _listed(fleet.router).get(dead, False) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -201,7 +288,7 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
         for _ in range(2 * len(fleet.workers)):  # the router routes around it
             result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
             assert len(result.token_ids) == 2
-        await engine.update_weights(9, str(tiny_dir))  # every live worker, none left behind
+        await engine.update_weights(9, str(update_path))  # every live worker, none left behind
         assert engine.weight_version == 9 and engine.statistics().workers_skipped == 1
         for worker in fleet.workers[:-1]:
             assert httpx.get(worker + "/get_model_info").json()["weight_version"] == "9"
