@@ -7,9 +7,11 @@ for the rows that completed their context, finish requests that stopped; hand re
 their event loops.
 
 Devices: the model and the KV pool may live on a CUDA device (``EngineOptions.device``). The
-thread makes that device current (Triton launches and CUDA events use the current device), and
-each step copies its logits rows to the CPU (float32) in one transfer, which also waits for the
-step to finish; sampling then runs there exactly as on a CPU-only engine.
+thread makes that device current (Triton launches and CUDA events use the current device). Each
+step reads back what the host needs of its logits in one transfer per kind (which also waits for
+the step to finish): plain greedy rows' ids and logprobs, picked on the device for the whole step
+(``_read_logits``), and the float32 rows that sample with a generator or feed a logprob query,
+sampled on the CPU exactly as on a CPU-only engine.
 
 Failures: an exception while sampling for one request fails that request only (``EngineError``);
 an exception in the forward pass cannot be pinned on one row and fails every request of the
@@ -117,6 +119,16 @@ def _report_progress(requests: list[Request]) -> None:
             anyio.from_thread.run_sync(deliver, batch, token=token)
         except Exception:  # the loop is gone, or a callback failed: nobody to tell
             pass
+
+
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``: a view when the rows are consecutive (a decode step's are), so no
+    index tensor is copied to the device."""
+    if not rows:
+        return logits[:0]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
 
 class _Identity(dict[int, int]):
@@ -369,15 +381,9 @@ class Worker:
                 where[row] = len(wanted)
                 wanted.append(row)
         if greedy:
-            index = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            ids, logprobs = greedy_tokens(logits.index_select(0, index))
+            ids, logprobs = greedy_tokens(_take_rows(logits, greedy))
             picks = dict(zip(greedy, zip(ids, logprobs, strict=True), strict=True))
-        if wanted:
-            index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
-            host = logits.index_select(0, index).cpu()
-        else:
-            host = logits.new_empty((0, logits.shape[-1]), device="cpu")
-        return picks, host, where
+        return picks, _take_rows(logits, wanted).cpu(), where
 
     def _accept(self, request: Request, logits: torch.Tensor | tuple[int, float]) -> bool:
         """Sample the next token of ``request`` from its logits row (CPU, ``[vocab]``), or take

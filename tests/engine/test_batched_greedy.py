@@ -110,3 +110,11 @@ async def test_batched_greedy_non_finite_logits_fail_only_their_request(
         worker.model.forward = forward  # type: ignore[method-assign]
         result = await engine.generate([5, 6, 7], greedy)
         assert len(result.token_ids) == 3
+
+
+def test_take_rows_slices_consecutive_rows_and_gathers_others() -> None:
+    logits = torch.arange(40.0).view(10, 4)
+    for rows in ([], [3], [2, 3, 4], [1, 3, 2, 4], [5, 6, 7, 2], [0, 2]):
+        assert torch.equal(_worker._take_rows(logits, rows), logits[rows])
+    view = _worker._take_rows(logits, [2, 3, 4])
+    assert view.data_ptr() == logits[2].data_ptr()  # a view, no index copy
