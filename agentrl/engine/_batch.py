@@ -55,7 +55,8 @@ def build_forward_batch(
             table = torch.tensor(row.blocks, dtype=torch.long, device="cpu")
             pos = torch.arange(row.start, end, device="cpu")
             slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
-        logits_rows.extend(base + p for p in extra_positions(row))
+        if row.extra[1] > row.extra[0]:  # most rows ask for none
+            logits_rows.extend(base + p for p in extra_positions(row))
         if row.sample:
             logits_rows.append(len(ids) - 1)
     attention = make_attention_batch(

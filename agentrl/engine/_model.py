@@ -339,13 +339,14 @@ class CausalLM:
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         scale = 1.0 / math.sqrt(dim)
-        split = [heads * dim, kv_heads * dim, kv_heads * dim]
+        split = [(heads + kv_heads) * dim, kv_heads * dim]
         attn = batch.attention
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            q, k, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
-            q = _rotate(q.view(tokens, heads, dim), cos, sin)
-            k = _rotate(k.view(tokens, kv_heads, dim), cos, sin)
+            qk, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
+            # q and k rotate together: one set of elementwise kernels per layer, not two
+            qk = _rotate(qk.view(tokens, heads + kv_heads, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             kv.write(index, batch.slots, k, v.view(tokens, kv_heads, dim))
             k_cache, v_cache = kv.layer(index)
             kernel = "sdpa" if decode is None else decode.choose(q, k_cache, v_cache, attn, scale)

@@ -202,7 +202,7 @@ class Scheduler:
             extra = request.logprobs.input_positions if request.logprobs else (0, 0)
             row = Row(request.tokens, start, count, request.kv.blocks, sample, extra)
             packed.append(row)
-            positions = extra_positions(row)
+            positions = extra_positions(row) if extra[1] > extra[0] else None
             if positions:
                 inputs.append((request, positions.start, len(positions), logits_rows))
                 logits_rows += len(positions)

@@ -7,9 +7,11 @@ for the rows that completed their context, finish requests that stopped; hand re
 their event loops.
 
 Devices: the model and the KV pool may live on a CUDA device (``EngineOptions.device``). The
-thread makes that device current (Triton launches and CUDA events use the current device), and
-each step copies its logits rows to the CPU (float32) in one transfer, which also waits for the
-step to finish; sampling then runs there exactly as on a CPU-only engine.
+thread makes that device current (Triton launches and CUDA events use the current device). Each
+step reads back what the host needs of its logits in one transfer per kind (which also waits for
+the step to finish): plain greedy rows' ids and logprobs, picked on the device for the whole step
+(``_read_logits``), and the float32 rows that sample with a generator or feed a logprob query,
+sampled on the CPU exactly as on a CPU-only engine.
 
 Failures: an exception while sampling for one request fails that request only (``EngineError``);
 an exception in the forward pass cannot be pinned on one row and fails every request of the
@@ -33,7 +35,7 @@ from agentrl._types import FinishReason, GenerateResult
 
 from ._decode import DecodeKernelChooser
 from ._model import CausalLM
-from ._sampling import sample_token
+from ._sampling import check_logprob, greedy_tokens, sample_token
 from ._scheduler import Request, Scheduler, Step
 
 
@@ -119,6 +121,23 @@ def _report_progress(requests: list[Request]) -> None:
             pass
 
 
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``: a view when the rows are consecutive (a decode step's are), so no
+    index tensor is copied to the device."""
+    if not rows:
+        return logits[:0]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+
+
+class _Identity(dict[int, int]):
+    """``where`` for a host copy of every logits row: row ``r`` is at ``r``."""
+
+    def __missing__(self, row: int) -> int:
+        return row
+
+
 class Worker:
     def __init__(
         self,
@@ -138,6 +157,10 @@ class Worker:
         self.num_threads = num_threads
         self.in_flight = in_flight
         self.weight_version = weight_version
+        self.batched_greedy = model.device.type != "cpu"
+        """Greedy rows pick their ids where the logits are, all at once (``_read_logits``);
+        on the CPU row-by-row picks are faster (a ``[vocab]`` reduction runs in cache) and
+        give the same numbers."""
         self.counters = Counters()
         self.broken: BaseException | None = None
         self._cond = threading.Condition()
@@ -279,7 +302,8 @@ class Worker:
             if not request.started:
                 request.weight_version = self.weight_version
         try:
-            logits = self.model.forward(step.batch, self.scheduler.kv.pool, self.decode).cpu()
+            logits = self.model.forward(step.batch, self.scheduler.kv.pool, self.decode)
+            picks, host, where = self._read_logits(step, logits)
         except Exception as exc:
             for request, _ in step.rows:
                 self._fail(request, exc)
@@ -295,15 +319,17 @@ class Worker:
             self.counters.decode_rows += decode_rows
         for request, first, count, row in step.inputs:
             assert request.logprobs is not None
+            at = where[row]
             try:
-                request.logprobs.add_input(first, logits[row : row + count], request.tokens)
+                request.logprobs.add_input(first, host[at : at + count], request.tokens)
             except Exception as exc:
                 self._fail(request, exc)
         for request, row in zip(step.sampled, step.sample_rows, strict=True):
             if request.error is not None:
                 continue  # failed above
             try:
-                finished = self._accept(request, logits[row])
+                pick = picks.get(row)
+                finished = self._accept(request, host[where[row]] if pick is None else pick)
             except Exception as exc:
                 self._fail(request, exc)
                 continue
@@ -319,15 +345,61 @@ class Worker:
             self.scheduler.finish(request)
             self._deliver(request)
 
-    def _accept(self, request: Request, logits: torch.Tensor) -> bool:
-        """Sample the next token of ``request``; finish it (and return True) on a stop or limit."""
+    def _read_logits(
+        self, step: Step, logits: torch.Tensor
+    ) -> tuple[dict[int, tuple[int, float]], torch.Tensor, dict[int, int]]:
+        """What the host needs of this step's ``logits`` (on the model's device): ``picks``,
+        the batched greedy ``(id, logprob)`` per logits row (``batched_greedy`` only), and the
+        float32 CPU copy ``host`` of every other row the step reads, ``where[row]`` being the
+        row's index in ``host`` (input-logprob ranges stay contiguous).
+
+        Plain greedy rows (no ``LogprobQuery``) need only their id and logprob, not their
+        ``[vocab]`` row: ``greedy_tokens`` computes them for all such rows where the logits are
+        and reads back ``2 * rows`` numbers. Rows that sample with a generator or feed a
+        ``LogprobCollector`` are copied whole (one transfer) and sampled on the CPU as before.
+        """
+        picks: dict[int, tuple[int, float]] = {}
+        if not self.batched_greedy:
+            host = logits.cpu()
+            return picks, host, _Identity()
+        greedy = [
+            row
+            for request, row in zip(step.sampled, step.sample_rows, strict=True)
+            if request.sampling.temperature == 0
+            and request.sampling.max_new_tokens > 0
+            and request.logprobs is None
+        ]
+        wanted: list[int] = []
+        where: dict[int, int] = {}
+        for _, _, count, first in step.inputs:
+            for row in range(first, first + count):
+                where[row] = len(wanted)
+                wanted.append(row)
+        chosen = set(greedy)
+        for row in step.sample_rows:
+            if row not in chosen and row not in where:
+                where[row] = len(wanted)
+                wanted.append(row)
+        if greedy:
+            ids, logprobs = greedy_tokens(_take_rows(logits, greedy))
+            picks = dict(zip(greedy, zip(ids, logprobs, strict=True), strict=True))
+        return picks, _take_rows(logits, wanted).cpu(), where
+
+    def _accept(self, request: Request, logits: torch.Tensor | tuple[int, float]) -> bool:
+        """Sample the next token of ``request`` from its logits row (CPU, ``[vocab]``), or take
+        the ``(id, logprob)`` a batched greedy pick made; finish it (and return True) on a stop
+        or limit."""
         if request.sampling.max_new_tokens == 0:  # prefill only (input logprobs)
             if request.logprobs is not None:
                 request.logprobs.input_done = True
             return self._finish(request, "length", None)
-        token, logprob = sample_token(logits, request.sampling, request.generator)
-        if request.logprobs is not None:
-            request.logprobs.add_output(logits, request.sampling.temperature)
+        if isinstance(logits, tuple):
+            token, logprob = logits
+            check_logprob(token, logprob)
+        else:
+            token, logprob = sample_token(logits, request.sampling, request.generator)
+            if request.logprobs is not None:
+                request.logprobs.add_output(logits, request.sampling.temperature)
         request.tokens.append(token)
         request.output_logprobs.append(logprob)
         request.token_versions.append(self.weight_version)
