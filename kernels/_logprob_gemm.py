@@ -9,7 +9,7 @@ Per chunk of ``C`` tokens, with ``W [V, H]`` the LM head:
   log-prob and the entropy (``_logprob_rows_triton``). Saved: the inputs plus ``lse`` and the
   entropy, ``[T]`` each.
 - backward: the same GEMM again, the row kernel writes ``dL/dz`` in the operand dtype, then
-  ``dL/dh = dz W`` (written straight into the chunk's rows of the hidden gradient) and
+  ``dL/dh = dz W`` (fp32 output, rounded once into the chunk's rows of the hidden gradient) and
   ``dL/dW += dzᵀ h`` (fp32 accumulator).
 
 At most ``C × V`` fp32 logits plus ``C × V`` operand-dtype gradients exist at a time. Compared
@@ -125,10 +125,10 @@ class GemmLogprobEntropy(torch.autograd.Function):
             )
             del z
             if grad_hidden is not None:
-                if cuda:  # fp32 accumulation, one rounding into the hidden dtype
-                    torch.mm(dz, w, out=grad_hidden[start:end])
-                else:
-                    grad_hidden[start:end] = (dz @ w).to(hidden.dtype)
+                # fp32 output, then one rounding into the hidden dtype: a bf16-output GEMM may
+                # reduce its split-K partial sums in bf16 (torch's default
+                # allow_bf16_reduced_precision_reduction), and this GEMM's K is the vocabulary
+                grad_hidden[start:end] = _mm_fp32(dz, w)
             if grad_weight is not None:
                 grad_weight += _mm_fp32(dz.T, h if cuda else h.float())
             del dz

@@ -485,8 +485,11 @@ async def test_malformed_bodies_are_json_400s(server: Server) -> None:
             assert response.status_code == 400, (raw, response.text)
             assert response.json()["object"] == "error", (raw, response.text)
         assert (await client.get("/health")).status_code == 200
-        # an endpoint that takes no body ignores a bad one
-        assert (await client.post("/flush_cache", content=b"\xff\xfe")).status_code == 200
+        # an endpoint that takes no body: agentrl serve ignores a bad one (200), SGLang 0.5.17
+        # answers 400 (seen on a GPU run); neither fails nor stops serving
+        flushed = await client.post("/flush_cache", content=b"\xff\xfe")
+        assert flushed.status_code in (200, 400), flushed.text
+        assert (await client.get("/health")).status_code == 200
     async with SGLangEngine([server.url]) as engine:
         assert len((await engine.generate(PROMPT, GREEDY)).token_ids) == 8
 
@@ -495,8 +498,11 @@ async def test_failed_weight_update_is_a_json_failure_and_keeps_the_weights(
     server: Server, tmp_path: Path
 ) -> None:
     """A weights folder whose safetensors file is truncated: ``{"success": false, "message"}``
-    with HTTP 400 and the previous weights still served (a remote SGLang does not see the folder:
-    the same answer, for a missing path)."""
+    with HTTP 400 and the previous weights still served."""
+    if not server.ours:
+        # seen on a GPU run: SGLang 0.5.17's scheduler raises on the truncated file and the
+        # whole server exits (SIGQUIT), so a real SGLang cannot take this check
+        pytest.skip("SGLang 0.5.17 exits on a truncated safetensors file in an update")
     broken = tmp_path / "truncated"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
