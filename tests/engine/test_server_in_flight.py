@@ -68,9 +68,12 @@ async def test_partial_versions_travel_over_http(tiny_dir: Path, tmp_path: Path)
                     await anyio.sleep(0.002)
             await engine.update_weights(4, str(noisy))
         (result,) = results
+        # the new weights may sample EOS before LONG tokens (where depends on when they came)
+        n = len(result.token_ids)
+        assert n == LONG or result.finish_reason == "stop", (n, result.finish_reason)
         k = result.token_versions.index(4)
-        assert 0 < k < LONG
-        assert result.token_versions == [0] * k + [4] * (LONG - k)
+        assert 0 < k < n
+        assert result.token_versions == [0] * k + [4] * (n - k)
         assert result.weight_version == 0
 
 
