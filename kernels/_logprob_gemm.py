@@ -53,6 +53,12 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def _head(weight: torch.Tensor) -> torch.Tensor:
+    """The head as every chunk's GEMMs take it: as is on CUDA; upcast once elsewhere (rather
+    than by ``_mm_fp32`` in every chunk)."""
+    return weight if weight.is_cuda else weight.float()
+
+
 class GemmLogprobEntropy(torch.autograd.Function):
     """cuBLAS + row kernels as an autograd function; saves ``(hidden, weight, targets, lse,
     entropy)``, nothing of size ``V`` per token."""
@@ -65,7 +71,7 @@ class GemmLogprobEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         out = [torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3)]
         logprob, entropy, lse = out
-        w_t = weight.T
+        w_t = _head(weight).T
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _mm_fp32(hidden[start:end], w_t)
@@ -98,10 +104,9 @@ class GemmLogprobEntropy(torch.autograd.Function):
             torch.zeros_like(lse) if grad_entropy is None else grad_entropy.float().contiguous()
         )
         n, vocab = hidden.shape[0], weight.shape[0]
-        cuda = hidden.is_cuda
         # dL/dz in the GEMM operand dtype on a GPU; fp32 on upcast operands elsewhere
-        dz_dtype = hidden.dtype if cuda else torch.float32
-        w = weight if cuda else weight.float()
+        dz_dtype = hidden.dtype if hidden.is_cuda else torch.float32
+        w = _head(weight)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -111,7 +116,7 @@ class GemmLogprobEntropy(torch.autograd.Function):
         for start in range(0, n, ctx.chunk_size):
             end = min(start + ctx.chunk_size, n)
             h = hidden[start:end]
-            z = _mm_fp32(h, weight.T)
+            z = _mm_fp32(h, w.T)
             dz = torch.empty(end - start, vocab, dtype=dz_dtype, device=hidden.device)
             rows_backward(
                 z,
@@ -130,7 +135,7 @@ class GemmLogprobEntropy(torch.autograd.Function):
                 # allow_bf16_reduced_precision_reduction), and this GEMM's K is the vocabulary
                 grad_hidden[start:end] = _mm_fp32(dz, w)
             if grad_weight is not None:
-                grad_weight += _mm_fp32(dz.T, h if cuda else h.float())
+                grad_weight += _mm_fp32(dz.T, h)
             del dz
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

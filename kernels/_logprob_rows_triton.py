@@ -108,6 +108,31 @@ def _block(vocab: int, device: torch.device) -> tuple[int, int]:
     return min(4096, max(16, triton.next_power_of_2(max(vocab // 4, 1)))), 4
 
 
+def _launch(
+    kernel: triton.JITFunction,
+    logits: torch.Tensor,
+    tensors: tuple[torch.Tensor, ...],
+    strides: tuple[int, ...],
+    inv_temperature: float,
+) -> None:
+    """One program per row of ``logits [C, V]``: ``kernel(LOGITS, *tensors, vocab, stride,
+    *strides, inv_temperature)``."""
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    block, warps = _block(vocab, logits.device)
+    kernel[(rows,)](
+        logits,
+        *tensors,
+        vocab,
+        logits.stride(0),
+        *strides,
+        inv_temperature,
+        BLOCK_V=block,
+        num_warps=warps,
+    )
+
+
 def rows_forward(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -117,22 +142,7 @@ def rows_forward(
     inv_temperature: float,
 ) -> None:
     """Fill ``logprob``, ``entropy``, ``lse`` (fp32 ``[C]`` views) from fp32 ``logits [C, V]``."""
-    rows, vocab = logits.shape
-    if rows == 0:
-        return
-    block, warps = _block(vocab, logits.device)
-    _rows_fwd_kernel[(rows,)](
-        logits,
-        targets,
-        logprob,
-        entropy,
-        lse,
-        vocab,
-        logits.stride(0),
-        inv_temperature,
-        BLOCK_V=block,
-        num_warps=warps,
-    )
+    _launch(_rows_fwd_kernel, logits, (targets, logprob, entropy, lse), (), inv_temperature)
 
 
 def rows_backward(
@@ -146,22 +156,5 @@ def rows_backward(
     inv_temperature: float,
 ) -> None:
     """Write ``dL/dz`` of fp32 ``logits [C, V]`` into ``grad_z [C, V]`` (its own dtype)."""
-    rows, vocab = logits.shape
-    if rows == 0:
-        return
-    block, warps = _block(vocab, logits.device)
-    _rows_bwd_kernel[(rows,)](
-        logits,
-        grad_z,
-        targets,
-        lse,
-        entropy,
-        grad_logprob,
-        grad_entropy,
-        vocab,
-        logits.stride(0),
-        grad_z.stride(0),
-        inv_temperature,
-        BLOCK_V=block,
-        num_warps=warps,
-    )
+    tensors = (grad_z, targets, lse, entropy, grad_logprob, grad_entropy)
+    _launch(_rows_bwd_kernel, logits, tensors, (grad_z.stride(0),), inv_temperature)
