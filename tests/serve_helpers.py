@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    log: Path,
+    what: str,
+    seconds: float,
+    errors: tuple[type[Exception], ...] = (httpx.HTTPError,),
+) -> None:
+    """Poll ``ready()`` (``errors`` count as not yet) until it holds; a process that exits, or
+    ``seconds`` passing (then it is stopped), raise with ``what`` and its log."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()}")
+        try:
+            if ready():
+                return
+        except errors:
+            pass
+        time.sleep(0.2)
+    stop_serve(proc)
+    raise RuntimeError(f"{what} was not ready after {seconds:.0f} s: {log.read_text()}")
+
+
 def start_serve(model: Path, log: Path, *options: str) -> tuple[subprocess.Popen[bytes], str]:
     """``agentrl serve --model MODEL`` plus ``options``; returns it once healthy, and its URL."""
     port = free_port()
@@ -29,18 +55,22 @@ def start_serve(model: Path, log: Path, *options: str) -> tuple[subprocess.Popen
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"agentrl serve exited with {proc.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop_serve(proc)
-    raise RuntimeError(f"agentrl serve did not become healthy: {log.read_text()}")
+
+    def healthy() -> bool:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+
+    wait_ready(proc, healthy, log, "agentrl serve", 180)
+    return proc, url
+
+
+@contextmanager
+def serving(model: Path, log: Path, *options: str) -> Iterator[str]:
+    """``start_serve`` for the ``with`` block; the server is stopped when it ends."""
+    proc, url = start_serve(model, log, *options)
+    try:
+        yield url
+    finally:
+        stop_serve(proc)
 
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> None:

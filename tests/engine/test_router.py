@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve
+from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve, wait_ready
 
 from agentrl._types import SamplingParams
 from agentrl.engine import SGLangEngine
@@ -89,18 +89,14 @@ def start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sglang-router exited with {proc.returncode}: {log.read_text()}")
-        try:
-            if all(_listed(url).get(w) for w in workers) and len(_listed(url)) == len(workers):
-                return proc, url
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(0.2)
-    stop_serve(proc)
-    raise RuntimeError(f"sglang-router did not list its workers: {log.read_text()}")
+
+    def lists_its_workers() -> bool:
+        listed = _listed(url)
+        return all(listed.get(w) for w in workers) and len(listed) == len(workers)
+
+    errors = (httpx.HTTPError, KeyError, ValueError)
+    wait_ready(proc, lists_its_workers, log, "sglang-router (listing its workers)", 90, errors)
+    return proc, url
 
 
 @pytest.fixture(scope="module")

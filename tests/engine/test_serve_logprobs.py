@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from numerics import LogprobError
-from serve_helpers import start_serve, stop_serve
+from serve_helpers import serving
 from transformers import AutoTokenizer
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018] * 2
@@ -24,11 +24,8 @@ SUFFIX = [198, 1, 520, 9531, 198]
 
 @pytest.fixture(scope="module")
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, base = start_serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
+    with serving(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log") as base:
         yield base
-    finally:
-        stop_serve(proc)
 
 
 def generate(url: str, status: int = 200, **body: Any) -> Any:
@@ -296,8 +293,7 @@ def test_unknown_fields_stay_refused(url: str) -> None:
 
 def test_context_length_and_page_size_options(tiny_dir: Path, tmp_path: Path) -> None:
     options = ("--context-length", "40", "--page-size", "1")
-    proc, base = start_serve(tiny_dir, tmp_path / "serve.log", *options)
-    try:
+    with serving(tiny_dir, tmp_path / "serve.log", *options) as base:
         info = httpx.get(base + "/get_model_info", timeout=30).json()
         assert info["agentrl"]["page_size"] == 1
         greedy(base, PROMPT[:27], max_new_tokens=1)
@@ -314,5 +310,3 @@ def test_context_length_and_page_size_options(tiny_dir: Path, tmp_path: Path) ->
         capped = generate(base, input_ids=PROMPT, sampling_params={"ignore_eos": True})
         assert capped["meta_info"]["completion_tokens"] == 40 - len(PROMPT)
         assert capped["meta_info"]["finish_reason"]["type"] == "length"
-    finally:
-        stop_serve(proc)

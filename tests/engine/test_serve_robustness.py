@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from serve_helpers import start_serve, stop_serve
+from serve_helpers import serving
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
 MAX_SAMPLES = 64
@@ -32,11 +32,8 @@ BODY_ENDPOINTS = ("/generate", "/open_session", "/close_session", "/update_weigh
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     limits = ["--max-samples-per-request", str(MAX_SAMPLES), "--max-sessions", str(MAX_SESSIONS)]
-    proc, base = start_serve(tiny_dir, log, *limits)
-    try:
+    with serving(tiny_dir, log, *limits) as base:
         yield base
-    finally:
-        stop_serve(proc)
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +237,7 @@ def test_health_reflects_a_model_that_cannot_generate(
 def test_health_of_a_busy_server_does_not_wait_in_its_queue(tiny_dir: Path, tmp_path: Path) -> None:
     """One batch slot, two long requests queued: the probe would wait ~10 s behind them; the
     tokens they produce meanwhile count as health, as in SGLang."""
-    proc, base = start_serve(tiny_dir, tmp_path / "busy.log", "--max-batch-size", "1")
-    try:
+    with serving(tiny_dir, tmp_path / "busy.log", "--max-batch-size", "1") as base:
         with httpx.Client(base_url=base, timeout=120) as busy:
             long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}}
             long["sampling_params"]["ignore_eos"] = True
@@ -256,8 +252,6 @@ def test_health_of_a_busy_server_does_not_wait_in_its_queue(tiny_dir: Path, tmp_
                     assert busy.get(path).status_code == 200
                     assert time.monotonic() - started < 3, path
                 assert all(f.result().status_code == 200 for f in running)
-    finally:
-        stop_serve(proc)
 
 
 def test_weight_version_may_go_backwards_and_is_reported_as_set(

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import start_serve, stop_serve
+from serve_helpers import serving
 from transformers import AutoTokenizer
 
 TEXT = "Hello SGLang world! 123 😊, ñ"
@@ -17,11 +17,8 @@ TEXT = "Hello SGLang world! 123 😊, ñ"
 
 @pytest.fixture(scope="module")
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, base = start_serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
+    with serving(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log") as base:
         yield base
-    finally:
-        stop_serve(proc)
 
 
 @pytest.fixture(scope="module")

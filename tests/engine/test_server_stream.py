@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import start_serve, stop_serve
+from serve_helpers import serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
@@ -20,11 +20,8 @@ LONG = {"max_new_tokens": 1900, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, base = start_serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
+    with serving(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log") as base:
         yield base
-    finally:
-        stop_serve(proc)
 
 
 def events(raw: bytes) -> list[bytes]:

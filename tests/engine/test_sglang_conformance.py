@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 from numerics import LogprobError, assert_within
-from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve
+from serve_helpers import free_port, perturbed_copy, serving
 from transformers import AutoTokenizer
 
 import agentrl
@@ -51,11 +51,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def agentrl_serve(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url = start_serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
+    with serving(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url
-    finally:
-        stop_serve(proc)
 
 
 @pytest.fixture(scope="module", params=["agentrl-serve", "sglang"])
@@ -416,16 +413,13 @@ def test_multi_turn_rollout_on_smollm2_uses_sessions(server: Server, tmp_path: P
     from agentrl._models import resolve_model
 
     folder = resolve_model("smollm2-135m")
-    proc, url = start_serve(folder, tmp_path / "smollm2.log")
-    try:
+    with serving(folder, tmp_path / "smollm2.log") as url:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         engine = SGLangEngine([url])
         config = agentrl.RolloutConfig(group_size=2, env_kwargs={"levels": [0]})
         result = agentrl.rollout(
             "calc-v0", engine=engine, tokenizer=tokenizer, model=str(folder), n=4, config=config
         )
-    finally:
-        stop_serve(proc)
     fmt = get_format("chatml-hermes", tokenizer)
     for trajectory in result.trajectories:
         assert trajectory.error is None and check_boundary(fmt, trajectory).ok
@@ -445,8 +439,7 @@ async def test_sessions_stick_to_one_of_several_servers(
 ) -> None:
     if not server.ours:
         pytest.skip("needs a second server we start")
-    proc, second = start_serve(tiny_dir, tmp_path / "second.log")
-    try:
+    with serving(tiny_dir, tmp_path / "second.log") as second:
         async with SGLangEngine([server.url, second]) as engine:
             sessions = [await engine.open_session() for _ in range(4)]
             turn1 = [await engine.generate(PROMPT, GREEDY, session=s) for s in sessions]
@@ -461,8 +454,6 @@ async def test_sessions_stick_to_one_of_several_servers(
             for session in sessions:
                 await engine.close_session(session)
             assert [_open_sessions(url) for url in (server.url, second)] == [0, 0]
-    finally:
-        stop_serve(proc)
 
 
 def _open_sessions(url: str) -> int:
