@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._kv import make_attention_batch
+from ._kv import PREFILL_PAD, make_attention_batch
 from ._model import ForwardBatch
 
 
@@ -36,10 +36,15 @@ def extra_positions(row: Row) -> range:
 
 
 def build_forward_batch(
-    rows: Sequence[Row], block_size: int, device: torch.device | str | None = None
+    rows: Sequence[Row],
+    block_size: int,
+    device: torch.device | str | None = None,
+    *,
+    prefill_pad: float = PREFILL_PAD,
 ) -> ForwardBatch:
     """Rows with ``count == 1`` must come first (they form the batched decode part). The
-    batch's tensors are on ``device`` (default: torch's default device)."""
+    batch's tensors are on ``device`` (default: torch's default device). ``prefill_pad``:
+    how prefill rows are grouped for attention (``make_attention_batch``)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -65,6 +70,7 @@ def build_forward_batch(
         [r.count for r in rows],
         block_size,
         device,
+        prefill_pad=prefill_pad,
     )
     # the four index vectors travel to the device in one copy
     packed = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.long, device=device)

@@ -85,7 +85,7 @@ class DecodeKernelChooser:
             decode = batch._replace(
                 seq_lens=batch.seq_lens[:nd],
                 seq_lens_tensor=batch.seq_lens_tensor[:nd],
-                prefill_masks=[],
+                prefill_groups=[],
             )
             times = {
                 kernel: cuda_median_ms(

@@ -9,9 +9,10 @@ back through a free list; who owns a block (a request, a session, the radix tree
 the owners, the pool only checks that nothing is freed twice.
 
 ``paged_attention`` is the single place that reads the cache. Prefill rows gather their blocks
-and call torch SDPA; decode rows do the same by default (``decode_kernel="sdpa"``) or run the
-Triton paged-decode kernel (``decode_kernel="triton"``, ``agentrl.kernels``), which reads the
-blocks in place through the block table. ``_decode`` decides which, per engine.
+and call torch SDPA, rows of similar lengths together in one padded call (``PrefillGroup``);
+decode rows do the same by default (``decode_kernel="sdpa"``) or run the Triton paged-decode
+kernel (``decode_kernel="triton"``, ``agentrl.kernels``), which reads the blocks in place
+through the block table. ``_decode`` decides which, per engine.
 
 Devices: the pool lives on one device (CPU or a CUDA GPU); ``make_attention_batch`` builds a
 step's metadata tensors on that device once, so no layer copies or builds any.
@@ -102,6 +103,37 @@ class KVPool:
         self.v[:, dst] = self.v[:, src]
 
 
+PREFILL_PAD = 2.0
+"""How much padding one batched prefill call may add: a group's padded attention area
+(``rows * longest chunk * longest row``) and padded keys (``rows * longest row``) stay within
+this factor of what its rows need; rows that would pass it start another group."""
+
+
+class PrefillGroup(NamedTuple):
+    """Prefill rows attended in one SDPA call, padded to ``q_max`` queries and ``span`` blocks.
+
+    - ``rows``: the rows (indices into the batch), longest first.
+    - ``src``: ``[Tg]`` int64, the rows' query tokens in the packed ``[T]`` step, row by row.
+    - ``dst``: ``[Tg]`` int64, where each of them sits in the padded ``[len(rows) * q_max]``.
+    - ``table``: ``[len(rows), span]`` int64, the rows' block tables (padded with block 0).
+    - ``mask``: ``[len(rows), q_max, span * block_size]`` bool (``True`` = attend): causal,
+      keys past the row's length hidden, padded queries see key 0 only (their output is
+      dropped; a query that sees nothing would be NaN).
+
+    A group of one row keeps it unpadded: ``src``/``dst``/``table`` are ``None``, ``span`` is
+    0 and ``mask`` is the row's ``[q_len, seq_len]`` causal mask (its KV is then a view of the
+    pool when its blocks form one run).
+    """
+
+    rows: list[int]
+    q_max: int
+    span: int
+    src: torch.Tensor | None
+    dst: torch.Tensor | None
+    table: torch.Tensor | None
+    mask: torch.Tensor
+
+
 class AttentionBatch(NamedTuple):
     """How the ``T`` packed query tokens of a step map onto ``B`` sequences.
 
@@ -117,7 +149,7 @@ class AttentionBatch(NamedTuple):
       then a contiguous slice of the pool and is read without a copy), else ``None``.
     - ``decode_mask``: ``[num_decode, 1, 1, L]`` bool (``True`` = attend; ``L`` the longest decode
       row rounded up to blocks) or ``None`` when every decode row spans all ``L`` keys.
-    - ``prefill_masks``: per prefill row, ``[q_len, seq_len]`` bool causal mask.
+    - ``prefill_groups``: the prefill rows, grouped for batched SDPA calls (``PrefillGroup``).
     """
 
     block_tables: torch.Tensor
@@ -127,7 +159,39 @@ class AttentionBatch(NamedTuple):
     runs: list[int | None]
     num_decode: int
     decode_mask: torch.Tensor | None
-    prefill_masks: list[torch.Tensor]
+    prefill_groups: list[PrefillGroup]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch (to check where they live)."""
+        found = [self.block_tables, self.seq_lens_tensor]
+        found += [self.decode_mask] if self.decode_mask is not None else []
+        for g in self.prefill_groups:
+            found += [t for t in (g.src, g.dst, g.table, g.mask) if t is not None]
+        return found
+
+
+def group_prefill_rows(
+    query_lens: list[int], seq_lens: list[int], block_size: int, pad: float = PREFILL_PAD
+) -> list[list[int]]:
+    """Split prefill rows (indices into the two lists) into groups, longest row first, each
+    within ``pad`` of its rows' own attention area and keys (see ``PREFILL_PAD``); ``pad``
+    below 1 puts every row alone."""
+    order = sorted(range(len(seq_lens)), key=lambda r: (-seq_lens[r], -query_lens[r], r))
+    groups: list[list[int]] = []
+    area = keys = q_max = 0
+    for r in order:
+        q, n = query_lens[r], seq_lens[r]
+        if groups and pad >= 1:
+            rows = len(groups[-1]) + 1
+            length = -(-seq_lens[groups[-1][0]] // block_size) * block_size
+            wide = max(q_max, q)
+            if rows * wide * length <= pad * (area + q * n) and rows * length <= pad * (keys + n):
+                groups[-1].append(r)
+                area, keys, q_max = area + q * n, keys + n, wide
+                continue
+        groups.append([r])
+        area, keys, q_max = q * n, n, q
+    return groups
 
 
 def make_attention_batch(
@@ -136,11 +200,14 @@ def make_attention_batch(
     query_lens: list[int],
     block_size: int,
     device: torch.device | str | None = None,
+    *,
+    prefill_pad: float = PREFILL_PAD,
 ) -> AttentionBatch:
     """Build the metadata for rows whose decode rows (``query_lens == 1``) come first;
     ``tables[b]`` lists exactly the blocks holding row ``b``'s ``seq_lens[b]`` keys. Tensors
     are made on ``device`` (default: torch's default device; masks are computed there, tables
-    copied there once) and nothing is read back from it."""
+    copied there once) and nothing is read back from it. ``prefill_pad``: see
+    ``PREFILL_PAD`` (below 1: one SDPA call per prefill row)."""
     num_decode = 0
     while num_decode < len(query_lens) and query_lens[num_decode] == 1:
         num_decode += 1
@@ -158,11 +225,39 @@ def make_attention_batch(
         if any(n != span for n in seq_lens[:num_decode]):
             keys = torch.arange(span, device=device)
             decode_mask = (keys < lens[:num_decode, None]).view(num_decode, 1, 1, span)
-    prefill_masks = []
-    for q, n in zip(query_lens[num_decode:], seq_lens[num_decode:], strict=True):
-        # query i sits at position n - q + i and sees keys 0..n - q + i
-        keys, queries = torch.arange(n, device=device), torch.arange(n - q, n, device=device)
-        prefill_masks.append(keys[None, :] <= queries[:, None])
+    groups = group_prefill_rows(
+        query_lens[num_decode:], seq_lens[num_decode:], block_size, prefill_pad
+    )
+    prefill_groups = []
+    for members in groups:
+        members = [num_decode + r for r in members]
+        if len(members) == 1:
+            (row,) = members
+            q, n = query_lens[row], seq_lens[row]
+            # query i sits at position n - q + i and sees keys 0..n - q + i
+            keys, queries = torch.arange(n, device=device), torch.arange(n - q, n, device=device)
+            mask = keys[None, :] <= queries[:, None]
+            prefill_groups.append(PrefillGroup(members, q, 0, None, None, None, mask))
+            continue
+        q_max = max(query_lens[r] for r in members)
+        span = -(-seq_lens[members[0]] // block_size)
+        src: list[int] = []
+        dst: list[int] = []
+        positions: list[int] = []  # the padded queries' positions (0 for padding)
+        for i, row in enumerate(members):
+            q, n = query_lens[row], seq_lens[row]
+            src.extend(range(starts[row], starts[row + 1]))
+            dst.extend(range(i * q_max, i * q_max + q))
+            positions.extend([*range(n - q, n), *[0] * (q_max - q)])
+        table = [block for row in members for block in rows[row][:span]]
+        # one copy to the device for the group's index vectors
+        index = torch.tensor(src + dst + positions + table, dtype=torch.long, device=device)
+        src_t, dst_t, pos_t, table_t = index.split([len(src), len(dst), len(positions), len(table)])
+        keys = torch.arange(span * block_size, device=device)
+        mask = keys[None, None, :] <= pos_t.view(len(members), q_max, 1)
+        prefill_groups.append(
+            PrefillGroup(members, q_max, span, src_t, dst_t, table_t.view(len(members), span), mask)
+        )
     return AttentionBatch(
         block_tables=block_tables,
         seq_lens=seq_lens,
@@ -171,7 +266,7 @@ def make_attention_batch(
         runs=runs,
         num_decode=num_decode,
         decode_mask=decode_mask,
-        prefill_masks=prefill_masks,
+        prefill_groups=prefill_groups,
     )
 
 
@@ -241,17 +336,53 @@ def paged_attention(
         qd = q[:nd].view(nd, kv_heads, group, dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, heads, dim)
-    for row in range(nd, len(batch.seq_lens)):
-        start, end = batch.query_starts[row], batch.query_starts[row + 1]
-        q_len = end - start
-        k = _row_kv(k_cache, batch, row, block_size).transpose(0, 1)  # [K, n, D]
-        v = _row_kv(v_cache, batch, row, block_size).transpose(0, 1)
-        # [q_len, H, D] -> [K, group * q_len, D]: head h = kv_head * group + g
-        qp = q[start:end].view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
-        qp = qp.reshape(kv_heads, group * q_len, dim)
-        mask = batch.prefill_masks[row - nd].repeat(group, 1)  # [group * q_len, n]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = (
-            o.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3).reshape(q_len, heads, dim)
+    for g in batch.prefill_groups:
+        if g.src is None:
+            _prefill_row(out, q, k_cache, v_cache, batch, g, scale)
+            continue
+        assert g.dst is not None and g.table is not None
+        rows, q_max, length = len(g.rows), g.q_max, g.span * block_size
+        k = k_cache.index_select(0, g.table.reshape(-1)).view(rows, length, kv_heads, dim)
+        v = v_cache.index_select(0, g.table.reshape(-1)).view(rows, length, kv_heads, dim)
+        padded = q.new_zeros(rows * q_max, heads, dim).index_copy_(
+            0, g.dst, q.index_select(0, g.src)
         )
+        # [rows * q_max, H, D] -> [rows, K, group * q_max, D]: head h = kv_head * group + g
+        qp = padded.view(rows, q_max, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+        qp = qp.reshape(rows, kv_heads, group * q_max, dim)
+        mask = g.mask[:, None, None].expand(rows, 1, group, q_max, length)
+        mask = mask.reshape(rows, 1, group * q_max, length)
+        o = F.scaled_dot_product_attention(
+            qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        )
+        o = o.view(rows, kv_heads, group, q_max, dim).permute(0, 3, 1, 2, 4)
+        out.index_copy_(0, g.src, o.reshape(rows * q_max, heads, dim).index_select(0, g.dst))
     return out
+
+
+def _prefill_row(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    g: PrefillGroup,
+    scale: float,
+) -> None:
+    """One prefill row alone (no padding; its KV read in place when its blocks form a run)."""
+    (row,) = g.rows
+    _, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    start, end = batch.query_starts[row], batch.query_starts[row + 1]
+    q_len = end - start
+    k = _row_kv(k_cache, batch, row, block_size).transpose(0, 1)  # [K, n, D]
+    v = _row_kv(v_cache, batch, row, block_size).transpose(0, 1)
+    # [q_len, H, D] -> [K, group * q_len, D]: head h = kv_head * group + g
+    qp = q[start:end].view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
+    qp = qp.reshape(kv_heads, group * q_len, dim)
+    mask = g.mask.repeat(group, 1)  # [group * q_len, n]
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    out[start:end] = (
+        o.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3).reshape(q_len, heads, dim)
+    )

@@ -28,7 +28,7 @@ from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, _embedded, open_embedded_engine
 from agentrl.engine._batch import Row, build_forward_batch
 from agentrl.engine._decode import DecodeKernelChooser
-from agentrl.engine._kv import KVPool
+from agentrl.engine._kv import PREFILL_PAD, KVPool
 from agentrl.engine._model import CausalLM, read_safetensors
 from agentrl.engine._options import resolve_device
 from agentrl.engine._server import serve_main
@@ -416,12 +416,13 @@ def test_a_step_runs_on_a_device_other_than_the_cpu(tiny_dir: Path) -> None:
         Row(list(range(10, 50)), 10, 25, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39], True),
         Row(list(range(10, 25)), 0, 15, [40, 45, 41, 42], False),
     ]
-    batch = build_forward_batch(rows, 4, pool.device)
-    attention = batch.attention
-    tensors = [batch.input_ids, batch.positions, batch.slots, batch.logits_rows]
-    tensors += [attention.block_tables, attention.seq_lens_tensor, attention.decode_mask]
-    assert {t.device.type for t in [*tensors, *attention.prefill_masks]} == {"meta"}
     decode = DecodeKernelChooser("auto", pool.device, model.dtype)
-    logits = model.forward(batch, pool, decode)
-    assert logits.shape == (3, c.vocab_size) and logits.device.type == "meta"
+    for pad, groups in ((PREFILL_PAD, 1), (0.0, 2)):  # the two prefill rows together, alone
+        batch = build_forward_batch(rows, 4, pool.device, prefill_pad=pad)
+        attention = batch.attention
+        tensors = [batch.input_ids, batch.positions, batch.slots, batch.logits_rows]
+        assert attention.decode_mask is not None and len(attention.prefill_groups) == groups
+        assert {t.device.type for t in [*tensors, *attention.tensors()]} == {"meta"}
+        logits = model.forward(batch, pool, decode)
+        assert logits.shape == (3, c.vocab_size) and logits.device.type == "meta"
     pool.copy_block(1, 2)

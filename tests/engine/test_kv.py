@@ -9,7 +9,7 @@ import torch
 from numerics import assert_within, attention_error_bound, sdpa_rounding
 
 from agentrl._errors import EngineError
-from agentrl.engine._kv import KVPool, make_attention_batch, paged_attention
+from agentrl.engine._kv import PREFILL_PAD, KVPool, make_attention_batch, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
 
@@ -42,8 +42,11 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("pad", [PREFILL_PAD, 0.0, 1e9], ids=["grouped", "alone", "one-group"])
 @pytest.mark.parametrize("seed", range(6))
-def test_mixed_step_matches_dense_attention(seed: int) -> None:
+def test_mixed_step_matches_dense_attention(seed: int, pad: float) -> None:
+    """Decode rows and prefill chunks (with and without cached keys before them) in one step,
+    prefill rows attended one by one, in groups, or all padded into one call."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     pool = KVPool(
@@ -66,8 +69,20 @@ def test_mixed_step_matches_dense_attention(seed: int) -> None:
         rows.append((n, q_len, table))
     rows.sort(key=lambda r: r[1] != 1)
     batch = make_attention_batch(
-        [t for _, _, t in rows], [n for n, _, _ in rows], [q for _, q, _ in rows], BLOCK
+        [t for _, _, t in rows],
+        [n for n, _, _ in rows],
+        [q for _, q, _ in rows],
+        BLOCK,
+        prefill_pad=pad,
     )
+    prefill = len(rows) - batch.num_decode
+    assert sorted(r for g in batch.prefill_groups for r in g.rows) == list(
+        range(batch.num_decode, len(rows))
+    )
+    if pad < 1:
+        assert len(batch.prefill_groups) == prefill
+    elif pad > 1e6:
+        assert len(batch.prefill_groups) == min(prefill, 1)
     q = torch.randn(sum(r[1] for r in rows), HEADS, DIM, generator=generator)
     got = paged_attention(q, pool.k[0], pool.v[0], batch, DIM**-0.5)
     for b, (n, q_len, table) in enumerate(rows):

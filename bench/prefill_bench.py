@@ -1,0 +1,135 @@
+"""One prefill step of many prompts through the embedded engine's forward, on the CPU or a GPU:
+prefill rows attended in padded groups (the engine's default, ``PREFILL_PAD``) against one
+attention call per row (``prefill_pad=0``), in the same process.
+
+A step packs ``B`` fresh prompts (``--prompt`` tokens each, or lengths drawn uniformly from
+``--prompt``..``--prompt-max``) into one ``ForwardBatch``, as the scheduler does when
+``max_step_tokens`` admits them all. Timed: building the batch (host) and the model's forward
+(the device synchronized around it), median over ``--repeats`` after one warm-up, best of
+``--rounds`` rounds of the two configurations alternating. Both must give the same logits for
+each prompt's last token up to rounding: the bench prints the largest difference next to the
+ratios grouped / per-row.
+
+Usage::
+
+    .venv/bin/python bench/prefill_bench.py --batches 8 32 128 [--model tiny-random]
+    python bench/prefill_bench.py --device cuda --dtype bfloat16 --model FOLDER:random \
+        --batches 32 128 --prompt 64 --prompt-max 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_step_bench import load_model, synchronize  # noqa: E402
+
+from agentrl.engine._batch import Row, build_forward_batch  # noqa: E402
+from agentrl.engine._kv import PREFILL_PAD, KVPool  # noqa: E402
+from agentrl.engine._model import CausalLM  # noqa: E402
+
+BLOCK = 16
+
+
+def make_rows(batch: int, args: argparse.Namespace, vocab: int) -> list[Row]:
+    rng = random.Random(0)
+    rows, next_block = [], 0
+    for _ in range(batch):
+        n = rng.randint(args.prompt, max(args.prompt, args.prompt_max))
+        blocks = list(range(next_block, next_block + -(-n // BLOCK)))
+        next_block += len(blocks)
+        ids = [rng.randrange(100, vocab) for _ in range(n)]
+        rows.append(Row(ids, 0, n, blocks, True))
+    return rows
+
+
+def run_once(model: CausalLM, rows: list[Row], pad: float, repeats: int) -> dict[str, Any]:
+    config, device = model.config, model.device
+    pool = KVPool(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        num_blocks=sum(len(r.blocks) for r in rows) + 1,
+        block_size=BLOCK,
+        dtype=model.dtype,
+        device=device,
+    )
+    build, forward = [], []
+    logits = None
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            synchronize(device)
+            start = time.perf_counter()
+            batch = build_forward_batch(rows, BLOCK, device, prefill_pad=pad)
+            built = time.perf_counter()
+            logits = model.forward(batch, pool)
+            synchronize(device)
+            end = time.perf_counter()
+            if i:  # the first is a warm-up
+                build.append(built - start)
+                forward.append(end - built)
+    groups = len(batch.attention.prefill_groups)
+    return {
+        "build": statistics.median(build) * 1e3,
+        "forward": statistics.median(forward) * 1e3,
+        "groups": groups,
+        "logits": logits,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--prompt-max", type=int, default=0, help="lengths drawn up to this")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="also write the numbers here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, args.device, getattr(torch, args.dtype))
+    lengths = f"{args.prompt}" + (f"..{args.prompt_max}" if args.prompt_max > args.prompt else "")
+    print(
+        f"model {args.model} on {model.device} ({args.dtype}), prompts of {lengths} tokens, "
+        f"one prefill step (median ms of {args.repeats}, best of {args.rounds} rounds)"
+    )
+    report: dict[str, Any] = {"args": vars(args), "rows": []}
+    for batch in args.batches:
+        rows = make_rows(batch, args, model.config.vocab_size)
+        best: dict[str, dict] = {}
+        for _ in range(args.rounds):
+            for name, pad in (("per-row", 0.0), ("grouped", PREFILL_PAD)):
+                result = run_once(model, rows, pad, args.repeats)
+                if name not in best or result["forward"] < best[name]["forward"]:
+                    best[name] = result
+        base, new = best["per-row"], best["grouped"]
+        delta = (base.pop("logits") - new.pop("logits")).abs().max().item()
+        for name, row in best.items():
+            print(
+                f"B={batch:4d} {name:8s} groups {row['groups']:4d}  "
+                f"build {row['build']:8.2f}  forward {row['forward']:9.2f}"
+            )
+        print(
+            f"B={batch:4d} grouped / per-row: forward {new['forward'] / base['forward']:.3f}x, "
+            f"build {new['build'] / base['build']:.3f}x; max |dlogit| {delta:.3g}"
+        )
+        report["rows"].append({"batch": batch, **best, "max_dlogit": delta})
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
