@@ -580,7 +580,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument(
+        "--max-batch-size",
+        "--max-running-requests",
+        dest="max_batch_size",
+        type=int,
+        default=None,
+        help="most requests running at once",
+    )
+    parser.add_argument(
+        "--max-step-tokens",
+        "--chunked-prefill-size",
+        dest="max_step_tokens",
+        type=int,
+        default=None,
+        help="most tokens one step computes (decode rows count one each; prefill is chunked "
+        "to fit)",
+    )
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no KV reuse across requests (sessions still reuse theirs)",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--page-size",
@@ -631,6 +652,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineOptions`` fields the serve flags set (unset flags keep the defaults)."""
+    names = (
+        "max_batch_size",
+        "max_step_tokens",
+        "num_threads",
+        "block_size",
+        "kv_cache_tokens",
+        "context_length",
+        "device",
+        "dtype",
+        "in_flight",
+    )
+    options = {k: getattr(args, k, None) for k in names}
+    options = {k: v for k, v in options.items() if v is not None}
+    if getattr(args, "disable_radix_cache", False):
+        options["radix_cache"] = False
+    return options
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
     """Load the embedded engine for ``args.model`` and serve it until SIGINT/SIGTERM."""
     from agentrl._models import resolve_model
@@ -649,18 +690,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except AgentRLError as exc:
         print(f"agentrl serve: {exc}", file=sys.stderr)
         return 2
-    names = (
-        "max_batch_size",
-        "num_threads",
-        "block_size",
-        "kv_cache_tokens",
-        "context_length",
-        "device",
-        "dtype",
-        "in_flight",
-    )
-    options = {k: getattr(args, k, None) for k in names}
-    options = {k: v for k, v in options.items() if v is not None}
+    options = engine_options_from_args(args)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -698,7 +728,14 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     return serve_from_args(parser.parse_args(argv))
 
 
-__all__ = ["add_serve_arguments", "create_app", "run_server", "serve_from_args", "serve_main"]
+__all__ = [
+    "add_serve_arguments",
+    "create_app",
+    "engine_options_from_args",
+    "run_server",
+    "serve_from_args",
+    "serve_main",
+]
 
 if __name__ == "__main__":
     sys.exit(serve_main())

@@ -4,9 +4,10 @@ SGLang answers with its server arguments, its scheduler's limits, ``internal_sta
 version; this is the subset a client reads, with this server's real values: ``model_path``,
 ``tokenizer_path``, ``served_model_name``, ``context_length``, ``page_size``,
 ``max_total_num_tokens`` (KV pool tokens), ``max_req_input_len``, ``max_running_requests``,
-``incremental_streaming_output``, ``weight_version``, ``version`` (agentrl's) and
-``internal_states`` (``last_gen_throughput`` in tokens/s of the last finished request, and the
-numbers of running and waiting requests).
+``chunked_prefill_size`` (the engine's ``max_step_tokens``: decode rows count in it),
+``disable_radix_cache``, ``incremental_streaming_output``, ``weight_version``, ``version``
+(agentrl's) and ``internal_states`` (``last_gen_throughput`` in tokens/s of the last finished
+request, and the numbers of running and waiting requests).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def server_info(server: _Server) -> dict[str, Any]:
         "max_total_num_tokens": pool_tokens,
         "max_req_input_len": context - 1,
         "max_running_requests": getattr(options, "max_batch_size", None),
+        "chunked_prefill_size": getattr(options, "max_step_tokens", None),
+        "disable_radix_cache": not getattr(options, "radix_cache", True),
         "incremental_streaming_output": server.incremental_streaming_output,
         "enable_streaming_session": True,
         "skip_tokenizer_init": False,

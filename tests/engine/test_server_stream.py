@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Iterator
@@ -11,6 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 from serve_helpers import serving
+
+from agentrl.engine._options import EngineOptions
+from agentrl.engine._server import add_serve_arguments, engine_options_from_args
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
@@ -309,3 +313,22 @@ async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path)
     assert info["weight_version"] == model["weight_version"]
     assert isinstance(info["version"], str) and info["version"]
     assert info["internal_states"][0]["last_gen_throughput"] >= 0
+    defaults = EngineOptions()
+    assert info["max_running_requests"] == defaults.max_batch_size
+    assert info["chunked_prefill_size"] == defaults.max_step_tokens
+    assert info["disable_radix_cache"] is False
+
+
+def test_sglangs_launch_flags_set_the_engine_options() -> None:
+    """A launch line ported from SGLang: its names for the batch and step limits and the
+    radix cache switch, next to agentrl's own names."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    sglang = ["--model-path", "m", "--max-running-requests", "7", "--chunked-prefill-size", "96"]
+    options = engine_options_from_args(parser.parse_args([*sglang, "--disable-radix-cache"]))
+    assert options == {"max_batch_size": 7, "max_step_tokens": 96, "radix_cache": False}
+    ours = ["--max-batch-size", "7", "--max-step-tokens", "96", "--page-size", "1"]
+    options = engine_options_from_args(parser.parse_args(ours))
+    assert options == {"max_batch_size": 7, "max_step_tokens": 96, "block_size": 1}
+    assert engine_options_from_args(parser.parse_args([])) == {}
+    EngineOptions(**options)  # every key is a field
