@@ -70,6 +70,7 @@ def init_distributed(*, num_threads: int | None = None, timeout_s: float | None 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    alone = "MASTER_PORT" not in os.environ and os.environ["WORLD_SIZE"] == "1"
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
     _quiet_torch_distributed()
@@ -86,6 +87,17 @@ def init_distributed(*, num_threads: int | None = None, timeout_s: float | None 
         extra: dict[str, Any] = {}
         if timeout_s is not None:
             extra["timeout"] = datetime.timedelta(seconds=timeout_s)
+        if alone:
+            # one process and nobody gave a port: its group lives in an in-process store, so
+            # no port is bound (a free port picked here could be taken before it is bound, by
+            # another run starting on this machine); DeepSpeed adopts the group
+            torch.distributed.init_process_group(
+                "nccl" if cuda else "gloo",
+                store=torch.distributed.HashStore(),
+                rank=0,
+                world_size=1,
+                **extra,
+            )
         deepspeed.init_distributed(
             dist_backend="nccl" if cuda else "gloo",
             auto_mpi_discovery=False,
