@@ -176,21 +176,30 @@ def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: boo
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options the engine benches share: model, device, dtype, rounds, threads, JSON."""
     parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="also write the numbers here")
+
+
+def model_from_args(args: argparse.Namespace) -> CausalLM:
+    torch.set_num_threads(args.threads)
+    return load_model(args.model, args.device, getattr(torch, args.dtype))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
     parser.add_argument("--decode-attention", default="sdpa", choices=["auto", "sdpa", "triton"])
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.device, getattr(torch, args.dtype))
+    model = model_from_args(args)
     print(
         f"model {args.model} on {model.device} ({args.dtype}), prompt {args.prompt}, "
         f"{args.steps} decode steps timed (median ms per step), best of {args.rounds} rounds"

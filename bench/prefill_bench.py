@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_step_bench import load_model, synchronize  # noqa: E402
+from engine_step_bench import add_model_arguments, model_from_args, synchronize  # noqa: E402
 
 from agentrl.engine._batch import Row, build_forward_batch  # noqa: E402
 from agentrl.engine._kv import PREFILL_PAD, KVPool  # noqa: E402
@@ -88,19 +88,13 @@ def run_once(model: CausalLM, rows: list[Row], pad: float, repeats: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-random")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    add_model_arguments(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--prompt-max", type=int, default=0, help="lengths drawn up to this")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.device, getattr(torch, args.dtype))
+    model = model_from_args(args)
     lengths = f"{args.prompt}" + (f"..{args.prompt_max}" if args.prompt_max > args.prompt else "")
     print(
         f"model {args.model} on {model.device} ({args.dtype}), prompts of {lengths} tokens, "
