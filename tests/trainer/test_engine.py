@@ -4,8 +4,6 @@ step on the full batch, the reference is frozen and in no optimizer, PPO trains 
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 import pytest
 import torch
@@ -17,6 +15,7 @@ from numerics import (
     float64_transformers,
     unit_roundoff,
 )
+from rank_runs import run_worker
 from transformers import AutoModelForCausalLM
 
 from agentrl.kernels import interpreting, triton_installed
@@ -34,9 +33,6 @@ from agentrl.trainer import (
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
 )
-
-
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
 
 
 def _plain(tiny_model_path, weights=None):
@@ -236,23 +232,18 @@ def test_a_lone_learner_binds_no_port(tmp_path):
     """One process, no ``MASTER_PORT`` given: the group needs no port, so a port taken between
     picking it and binding it (another run starting on this machine) cannot fail the run.
     Here the port it would pick is already held."""
-    import subprocess
-    import sys
-
-    script = (
+    worker = tmp_path / "lone.py"
+    worker.write_text(
         "import os, socket, sys\n"
-        "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
-        "import trainer._engine as e\n"
-        "e._free_port = lambda: held.getsockname()[1]\n"
-        "info = e.init_distributed(num_threads=1)\n"
         "import torch\n"
+        "import agentrl.trainer._engine as e\n"
+        "held = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()\n"
+        "port = held.getsockname()[1]\n"
+        "e._free_port = lambda: port\n"
+        "info = e.init_distributed(num_threads=1)\n"
         "t = torch.ones(2); torch.distributed.all_reduce(t)\n"
-        "port = str(held.getsockname()[1])\n"
-        "print(info.world_size, t.tolist(), os.environ['MASTER_PORT'] == port)\n"
+        "torch.save({'world': info.world_size, 'sum': t.tolist(),\n"
+        "            'port_kept': os.environ['MASTER_PORT'] == str(port)}, sys.argv[1])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[-2] == "1 [1.0, 1.0] True"
+    seen = run_worker(worker, 1, tmp_path / "out.pt", timeout=300)
+    assert seen == {"world": 1, "sum": [1.0, 1.0], "port_kept": True}
