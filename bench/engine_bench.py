@@ -140,17 +140,18 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
                 lambda p=prompts: hf_generate(folder, args, p)
             )
             options = {**NO_REUSE, "max_batch_size": batch}
-            (ids, wall, cpu), _ = in_thread(
+            (ids, wall, cpu), stats = in_thread(
                 lambda p=prompts, o=options: with_engine(
                     folder, args, o, engine_run(p, args.new, args.device)
                 )
             )
             same = sum(a == b for a, b in zip(ids, base_ids, strict=True))
-            rows.append((base_wall, wall, base_cpu, cpu, same))
+            rows.append((base_wall, wall, base_cpu, cpu, same, stats.graph_steps))
             print(
                 f"  B={batch} round {round_}: HF generate {total / base_wall:7.1f} tok/s | "
                 f"engine {total / wall:7.1f} tok/s | wall ratio {base_wall / wall:.2f}x | "
-                f"CPU-time ratio {base_cpu / cpu:.2f}x | ids equal {same}/{batch}",
+                f"CPU-time ratio {base_cpu / cpu:.2f}x | ids equal {same}/{batch} | "
+                f"decode steps from CUDA graphs {stats.graph_steps}/{stats.decode_steps}",
                 flush=True,
             )
         best_hf, best_engine = min(r[0] for r in rows), min(r[1] for r in rows)
@@ -161,6 +162,7 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
             "ratios": [r[0] / r[1] for r in rows],
             "cpu_ratios": [r[2] / r[3] for r in rows],
             "ids_equal": f"{min(r[4] for r in rows)}/{batch}",
+            "graph_steps": rows[-1][5],
         }
         print(
             f"B={batch}, prompt {args.prompt}, {args.new} new: best HF {total / best_hf:.1f} "

@@ -22,11 +22,19 @@ Both produce the same tokens (on the CPU the same logprobs too, bit for bit; on 
 batched logprobs are the device's ``log_softmax``): the bench prints whether the ids agree, the
 largest logprob difference and the ratios batched / row-by-row.
 
+With ``--cuda-graph`` a third configuration, ``graphs``, runs the batched one with its decode
+steps replayed from captured CUDA graphs (``EngineOptions.cuda_graph``, the engine's default on
+a GPU); ``forward`` is then the replay (one launch), synchronized. On the CPU (with
+``TRITON_INTERPRET=1``) the graphs' static forward runs eagerly instead: that checks the bench,
+its times mean nothing.
+``plan`` includes packing the step's inputs: its ``ForwardBatch``, or for a replayed step the
+copies into the graphs' buffers.
+
 Usage::
 
     .venv/bin/python bench/engine_step_bench.py --batches 32 128 [--model tiny-random]
     python bench/engine_step_bench.py --device cuda --dtype bfloat16 --decode-attention auto \
-        --model FOLDER --batches 1 32 128   # FOLDER:random: random weights of FOLDER's config
+        --model FOLDER --batches 1 32 128 --cuda-graph   # FOLDER:random: random weights
 """
 
 from __future__ import annotations
@@ -43,14 +51,16 @@ import torch
 
 from agentrl._models import resolve_model
 from agentrl._types import SamplingParams
-from agentrl.engine import _worker
+from agentrl.engine import _scheduler, _worker
 from agentrl.engine._decode import DecodeKernelChooser
+from agentrl.engine._graphs import DecodeGraphs
 from agentrl.engine._kv import KVPool
 from agentrl.engine._model import CausalLM, ModelConfig
 from agentrl.engine._scheduler import Request, Scheduler
 from agentrl.engine._seq import KVManager
 from agentrl.engine._session import SessionTable
 from agentrl.engine._worker import Worker
+from agentrl.kernels import triton_available
 
 PHASES = ("step", "host", "python", "plan", "forward", "sample", "reduce")
 
@@ -79,11 +89,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: bool) -> dict:
+def run_once(
+    model: CausalLM, batch: int, args: argparse.Namespace, batched: bool, graphs: bool = False
+) -> dict:
     """Prefill ``batch`` requests, then time ``args.steps`` decode steps."""
     device = model.device
     config = model.config
-    blocks = batch * (-(-(args.prompt + args.steps + 8) // 16)) + 8
+    context = args.prompt + args.steps + 8
+    blocks = batch * (-(-context // 16)) + 8
     pool = KVPool(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -92,12 +105,21 @@ def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: boo
         block_size=16,
         dtype=model.dtype,
         device=device,
+        pad_block=graphs,
     )
     kv = KVManager(pool, None)
     sessions = SessionTable(cap_tokens=0, ttl_s=None, release=kv.release)
     scheduler = Scheduler(kv, sessions, max_batch_size=batch, max_step_tokens=1 << 20)
     decode = DecodeKernelChooser(args.decode_attention, device, model.dtype)
-    worker = Worker(model, None, scheduler, num_threads=args.threads, decode=decode)  # type: ignore[arg-type]
+    replay = "cuda" if device.type == "cuda" else "eager"
+    captured = (
+        DecodeGraphs(model, pool, max_batch_size=batch, max_context=context, replay=replay)
+        if graphs
+        else None
+    )
+    worker = Worker(
+        model, None, scheduler, num_threads=args.threads, decode=decode, graphs=captured
+    )  # type: ignore[arg-type]
     worker.batched_greedy = batched
     rng = random.Random(0)
     greedy = SamplingParams(max_new_tokens=args.steps + 8, temperature=0)
@@ -115,17 +137,22 @@ def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: boo
         "step": [],
     }
     forward = model.forward
+    replayed = captured.run if captured is not None else None
+    pack = _scheduler.Step.forward_batch
     spent = [0.0]
     reduced = [0.0]
+    packed = [0.0]
     originals = {name: getattr(_worker, name) for name in ("sample_token", "greedy_tokens")}
 
-    def timing(fn: Any) -> Any:
+    def timing(fn: Any, into: list[float] = reduced) -> Any:
+        """``fn``, adding the seconds each call takes to ``into[0]``."""
+
         def timed(*a: Any, **k: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                reduced[0] += time.perf_counter() - start
+                into[0] += time.perf_counter() - start
 
         return timed
 
@@ -137,6 +164,18 @@ def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: boo
         spent[0] = time.perf_counter() - start
         return out
 
+    def timed_replay(rows: Any) -> torch.Tensor:
+        # loading the buffers counts as packing, the rest of the run (synchronized) as the
+        # forward
+        assert replayed is not None and captured is not None
+        synchronize(device)
+        start = time.perf_counter()
+        before = packed[0]
+        out = replayed(rows)
+        synchronize(device)
+        spent[0] = time.perf_counter() - start - (packed[0] - before)
+        return out
+
     with torch.inference_mode():
         while any(not r.started for r in requests):  # prefill (and a first decode, warm-up)
             step = scheduler.plan()
@@ -145,25 +184,30 @@ def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: boo
         for _ in range(2):  # warm-up decode steps
             worker._run(scheduler.plan())  # type: ignore[arg-type]
         model.forward = timed_forward  # type: ignore[method-assign]
+        if captured is not None:
+            captured.run = timed_replay  # type: ignore[method-assign]
+            captured.load = timing(captured.load, packed)  # type: ignore[method-assign]
+        _scheduler.Step.forward_batch = timing(pack, packed)  # type: ignore[method-assign]
         for name, fn in originals.items():
             setattr(_worker, name, timing(fn))
         try:
             for _ in range(args.steps):
                 synchronize(device)
-                reduced[0] = 0.0
+                reduced[0] = packed[0] = 0.0
                 start = time.perf_counter()
                 step = scheduler.plan()
                 assert step is not None and len(step.rows) == batch
                 planned = time.perf_counter()
                 worker._run(step)
                 end = time.perf_counter()
-                times["plan"].append(planned - start)
+                times["plan"].append(planned - start + packed[0])
                 times["forward"].append(spent[0])
-                times["sample"].append(end - planned - spent[0])
+                times["sample"].append(end - planned - spent[0] - packed[0])
                 times["reduce"].append(reduced[0])
                 times["step"].append(end - start)
         finally:
             model.forward = forward  # type: ignore[method-assign]
+            _scheduler.Step.forward_batch = pack  # type: ignore[method-assign]
             for name, fn in originals.items():
                 setattr(_worker, name, fn)
     failed = [r.error for r in requests if r.error is not None]
@@ -171,9 +215,22 @@ def run_once(model: CausalLM, batch: int, args: argparse.Namespace, batched: boo
         raise failed[0]
     times["host"] = [p + s for p, s in zip(times["plan"], times["sample"], strict=True)]
     times["python"] = [h - r for h, r in zip(times["host"], times["reduce"], strict=True)]
+    if captured is not None and captured.replays < args.steps:
+        raise RuntimeError(f"only {captured.replays} of {args.steps} steps replayed a graph")
     out: dict[str, Any] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     out["outputs"] = [(r.output_ids, r.output_logprobs) for r in requests]
     return out
+
+
+def compare_outputs(a: list, b: list) -> tuple[bool, float]:
+    """Whether two runs' ids are identical, and their largest logprob difference."""
+    same = [ids for ids, _ in a] == [ids for ids, _ in b]
+    delta = max(
+        (abs(x - y) for (_, la), (_, lb) in zip(a, b, strict=True)
+         for x, y in zip(la, lb, strict=False)),
+        default=0.0,
+    )  # fmt: skip
+    return same, delta
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,41 +255,53 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="also time decode steps replayed from CUDA graphs"
+    )
     args = parser.parse_args()
     model = model_from_args(args)
+    if args.cuda_graph and not triton_available(model.device):
+        parser.error(
+            "--cuda-graph needs the Triton decode kernel: a CUDA device, or TRITON_INTERPRET=1 "
+            "on the CPU (the graphs' static forward then runs eagerly, to check the bench)"
+        )
     print(
         f"model {args.model} on {model.device} ({args.dtype}), prompt {args.prompt}, "
         f"{args.steps} decode steps timed (median ms per step), best of {args.rounds} rounds"
     )
+    configs = [("row-by-row", False, False), ("batched", True, False)]
+    if args.cuda_graph:
+        configs.append(("graphs", True, True))
     report: dict[str, Any] = {"args": vars(args), "rows": []}
     for batch in args.batches:
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for name, batched in (("row-by-row", False), ("batched", True)):
-                result = run_once(model, batch, args, batched)
+            for name, batched, graphs in configs:
+                result = run_once(model, batch, args, batched, graphs)
                 if name not in best or result["step"] < best[name]["step"]:
                     best[name] = result
-        base_out, new_out = best["row-by-row"].pop("outputs"), best["batched"].pop("outputs")
-        same_ids = [ids for ids, _ in base_out] == [ids for ids, _ in new_out]
-        # on the CPU both paths run the same reductions (equal bit for bit); on a GPU the
-        # batched logprobs come from the device's log_softmax, the row-by-row ones from the CPU's
-        delta = max(
-            (abs(a - b) for (_, la), (_, lb) in zip(base_out, new_out, strict=True)
-             for a, b in zip(la, lb, strict=False)),
-            default=0.0,
-        )  # fmt: skip
-        base, new = best["row-by-row"], best["batched"]
+        outputs = {name: best[name].pop("outputs") for name in best}
         for name, row in best.items():
             cols = "  ".join(f"{k} {row[k]:7.2f}" for k in PHASES)
             print(f"B={batch:4d} {name:11s} {cols}")
-        print(
-            f"B={batch:4d} batched / row-by-row: step {new['step'] / base['step']:.3f}x, "
-            f"host {new['host'] / base['host']:.3f}x, "
-            f"python {new['python'] / base['python']:.3f}x, "
-            f"sample {new['sample'] / base['sample']:.3f}x; identical ids: {same_ids}, "
-            f"max |dlogprob| {delta:.3g}"
-        )
-        report["rows"].append({"batch": batch, **best, "same_ids": same_ids, "max_dlogprob": delta})
+        # on the CPU row-by-row and batched run the same reductions (equal bit for bit); on a
+        # GPU the batched logprobs come from the device's log_softmax, the row-by-row ones from
+        # the CPU's; graphs run the Triton decode kernel on padded batches
+        row: dict[str, Any] = {"batch": batch, **best}
+        for base, new in (("row-by-row", "batched"), ("batched", "graphs")):
+            if new not in best:
+                continue
+            same, delta = compare_outputs(outputs[base], outputs[new])
+            a, b = best[base], best[new]
+            print(
+                f"B={batch:4d} {new} / {base}: step {b['step'] / a['step']:.3f}x, "
+                f"forward {b['forward'] / a['forward']:.3f}x, host {b['host'] / a['host']:.3f}x, "
+                f"python {b['python'] / a['python']:.3f}x; identical ids: {same}, "
+                f"max |dlogprob| {delta:.3g}"
+            )
+            key = "" if new == "batched" else f"{new}_"
+            row[f"{key}same_ids"], row[f"{key}max_dlogprob"] = same, delta
+        report["rows"].append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

@@ -46,6 +46,8 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert all(r["dlp"] < 1e-3 for r in kernels)
     engine = sections["engine"]["results"]
     assert engine["throughput_B2"]["ids_equal"] == "2/2"  # fp32 on the CPU: HF's ids exactly
+    (steps,) = engine["decode_steps"]  # the graphs' static forward, run eagerly on the CPU
+    assert steps["batch"] == 3 and steps["graphs_same_ids"] is True
     train = sections["train"]["results"]
     assert set(train) == {"smollm2-135m", "qwen2.5-0.5b"}
     assert all(r["update_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in train.values())

@@ -69,8 +69,10 @@ from transformers import AutoTokenizer
 from agentrl._errors import EngineError
 from agentrl._models import resolve_model
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
+from agentrl.kernels import triton_available
 
 from ._decode import DecodeKernelChooser, check_decode_attention
+from ._graphs import DecodeGraphs
 from ._kv import KVPool
 from ._logprobs import LogprobCollector
 from ._model import CausalLM, ModelConfig, read_safetensors
@@ -81,6 +83,14 @@ from ._scheduler import Request, Scheduler
 from ._seq import KVManager
 from ._session import SessionTable
 from ._worker import CloseSession, FlushCache, OpenSession, WeightUpdate, Worker
+
+
+def graph_replay(options: EngineOptions, device: torch.device) -> str | None:
+    """How decode steps replay captured graphs (``DecodeGraphs``' ``replay``): ``"cuda"`` where
+    ``cuda_graph`` applies (a CUDA device, the Triton decode kernel runs there and
+    ``decode_attention`` is not ``"sdpa"``), else ``None`` (no graphs)."""
+    usable = device.type == "cuda" and options.decode_attention != "sdpa"
+    return "cuda" if options.cuda_graph and usable and triton_available(device) else None
 
 
 class EmbeddedEngine:
@@ -123,6 +133,7 @@ class EmbeddedEngine:
                     f"max_position_embeddings ({context})"
                 )
             context = opts.context_length
+        replay = graph_replay(opts, device)
         bytes_per_token = config.kv_bytes_per_token(model.dtype)
         tokens = opts.kv_cache_tokens or min(
             opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * context
@@ -136,6 +147,7 @@ class EmbeddedEngine:
                 block_size=opts.block_size,
                 dtype=model.dtype,
                 device=device,
+                pad_block=replay is not None,
             )
         except torch.OutOfMemoryError:
             raise EngineError(
@@ -162,6 +174,31 @@ class EmbeddedEngine:
         scheduler = Scheduler(
             kv, sessions, max_batch_size=opts.max_batch_size, max_step_tokens=opts.max_step_tokens
         )
+        graphs = None
+        if replay is not None:
+            largest = min(opts.cuda_graph_max_bs or opts.max_batch_size, opts.max_batch_size)
+            try:
+                graphs = DecodeGraphs(
+                    model,
+                    pool,
+                    max_batch_size=largest,
+                    max_context=self._max_context,
+                    replay=replay,
+                )
+            except torch.OutOfMemoryError:
+                raise EngineError(
+                    f"capturing CUDA graphs for decode batches up to {largest} rows ran out of "
+                    f"memory on {device}: lower cuda_graph_max_bs or set cuda_graph=False"
+                ) from None
+            except EngineError:
+                raise
+            except Exception as exc:  # a kernel that does not compile, a capture CUDA refuses
+                raise EngineError(
+                    f"capturing CUDA graphs on {device} failed: {exc!r}; set cuda_graph=False "
+                    "(agentrl serve --disable-cuda-graph) to run without them"
+                ) from exc
+        self.cuda_graph_sizes = graphs.sizes if graphs is not None else []
+        """The batch sizes decode steps replay captured graphs for (empty: none)."""
         self._worker = Worker(
             model,
             tokenizer,
@@ -170,6 +207,7 @@ class EmbeddedEngine:
             in_flight=opts.in_flight,
             weight_version=weight_version,
             decode=decode,
+            graphs=graphs,
         )
         self._worker.thread.start()
         weakref.finalize(self, self._worker.close)  # a forgotten engine still stops its thread
@@ -249,6 +287,7 @@ class EmbeddedEngine:
                 sessions.unpinned_by_ttl + sessions.unpinned_by_cap + sessions.unpinned_by_pressure
             ),
             radix=radix,
+            graph_steps=self._worker.graphs.replays if self._worker.graphs is not None else 0,
         )
 
     def _check_open(self) -> None:

@@ -33,7 +33,9 @@ class KVPool:
     """``num_blocks`` blocks of ``block_size`` tokens for ``num_layers`` layers.
 
     ``k``/``v``: ``[layers, num_blocks, block_size, kv_heads, head_dim]`` in ``dtype``, on
-    ``device``.
+    ``device``. With ``pad_block=True`` they hold one block more, ``pad_block`` (index
+    ``num_blocks``): never handed out, it is where the padding rows of a captured decode step
+    write and read (``_graphs``); otherwise ``pad_block`` is ``None``.
     """
 
     def __init__(
@@ -46,10 +48,12 @@ class KVPool:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        pad_block: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise EngineError(f"KV pool needs blocks, got {num_blocks} x {block_size} tokens")
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.pad_block = num_blocks if pad_block else None
+        shape = (num_layers, num_blocks + int(pad_block), block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.device = self.k.device
@@ -88,7 +92,8 @@ class KVPool:
             self._free.append(block)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``index``."""
+        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of layer ``index`` (one block
+        more with a ``pad_block``)."""
         return self.k[index], self.v[index]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -145,6 +150,10 @@ class AttentionBatch(NamedTuple):
     - ``block_tables``: ``[B, max_blocks]`` int64, padded with 0.
     - ``seq_lens``/``query_starts``: Python ints (``B`` and ``B + 1`` of them).
     - ``seq_lens_tensor``: ``[B]`` int32, ``seq_lens`` as a tensor (the Triton kernel's input).
+      A captured decode step (``_graphs``) is the exception: its lengths change on the device
+      between replays, so the tensor (int64) holds them and ``seq_lens`` lists every row's
+      capacity (the block table's width in tokens), which only the Triton kernel reads, as
+      the longest length.
     - ``runs``: per row, the first block when its table is one ascending run of blocks (its KV is
       then a contiguous slice of the pool and is read without a copy), else ``None``.
     - ``decode_mask``: ``[num_decode, 1, 1, L]`` bool (``True`` = attend; ``L`` the longest decode

@@ -282,7 +282,9 @@ class CausalLM:
 
         Checks first (``check_state_dict``; ``check=False`` when the caller just did): on
         ``EngineError`` nothing has changed. The new weights are built before the old ones are
-        dropped: the device briefly holds both.
+        replaced: the device briefly holds both. A model that has weights keeps its tensors and
+        copies the new values into them, so whatever holds their addresses (captured CUDA
+        graphs, ``_graphs``) runs on the new weights.
         """
         if check:
             self.check_state_dict(state)
@@ -315,11 +317,21 @@ class CausalLM:
                     down_bias=get(p + "mlp.down_proj.bias") if c.mlp_bias else None,
                 )
             )
-        self.embed = get("model.embed_tokens.weight")
+        embed = get("model.embed_tokens.weight")
         head = state.get("lm_head.weight") if not c.tie_word_embeddings else None
-        self.lm_head = (self.embed if head is None else get("lm_head.weight")).t().contiguous()
-        self.norm = get("model.norm.weight")
-        self.layers = layers
+        lm_head = (embed if head is None else get("lm_head.weight")).t().contiguous()
+        norm = get("model.norm.weight")
+        if not self.layers:
+            self.embed, self.lm_head, self.norm, self.layers = embed, lm_head, norm, layers
+            return
+        pairs = [(self.embed, embed), (self.lm_head, lm_head), (self.norm, norm)]
+        for old, new in zip(self.layers, layers, strict=True):
+            for name in _Layer.__dataclass_fields__:
+                target, value = getattr(old, name), getattr(new, name)
+                if target is not None:
+                    pairs.append((target, value))
+        for target, value in pairs:
+            target.copy_(value)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(-1, keepdim=True)
@@ -327,11 +339,12 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | None = None
+        self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | str | None = None
     ) -> torch.Tensor:
         """Run one step: write the step's K/V into ``kv`` and return float32 logits ``[R, vocab]``
         for ``batch.logits_rows`` (on the model's device; ``batch`` and ``kv`` must be there
-        too). ``decode`` picks the decode rows' attention kernel (default: SDPA)."""
+        too). ``decode`` picks the decode rows' attention kernel: a chooser, a kernel name
+        (``"sdpa"`` or ``"triton"``) or ``None`` (SDPA)."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         tokens = batch.input_ids.shape[0]
@@ -349,7 +362,10 @@ class CausalLM:
             q, k = qk[:, :heads], qk[:, heads:]
             kv.write(index, batch.slots, k, v.view(tokens, kv_heads, dim))
             k_cache, v_cache = kv.layer(index)
-            kernel = "sdpa" if decode is None else decode.choose(q, k_cache, v_cache, attn, scale)
+            if decode is None or isinstance(decode, str):
+                kernel = decode or "sdpa"
+            else:
+                kernel = decode.choose(q, k_cache, v_cache, attn, scale)
             o = paged_attention(q, k_cache, v_cache, attn, scale, decode_kernel=kernel)  # [T, H, D]
             x = x + _project(o.reshape(tokens, heads * dim), layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)

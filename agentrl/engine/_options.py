@@ -79,6 +79,16 @@ class EngineOptions(pydantic.BaseModel):
     ``"auto"``: SDPA on CPU; on a CUDA device, the first step of each shape bucket (decode rows
     and longest context, each rounded up to a power of two) times both paths once with CUDA
     events and the bucket keeps the faster."""
+    cuda_graph: bool = True
+    """On a CUDA device, replay decode-only steps (every row feeds one token and samples it, no
+    input-token logprobs) of up to ``cuda_graph_max_bs`` rows from CUDA graphs captured when the
+    engine starts, one per batch-size bucket (1, 2, 4, 8, then multiples of 8): one launch per
+    step instead of hundreds. Those steps run the Triton decode kernel, so graphs are used only
+    where it runs and ``decode_attention`` is not ``"sdpa"``; ignored on the CPU. Weight updates
+    keep the graphs (new weights are copied into the captured tensors)."""
+    cuda_graph_max_bs: int | None = pydantic.Field(None, ge=1)
+    """The largest captured batch size (default: ``max_batch_size``); larger decode steps run
+    without a graph."""
 
     @pydantic.field_validator("device")
     @classmethod
@@ -199,3 +209,5 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     sessions_unpinned: int = 0
     """Pins dropped by TTL, cap or memory pressure."""
     radix: RadixStatistics | None = None
+    graph_steps: int = 0
+    """Decode steps replayed from a captured CUDA graph (``EngineOptions.cuda_graph``)."""

@@ -105,7 +105,8 @@ class Request:
 
 
 class Step(NamedTuple):
-    batch: ForwardBatch
+    packed: list[Row]
+    """The step's rows as the forward sees them (decode rows first)."""
     rows: list[tuple[Request, int]]
     """Each request and how many tokens it feeds."""
     sampled: list[Request]
@@ -115,6 +116,13 @@ class Step(NamedTuple):
     inputs: list[tuple[Request, int, int, int]]
     """``(request, first position, count, first logits row)``: logits of input positions a
     ``LogprobQuery`` asked for."""
+    block_size: int
+    device: torch.device
+
+    def forward_batch(self) -> ForwardBatch:
+        """The packed ``ForwardBatch`` of ``packed`` on ``device`` (built on demand: a step
+        replayed from a captured graph needs none)."""
+        return build_forward_batch(self.packed, self.block_size, self.device)
 
 
 @dataclass
@@ -210,8 +218,8 @@ class Scheduler:
                 sampled.append(request)
                 sample_rows.append(logits_rows)
                 logits_rows += 1
-        batch = build_forward_batch(packed, self.block_size, self.kv.pool.device)
-        return Step(batch, rows, sampled, sample_rows, inputs)
+        pool = self.kv.pool
+        return Step(packed, rows, sampled, sample_rows, inputs, pool.block_size, pool.device)
 
     def advance(self, step: Step) -> None:
         """Record that ``step`` ran: its tokens now have KV; full prefill pages go to the tree."""

@@ -602,6 +602,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no KV reuse across requests (sessions still reuse theirs)",
     )
+    parser.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="on a GPU, run decode steps without captured CUDA graphs",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs",
+        dest="cuda_graph_max_bs",
+        type=int,
+        default=None,
+        help="largest decode batch captured as a CUDA graph (default: --max-running-requests)",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--page-size",
@@ -664,11 +676,14 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "device",
         "dtype",
         "in_flight",
+        "cuda_graph_max_bs",
     )
     options = {k: getattr(args, k, None) for k in names}
     options = {k: v for k, v in options.items() if v is not None}
     if getattr(args, "disable_radix_cache", False):
         options["radix_cache"] = False
+    if getattr(args, "disable_cuda_graph", False):
+        options["cuda_graph"] = False
     return options
 
 

@@ -5,7 +5,9 @@ version; this is the subset a client reads, with this server's real values: ``mo
 ``tokenizer_path``, ``served_model_name``, ``context_length``, ``page_size``,
 ``max_total_num_tokens`` (KV pool tokens), ``max_req_input_len``, ``max_running_requests``,
 ``chunked_prefill_size`` (the engine's ``max_step_tokens``: decode rows count in it),
-``disable_radix_cache``, ``incremental_streaming_output``, ``weight_version``, ``version``
+``disable_radix_cache``, ``disable_cuda_graph`` (true where decode steps run without captured
+graphs, the CPU included), ``cuda_graph_max_bs`` and ``cuda_graph_bs`` (the captured batch
+sizes; ``null`` without graphs), ``incremental_streaming_output``, ``weight_version``, ``version``
 (agentrl's) and ``internal_states`` (``last_gen_throughput`` in tokens/s of the last finished
 request, and the numbers of running and waiting requests).
 """
@@ -31,6 +33,7 @@ def server_info(server: _Server) -> dict[str, Any]:
     if stats is not None and getattr(stats, "kv_blocks", None) is not None:
         pool_tokens = int(stats.kv_blocks) * int(stats.block_size)
     context = engine.max_context
+    graphs = list(getattr(engine, "cuda_graph_sizes", []))
     return {
         "model_path": server.model_path,
         "tokenizer_path": server.model_path,
@@ -42,6 +45,9 @@ def server_info(server: _Server) -> dict[str, Any]:
         "max_running_requests": getattr(options, "max_batch_size", None),
         "chunked_prefill_size": getattr(options, "max_step_tokens", None),
         "disable_radix_cache": not getattr(options, "radix_cache", True),
+        "disable_cuda_graph": not graphs,
+        "cuda_graph_max_bs": max(graphs) if graphs else None,
+        "cuda_graph_bs": graphs or None,
         "incremental_streaming_output": server.incremental_streaming_output,
         "enable_streaming_session": True,
         "skip_tokenizer_init": False,

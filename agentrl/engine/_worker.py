@@ -11,7 +11,8 @@ thread makes that device current (Triton launches and CUDA events use the curren
 step reads back what the host needs of its logits in one transfer per kind (which also waits for
 the step to finish): plain greedy rows' ids and logprobs, picked on the device for the whole step
 (``_read_logits``), and the float32 rows that sample with a generator or feed a logprob query,
-sampled on the CPU exactly as on a CPU-only engine.
+sampled on the CPU exactly as on a CPU-only engine. On a CUDA device a decode-only step replays a
+captured CUDA graph when ``graphs`` accepts it (``_graphs``); every other step runs the forward.
 
 Failures: an exception while sampling for one request fails that request only (``EngineError``);
 an exception in the forward pass cannot be pinned on one row and fails every request of the
@@ -34,6 +35,7 @@ from agentrl._errors import EngineError
 from agentrl._types import FinishReason, GenerateResult
 
 from ._decode import DecodeKernelChooser
+from ._graphs import DecodeGraphs
 from ._model import CausalLM
 from ._sampling import check_logprob, greedy_tokens, sample_token
 from ._scheduler import Request, Scheduler, Step
@@ -149,9 +151,12 @@ class Worker:
         in_flight: str = "finish",
         weight_version: int = 0,
         decode: DecodeKernelChooser | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.decode = decode
+        self.graphs = graphs
+        """Captured decode steps (``_graphs``): a step they accept replays one."""
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.num_threads = num_threads
@@ -302,7 +307,12 @@ class Worker:
             if not request.started:
                 request.weight_version = self.weight_version
         try:
-            logits = self.model.forward(step.batch, self.scheduler.kv.pool, self.decode)
+            graphs = self.graphs
+            if graphs is not None and graphs.accepts(step.packed):
+                logits = graphs.run(step.packed)
+            else:
+                pool = self.scheduler.kv.pool
+                logits = self.model.forward(step.forward_batch(), pool, self.decode)
             picks, host, where = self._read_logits(step, logits)
         except Exception as exc:
             for request, _ in step.rows:

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
-from agentrl.engine import EmbeddedEngine, _embedded, open_embedded_engine
+from agentrl.engine import EmbeddedEngine, _embedded, _graphs, open_embedded_engine
 from agentrl.engine._batch import Row, build_forward_batch
 from agentrl.engine._decode import DecodeKernelChooser
 from agentrl.engine._kv import PREFILL_PAD, KVPool
@@ -159,6 +159,42 @@ async def test_worker_names_the_device_of_every_tensor(
 
     monkeypatch.setattr(Worker, "_main", on_meta)
     assert await run(tiny_dir, perturbed, device="cpu", decode_attention=decode) == plain
+
+
+@pytest.mark.anyio
+@needs_kernel
+async def test_captured_decode_steps_match_plain_steps(
+    tiny_dir: Path,
+    perturbed: dict,
+    reference_model: PreTrainedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The workload with its decode steps replayed through ``DecodeGraphs`` (eagerly here: the
+    same static buffers, buckets and padding rows a CUDA graph replays) gives the plain Triton
+    steps' ids, finish reasons and reuse, logprobs within the two runs' bounds: steps of 1, 2
+    (two padding rows) and 4 rows replayed, before and after the weight update."""
+    plain = await run(tiny_dir, perturbed, decode_attention="triton")
+    made: list[_graphs.DecodeGraphs] = []
+
+    class Recording(_graphs.DecodeGraphs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rows_seen: set[int] = set()
+            made.append(self)
+
+        def run(self, rows: Any) -> torch.Tensor:
+            self.rows_seen.add(len(rows))
+            return super().run(rows)
+
+    monkeypatch.setattr(_embedded, "graph_replay", lambda options, device: "eager")
+    # buckets 1 and 4 only: steps of 2 (and 3) rows replay with padding rows
+    monkeypatch.setattr(_graphs, "capture_sizes", lambda largest: [1, largest])
+    monkeypatch.setattr(_embedded, "DecodeGraphs", Recording)
+    replayed = await run(tiny_dir, perturbed, decode_attention="triton")
+    (graphs,) = made
+    assert graphs.sizes == [1, 4] and graphs.rows_seen >= {1, 2, 4}
+    bounds = workload_bounds(plain, reference_model, perturbed)
+    assert_close_runs(replayed, plain, [2 * b for b in bounds])
 
 
 # -- the option's checks ---------------------------------------------------------------------
@@ -318,6 +354,28 @@ async def test_cuda_triton_decode_equals_sdpa(
     for mode in ("triton", "auto"):
         got = await run(tiny_dir, perturbed, device="cuda", decode_attention=mode)
         assert_close_runs(got, sdpa, [2 * b for b in bounds])
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_cuda_graphs_equal_uncaptured_steps(
+    tiny_dir: Path, perturbed: dict, reference_model: PreTrainedModel
+) -> None:
+    """Decode steps replayed from CUDA graphs (the default on a GPU) give the uncaptured
+    steps' results within the two runs' bounds; the graphs did run, before and after the
+    weight update (copied into the captured tensors)."""
+    plain = await run(
+        tiny_dir, perturbed, device="cuda", decode_attention="triton", cuda_graph=False
+    )
+    bounds = workload_bounds(plain, reference_model, perturbed, **CUDA_FP32)
+    options = {"max_batch_size": 4, "max_step_tokens": 32, "num_threads": 2}
+    async with open_embedded_engine(
+        tiny_dir, device="cuda", decode_attention="triton", **options
+    ) as engine:
+        assert engine.cuda_graph_sizes == [1, 2, 4]
+        got = await workload(engine, perturbed)
+        assert engine.statistics().graph_steps > 0
+    assert_close_runs(got, plain, [2 * b for b in bounds])
 
 
 @pytest.mark.gpu

@@ -317,16 +317,25 @@ async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path)
     assert info["max_running_requests"] == defaults.max_batch_size
     assert info["chunked_prefill_size"] == defaults.max_step_tokens
     assert info["disable_radix_cache"] is False
+    # no CUDA graphs on the CPU
+    assert info["disable_cuda_graph"] is True
+    assert info["cuda_graph_max_bs"] is None and info["cuda_graph_bs"] is None
 
 
 def test_sglangs_launch_flags_set_the_engine_options() -> None:
-    """A launch line ported from SGLang: its names for the batch and step limits and the
-    radix cache switch, next to agentrl's own names."""
+    """A launch line ported from SGLang: its names for the batch and step limits, the radix
+    cache and CUDA graph switches, next to agentrl's own names."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     sglang = ["--model-path", "m", "--max-running-requests", "7", "--chunked-prefill-size", "96"]
     options = engine_options_from_args(parser.parse_args([*sglang, "--disable-radix-cache"]))
     assert options == {"max_batch_size": 7, "max_step_tokens": 96, "radix_cache": False}
+    graphs = ["--disable-cuda-graph", "--cuda-graph-max-bs", "16"]
+    options = engine_options_from_args(parser.parse_args([*sglang, *graphs]))
+    assert options == {
+        "max_batch_size": 7, "max_step_tokens": 96, "cuda_graph": False, "cuda_graph_max_bs": 16
+    }  # fmt: skip
+    EngineOptions(**options)
     ours = ["--max-batch-size", "7", "--max-step-tokens", "96", "--page-size", "1"]
     options = engine_options_from_args(parser.parse_args(ours))
     assert options == {"max_batch_size": 7, "max_step_tokens": 96, "block_size": 1}

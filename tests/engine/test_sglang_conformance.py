@@ -740,6 +740,9 @@ async def test_server_info_has_the_fields_clients_read(server: Server) -> None:
     assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
     assert isinstance(info["chunked_prefill_size"], int) and info["chunked_prefill_size"] > 0
     assert isinstance(info["disable_radix_cache"], bool)
+    assert isinstance(info["disable_cuda_graph"], bool)
+    graph_bs = info["cuda_graph_max_bs"]
+    assert graph_bs is None or (isinstance(graph_bs, int) and graph_bs >= 1)
     assert isinstance(info["version"], str)
     assert isinstance(info["internal_states"], list) and info["internal_states"]
     assert "last_gen_throughput" in info["internal_states"][0]
