@@ -76,7 +76,13 @@ from ._graphs import DecodeGraphs
 from ._kv import KVPool
 from ._logprobs import LogprobCollector
 from ._model import CausalLM, ModelConfig, read_safetensors
-from ._options import EngineOptions, EngineStatistics, resolve_device, resolve_dtype
+from ._options import (
+    STEP_TOKENS,
+    EngineOptions,
+    EngineStatistics,
+    resolve_device,
+    resolve_dtype,
+)
 from ._radix import RadixCache
 from ._sampling import check_sampling
 from ._scheduler import Request, Scheduler
@@ -171,8 +177,10 @@ class EmbeddedEngine:
         self._max_context = min(context, pool.capacity_tokens)
         self._sessions: dict[str, int | None] = {}
         self._closed = False
+        self.max_step_tokens = opts.max_step_tokens or STEP_TOKENS[device.type]
+        """The step budget in force (``EngineOptions.max_step_tokens`` or its device default)."""
         scheduler = Scheduler(
-            kv, sessions, max_batch_size=opts.max_batch_size, max_step_tokens=opts.max_step_tokens
+            kv, sessions, max_batch_size=opts.max_batch_size, max_step_tokens=self.max_step_tokens
         )
         graphs = None
         if replay is not None:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from agentrl._errors import EngineError
 from agentrl.kernels import paged_decode_attention
@@ -114,6 +115,13 @@ PREFILL_PAD = 2.0
 this factor of what its rows need; rows that would pass it start another group."""
 
 
+PREFILL_MASK_ELEMENTS = 1 << 24
+"""Most elements one padded group's mask may have (rows x longest chunk x padded keys; the
+attention call repeats it per query head of a KV head): a step of thousands of tokens over long
+contexts still builds masks of megabytes, not gigabytes. Rows that would pass it start another
+group."""
+
+
 class PrefillGroup(NamedTuple):
     """Prefill rows attended in one SDPA call, padded to ``q_max`` queries and ``span`` blocks.
 
@@ -127,7 +135,9 @@ class PrefillGroup(NamedTuple):
 
     A group of one row keeps it unpadded: ``src``/``dst``/``table`` are ``None``, ``span`` is
     0 and ``mask`` is the row's ``[q_len, seq_len]`` causal mask (its KV is then a view of the
-    pool when its blocks form one run).
+    pool when its blocks form one run), or ``None`` for a *causal row*: its queries attend
+    bottom-right causally with no mask tensor at all (``make_attention_batch``'s
+    ``causal_rows``).
     """
 
     rows: list[int]
@@ -136,7 +146,7 @@ class PrefillGroup(NamedTuple):
     src: torch.Tensor | None
     dst: torch.Tensor | None
     table: torch.Tensor | None
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class AttentionBatch(NamedTuple):
@@ -180,11 +190,16 @@ class AttentionBatch(NamedTuple):
 
 
 def group_prefill_rows(
-    query_lens: list[int], seq_lens: list[int], block_size: int, pad: float = PREFILL_PAD
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    pad: float = PREFILL_PAD,
+    max_mask: int = PREFILL_MASK_ELEMENTS,
 ) -> list[list[int]]:
     """Split prefill rows (indices into the two lists) into groups, longest row first, each
-    within ``pad`` of its rows' own attention area and keys (see ``PREFILL_PAD``); ``pad``
-    below 1 puts every row alone."""
+    within ``pad`` of its rows' own attention area and keys (see ``PREFILL_PAD``) and, when it
+    has several rows, within ``max_mask`` mask elements; ``pad`` below 1 puts every row
+    alone."""
     order = sorted(range(len(seq_lens)), key=lambda r: (-seq_lens[r], -query_lens[r], r))
     groups: list[list[int]] = []
     area = keys = q_max = 0
@@ -194,7 +209,9 @@ def group_prefill_rows(
             rows = len(groups[-1]) + 1
             length = -(-seq_lens[groups[-1][0]] // block_size) * block_size
             wide = max(q_max, q)
-            if rows * wide * length <= pad * (area + q * n) and rows * length <= pad * (keys + n):
+            padded = rows * wide * length
+            fits = padded <= pad * (area + q * n) and rows * length <= pad * (keys + n)
+            if fits and padded <= max_mask:
                 groups[-1].append(r)
                 area, keys, q_max = area + q * n, keys + n, wide
                 continue
@@ -211,12 +228,19 @@ def make_attention_batch(
     device: torch.device | str | None = None,
     *,
     prefill_pad: float = PREFILL_PAD,
+    causal_rows: bool | None = None,
 ) -> AttentionBatch:
     """Build the metadata for rows whose decode rows (``query_lens == 1``) come first;
     ``tables[b]`` lists exactly the blocks holding row ``b``'s ``seq_lens[b]`` keys. Tensors
     are made on ``device`` (default: torch's default device; masks are computed there, tables
     copied there once) and nothing is read back from it. ``prefill_pad``: see
-    ``PREFILL_PAD`` (below 1: one SDPA call per prefill row)."""
+    ``PREFILL_PAD`` (below 1: one SDPA call per prefill row).
+
+    ``causal_rows``: prefill rows alone in their group attend without a mask tensor (query
+    heads unfolded, K/V repeated per head, ``is_causal`` or SDPA's bottom-right causal bias),
+    so a long chunk costs no ``[q_len, seq_len]`` mask and runs flash / memory-efficient
+    attention on a GPU. Default: on CUDA devices; on the CPU the folded, masked call (K/V
+    never repeated) is the faster."""
     num_decode = 0
     while num_decode < len(query_lens) and query_lens[num_decode] == 1:
         num_decode += 1
@@ -237,15 +261,20 @@ def make_attention_batch(
     groups = group_prefill_rows(
         query_lens[num_decode:], seq_lens[num_decode:], block_size, prefill_pad
     )
+    if causal_rows is None:
+        causal_rows = torch.device(device or torch.get_default_device()).type == "cuda"
     prefill_groups = []
     for members in groups:
         members = [num_decode + r for r in members]
         if len(members) == 1:
             (row,) = members
             q, n = query_lens[row], seq_lens[row]
-            # query i sits at position n - q + i and sees keys 0..n - q + i
-            keys, queries = torch.arange(n, device=device), torch.arange(n - q, n, device=device)
-            mask = keys[None, :] <= queries[:, None]
+            mask = None
+            if not causal_rows:
+                # query i sits at position n - q + i and sees keys 0..n - q + i
+                keys = torch.arange(n, device=device)
+                queries = torch.arange(n - q, n, device=device)
+                mask = keys[None, :] <= queries[:, None]
             prefill_groups.append(PrefillGroup(members, q, 0, None, None, None, mask))
             continue
         q_max = max(query_lens[r] for r in members)
@@ -359,6 +388,7 @@ def paged_attention(
         # [rows * q_max, H, D] -> [rows, K, group * q_max, D]: head h = kv_head * group + g
         qp = padded.view(rows, q_max, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         qp = qp.reshape(rows, kv_heads, group * q_max, dim)
+        assert g.mask is not None  # a padded group always has one
         mask = g.mask[:, None, None].expand(rows, 1, group, q_max, length)
         mask = mask.reshape(rows, 1, group * q_max, length)
         o = F.scaled_dot_product_attention(
@@ -387,6 +417,17 @@ def _prefill_row(
     q_len = end - start
     k = _row_kv(k_cache, batch, row, block_size).transpose(0, 1)  # [K, n, D]
     v = _row_kv(v_cache, batch, row, block_size).transpose(0, 1)
+    if g.mask is None:  # a causal row: [H, q_len, D] over K/V repeated per query head
+        n = k.shape[1]
+        qh = q[start:end].transpose(0, 1)
+        kh, vh = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        if q_len == n:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:  # the queries are the last q_len positions: causal from the bottom right
+            bias = causal_lower_right(q_len, n)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+        return
     # [q_len, H, D] -> [K, group * q_len, D]: head h = kv_head * group + g
     qp = q[start:end].view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
     qp = qp.reshape(kv_heads, group * q_len, dim)

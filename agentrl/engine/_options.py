@@ -21,6 +21,10 @@ IN_FLIGHT_RULES = ("finish", "abort", "partial")
 """``EngineOptions.in_flight``'s values."""
 
 
+STEP_TOKENS = {"cpu": 512, "cuda": 8192}
+"""``EngineOptions.max_step_tokens``' default per device type."""
+
+
 class EngineOptions(pydantic.BaseModel):
     """How an ``EmbeddedEngine`` sizes and schedules itself (the config's ``engine`` section;
     unknown fields are refused by name). Where the device and dtype exist on this machine is
@@ -30,9 +34,11 @@ class EngineOptions(pydantic.BaseModel):
 
     max_batch_size: int = pydantic.Field(32, ge=1)
     """Most requests running at once (decoding or prefilling)."""
-    max_step_tokens: int = pydantic.Field(512, ge=1)
+    max_step_tokens: int | None = pydantic.Field(None, ge=1)
     """Tokens one step computes at most: decode rows count one each, prefill chunks fill the
-    rest (chunked prefill)."""
+    rest (chunked prefill). Default: ``STEP_TOKENS`` for the device, 512 on the CPU (a step's
+    GEMMs already fill the cores) and 8192 on a CUDA device (SGLang's chunked-prefill size on
+    an H100: a GPU needs thousands of tokens per step to be busy)."""
     kv_cache_tokens: int | None = pydantic.Field(None, ge=1)
     """KV pool size in tokens; default: ``kv_cache_bytes`` worth, at most
     ``max_batch_size * max_context``."""

@@ -43,7 +43,7 @@ def server_info(server: _Server) -> dict[str, Any]:
         "max_total_num_tokens": pool_tokens,
         "max_req_input_len": context - 1,
         "max_running_requests": getattr(options, "max_batch_size", None),
-        "chunked_prefill_size": getattr(options, "max_step_tokens", None),
+        "chunked_prefill_size": getattr(engine, "max_step_tokens", None),
         "disable_radix_cache": not getattr(options, "radix_cache", True),
         "disable_cuda_graph": not graphs,
         "cuda_graph_max_bs": max(graphs) if graphs else None,

@@ -9,7 +9,14 @@ import torch
 from numerics import assert_within, attention_error_bound, sdpa_rounding
 
 from agentrl._errors import EngineError
-from agentrl.engine._kv import PREFILL_PAD, KVPool, make_attention_batch, paged_attention
+from agentrl.engine._kv import (
+    PREFILL_MASK_ELEMENTS,
+    PREFILL_PAD,
+    KVPool,
+    group_prefill_rows,
+    make_attention_batch,
+    paged_attention,
+)
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
 
@@ -42,11 +49,16 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("pad", [PREFILL_PAD, 0.0, 1e9], ids=["grouped", "alone", "one-group"])
+@pytest.mark.parametrize(
+    ("pad", "causal"),
+    [(PREFILL_PAD, False), (0.0, False), (1e9, False), (PREFILL_PAD, True), (0.0, True)],
+    ids=["grouped", "alone", "one-group", "grouped-causal", "alone-causal"],
+)
 @pytest.mark.parametrize("seed", range(6))
-def test_mixed_step_matches_dense_attention(seed: int, pad: float) -> None:
+def test_mixed_step_matches_dense_attention(seed: int, pad: float, causal: bool) -> None:
     """Decode rows and prefill chunks (with and without cached keys before them) in one step,
-    prefill rows attended one by one, in groups, or all padded into one call."""
+    prefill rows attended one by one, in groups, or all padded into one call; rows alone in
+    their group with a mask or as causal rows (no mask tensor, the CUDA default)."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     pool = KVPool(
@@ -59,7 +71,7 @@ def test_mixed_step_matches_dense_attention(seed: int, pad: float) -> None:
     rows = []  # (seq_len, q_len, table)
     for i in range(rng.randrange(1, 6)):
         q_len = 1 if i < rng.randrange(0, 4) else rng.randrange(2, 12)
-        n = q_len + rng.randrange(0, 20)
+        n = q_len + (0 if rng.random() < 0.3 else rng.randrange(1, 20))  # 0: a fresh prompt
         blocks = -(-n // BLOCK)
         if rng.random() < 0.3:  # one contiguous run: read as a view
             start = rng.randrange(0, 64 - blocks)
@@ -74,11 +86,14 @@ def test_mixed_step_matches_dense_attention(seed: int, pad: float) -> None:
         [q for _, q, _ in rows],
         BLOCK,
         prefill_pad=pad,
+        causal_rows=causal,
     )
     prefill = len(rows) - batch.num_decode
     assert sorted(r for g in batch.prefill_groups for r in g.rows) == list(
         range(batch.num_decode, len(rows))
     )
+    alone = [g for g in batch.prefill_groups if g.src is None]
+    assert all((g.mask is None) == causal for g in alone)
     if pad < 1:
         assert len(batch.prefill_groups) == prefill
     elif pad > 1e6:
@@ -92,6 +107,20 @@ def test_mixed_step_matches_dense_attention(seed: int, pad: float) -> None:
         want = dense_reference(q[start : start + q_len], k, v)
         bound = dense_bound(q[start : start + q_len], k, v)
         assert_within(got[start : start + q_len], want, bound, f"seed {seed}, row {b}")
+
+
+def test_a_padded_group_stays_within_the_mask_cap() -> None:
+    """Eight equal rows (no padding at all) still split once their mask would pass the cap: 4 x
+    128 x 4096 = 2**21 elements per group."""
+    q_lens, n_lens = [128] * 8, [4096] * 8
+    assert group_prefill_rows(q_lens, n_lens, 16) == [list(range(8))]
+    assert group_prefill_rows(q_lens, n_lens, 16, max_mask=1 << 21) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    # a single row is never split, however large
+    assert group_prefill_rows([8192], [32768], 16, max_mask=1) == [[0]]
+    assert PREFILL_MASK_ELEMENTS == 1 << 24
 
 
 def test_pool_alloc_free() -> None:

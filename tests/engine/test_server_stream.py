@@ -315,7 +315,7 @@ async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path)
     assert info["internal_states"][0]["last_gen_throughput"] >= 0
     defaults = EngineOptions()
     assert info["max_running_requests"] == defaults.max_batch_size
-    assert info["chunked_prefill_size"] == defaults.max_step_tokens
+    assert info["chunked_prefill_size"] == 512  # the CPU's default step budget
     assert info["disable_radix_cache"] is False
     # no CUDA graphs on the CPU
     assert info["disable_cuda_graph"] is True
