@@ -11,9 +11,11 @@ forward as usual.
 
 What makes the forward capturable:
 
-- Static inputs. Per row the token id, position, flat KV slot and length (``[4, max bucket]``
-  int64) and the block table (``[max bucket, max_blocks]`` int64) live in device buffers that
-  every graph reads; a step copies its rows in (two host-to-device copies) and nothing else.
+- Static inputs and output. Per row the token id, position, flat KV slot and length
+  (``[4, max bucket]`` int64) and the block table (``[max bucket, max_blocks]`` int64) live in
+  device buffers that every graph reads (``batches``: views of them only); a step copies its
+  rows in (two host-to-device copies) and nothing else. Every graph writes its logits into one
+  ``[max bucket, vocab]`` buffer.
   Only the table columns the step's rows use are copied: a row's columns past its length are
   never read.
 - Padding rows. A step of ``n`` rows replays bucket ``size >= n``; rows ``n..size`` feed token 0
@@ -25,9 +27,9 @@ What makes the forward capturable:
 - Fixed weights. ``CausalLM.load_state_dict`` copies new weights into the tensors the graphs
   captured, so weight updates need no recapture.
 
-The graphs share one memory pool (captured largest first, as CUDA graph users usually do), and
-their outputs live there: a step's logits are valid until the next replay, which the worker
-never starts before it has read them.
+The graphs share one memory pool for their intermediates (captured largest first, as CUDA graph
+users usually do); a step's logits are valid until the next replay, which the worker never
+starts before it has read them.
 
 On the CPU (tests) ``replay="eager"`` runs the same static-buffer forward instead of a graph:
 padding, bucketing and the buffer copies are the same code; the decode kernel then runs in
@@ -107,6 +109,13 @@ class DecodeGraphs:
         self._tables = torch.full(
             (top, self.max_blocks), pool.pad_block, dtype=torch.long, device=device
         )
+        self._rows = torch.arange(top, dtype=torch.long, device=device)  # the logits rows
+        vocab = model.config.vocab_size
+        self._logits = torch.empty((top, vocab), dtype=torch.float32, device=device)
+        """Every bucket's output: one buffer, not one ``[size, vocab]`` tensor per graph."""
+        self.batches: dict[int, ForwardBatch] = {}
+        """Each bucket's ``ForwardBatch``: views of the buffers above, nothing else (a tensor
+        a graph reads must outlive it: these keep their storage alive)."""
         self._runs: dict[int, Callable[[], torch.Tensor]] = {}
         self.replays = 0
         """Steps run from a graph (for statistics and tests)."""
@@ -129,10 +138,15 @@ class DecodeGraphs:
             decode_mask=None,
             prefill_groups=[],
         )
-        rows = torch.arange(size, dtype=torch.long, device=self.pool.device)
-        batch = ForwardBatch(ids, positions, slots, attention, rows)
-        model, pool = self.model, self.pool
-        return lambda: model.forward(batch, pool, "triton")
+        batch = self.batches[size] = ForwardBatch(
+            ids, positions, slots, attention, self._rows[:size]
+        )
+        model, pool, out = self.model, self.pool, self._logits[:size]
+
+        def forward() -> torch.Tensor:
+            return out.copy_(model.forward(batch, pool, "triton"))
+
+        return forward
 
     def _capture_all(self) -> None:
         device = self.pool.device

@@ -417,16 +417,19 @@ def _prefill_row(
     q_len = end - start
     k = _row_kv(k_cache, batch, row, block_size).transpose(0, 1)  # [K, n, D]
     v = _row_kv(v_cache, batch, row, block_size).transpose(0, 1)
-    if g.mask is None:  # a causal row: [H, q_len, D] over K/V repeated per query head
+    if g.mask is None:  # a causal row: [1, H, q_len, D] over K/V repeated per query head
         n = k.shape[1]
-        qh = q[start:end].transpose(0, 1)
-        kh, vh = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        # 4-D: the flash and memory-efficient kernels take nothing else (3-D falls back to
+        # the math kernel, which builds the scores and, for the bias, the mask)
+        qh = q[start:end].transpose(0, 1)[None]
+        kh = k.repeat_interleave(group, dim=0)[None]
+        vh = v.repeat_interleave(group, dim=0)[None]
         if q_len == n:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:  # the queries are the last q_len positions: causal from the bottom right
             bias = causal_lower_right(q_len, n)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
         return
     # [q_len, H, D] -> [K, group * q_len, D]: head h = kv_head * group + g
     qp = q[start:end].view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)

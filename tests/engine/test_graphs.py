@@ -85,6 +85,25 @@ def test_which_steps_replay(model: CausalLM) -> None:
 
 
 @needs_kernel
+def test_the_graphs_read_only_their_own_buffers(model: CausalLM) -> None:
+    """Every tensor a bucket's forward reads besides the weights and the pool is a view of the
+    graphs' persistent buffers. A tensor made for one capture and then dropped would be freed
+    while the graph still reads its address (the eager replay here would never notice)."""
+    graphs = DecodeGraphs(model, make_pool(model), max_batch_size=8, max_context=32, replay="eager")
+    owned = {
+        t.untyped_storage().data_ptr()
+        for t in (graphs._vectors, graphs._tables, graphs._rows, graphs._logits)
+    }
+    assert sorted(graphs.batches) == graphs.sizes
+    for size, batch in graphs.batches.items():
+        tensors = [batch.input_ids, batch.positions, batch.slots, batch.logits_rows]
+        tensors += batch.attention.tensors()
+        assert {t.untyped_storage().data_ptr() for t in tensors} <= owned, size
+        assert batch.attention.seq_lens == [graphs.capacity] * size
+    assert graphs._runs[8]().untyped_storage().data_ptr() in owned  # the logits buffer
+
+
+@needs_kernel
 def test_padding_rows_write_only_the_pad_block(model: CausalLM) -> None:
     """Three decode rows in the 4-row bucket: the step writes each row's new K/V at its slot
     and the padding row's at the pad block's first slot, nothing else in the pool changes
