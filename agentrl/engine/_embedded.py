@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -183,6 +184,8 @@ class EmbeddedEngine:
             kv, sessions, max_batch_size=opts.max_batch_size, max_step_tokens=self.max_step_tokens
         )
         graphs = None
+        self.cuda_graph_error: str | None = None
+        """Why capturing failed (a ``RuntimeWarning`` said so at start); ``None`` otherwise."""
         if replay is not None:
             largest = min(opts.cuda_graph_max_bs or opts.max_batch_size, opts.max_batch_size)
             try:
@@ -193,18 +196,20 @@ class EmbeddedEngine:
                     max_context=self._max_context,
                     replay=replay,
                 )
-            except torch.OutOfMemoryError:
-                raise EngineError(
-                    f"capturing CUDA graphs for decode batches up to {largest} rows ran out of "
-                    f"memory on {device}: lower cuda_graph_max_bs or set cuda_graph=False"
-                ) from None
-            except EngineError:
-                raise
-            except Exception as exc:  # a kernel that does not compile, a capture CUDA refuses
-                raise EngineError(
-                    f"capturing CUDA graphs on {device} failed: {exc!r}; set cuda_graph=False "
-                    "(agentrl serve --disable-cuda-graph) to run without them"
-                ) from exc
+            except Exception as exc:  # out of memory, a kernel that does not compile, ...
+                # the engine is correct without graphs, only slower: it says so and runs
+                self.cuda_graph_error = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"capturing CUDA graphs for decode batches up to {largest} rows on {device} "
+                    f"failed ({self.cuda_graph_error}); decode steps run uncaptured. Lower "
+                    "cuda_graph_max_bs, or set cuda_graph=False (agentrl serve "
+                    "--disable-cuda-graph) to skip the capture",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                graphs = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         self.cuda_graph_sizes = graphs.sizes if graphs is not None else []
         """The batch sizes decode steps replay captured graphs for (empty: none)."""
         self._worker = Worker(

@@ -91,7 +91,9 @@ class EngineOptions(pydantic.BaseModel):
     engine starts, one per batch-size bucket (1, 2, 4, 8, then multiples of 8): one launch per
     step instead of hundreds. Those steps run the Triton decode kernel, so graphs are used only
     where it runs and ``decode_attention`` is not ``"sdpa"``; ignored on the CPU. Weight updates
-    keep the graphs (new weights are copied into the captured tensors)."""
+    keep the graphs (new weights are copied into the captured tensors). If capturing fails (out
+    of memory, say) the engine warns (``RuntimeWarning``, the reason also in
+    ``EmbeddedEngine.cuda_graph_error``) and runs every step uncaptured."""
     cuda_graph_max_bs: int | None = pydantic.Field(None, ge=1)
     """The largest captured batch size (default: ``max_batch_size``); larger decode steps run
     without a graph."""

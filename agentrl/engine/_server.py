@@ -595,7 +595,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="most tokens one step computes (decode rows count one each; prefill is chunked "
-        "to fit)",
+        "to fit); default 512 on the CPU, 8192 on a GPU",
     )
     parser.add_argument(
         "--disable-radix-cache",

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from agentrl._errors import EngineError
-from agentrl.engine import _embedded
+from agentrl._types import SamplingParams
+from agentrl.engine import EmbeddedEngine, _embedded
 from agentrl.engine._batch import Row
 from agentrl.engine._embedded import graph_replay
 from agentrl.engine._graphs import DecodeGraphs, capture_sizes
@@ -163,6 +164,29 @@ def test_weight_updates_keep_the_captured_tensors(tiny_dir: Path, model: CausalL
             assert (value is None and getattr(mine, name) is None) or torch.equal(
                 getattr(mine, name), value
             ), name
+
+
+@pytest.mark.anyio
+async def test_a_failed_capture_warns_and_runs_uncaptured(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken(DecodeGraphs):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("no capture here")
+
+    monkeypatch.setattr(_embedded, "graph_replay", lambda options, device: "eager")
+    monkeypatch.setattr(_embedded, "DecodeGraphs", Broken)
+    want = r"capturing CUDA graphs .* failed \(RuntimeError: no capture here\); decode steps run"
+    with pytest.warns(RuntimeWarning, match=want):
+        engine = EmbeddedEngine.from_pretrained(tiny_dir, num_threads=1, max_batch_size=2)
+    try:
+        assert engine.cuda_graph_sizes == []
+        assert engine.cuda_graph_error == "RuntimeError: no capture here"
+        greedy = SamplingParams(max_new_tokens=3, temperature=0)
+        result = await engine.generate([5, 6, 7], greedy)
+        assert len(result.token_ids) == 3 and engine.statistics().graph_steps == 0
+    finally:
+        await engine.aclose()
 
 
 def test_when_the_engine_captures(monkeypatch: pytest.MonkeyPatch) -> None:
