@@ -4,8 +4,9 @@ A decode step's forward launches about a thousand small kernels (SmolLM2-135M: 3
 norms, GEMMs, rope, KV writes and attention); at small and medium batch sizes launching them
 costs more than running them. At engine start ``DecodeGraphs`` captures the forward of a
 decode-only step once per batch-size bucket (``capture_sizes``) into a CUDA graph; a step whose
-rows all feed one token and sample it, with no input-token logprobs, then copies its inputs
-into the graphs' static buffers and replays the smallest bucket that holds it: one launch.
+rows all feed one token (sampled, or a finished session turn's last token, whose KV the next
+turn reuses), with no input-token logprobs, then copies its inputs into the graphs' static
+buffers and replays the smallest bucket that holds it: one launch.
 Other steps (prefill chunks, logprob queries, more rows than the largest bucket) run the
 forward as usual.
 
@@ -181,24 +182,28 @@ class DecodeGraphs:
         return None
 
     def accepts(self, rows: Sequence[Row]) -> bool:
-        """Whether a step of ``rows`` can replay: every row feeds one token and samples it,
-        asks for no input-token logits, stays within ``max_context``, and some bucket holds
-        them all."""
+        """Whether a step of ``rows`` can replay: every row feeds one token (and samples it,
+        or only writes its KV: a finished session turn's last token), asks for no input-token
+        logits, stays within ``max_context``, and some bucket holds them all."""
         if not rows or self.bucket(len(rows)) is None:
             return False
         return all(
-            r.count == 1 and r.sample and r.extra[1] <= r.extra[0] and r.start < self.capacity
-            for r in rows
+            r.count == 1 and r.extra[1] <= r.extra[0] and r.start < self.capacity for r in rows
         )
 
     def run(self, rows: Sequence[Row]) -> torch.Tensor:
         """Run the decode step of ``rows`` (``accepts(rows)`` must hold): writes the rows' K/V
-        into the pool and returns float32 logits ``[len(rows), vocab]``, a view valid until the
-        next ``run``."""
+        into the pool and returns float32 logits ``[rows that sample, vocab]``, in row order
+        (the ``ForwardBatch`` of the same rows would return these), valid until the next
+        ``run``."""
         size = self.load(rows)
-        logits = self._runs[size]()
+        logits = self._runs[size]()[: len(rows)]
         self.replays += 1
-        return logits[: len(rows)]
+        keep = [i for i, r in enumerate(rows) if r.sample]
+        if len(keep) == len(rows):
+            return logits
+        index = torch.tensor(keep, dtype=torch.long, device="cpu").to(logits.device)
+        return logits.index_select(0, index)
 
     def load(self, rows: Sequence[Row]) -> int:
         """Copy the step's rows (and padding rows) into the static buffers; returns the

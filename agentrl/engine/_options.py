@@ -86,8 +86,8 @@ class EngineOptions(pydantic.BaseModel):
     and longest context, each rounded up to a power of two) times both paths once with CUDA
     events and the bucket keeps the faster."""
     cuda_graph: bool = True
-    """On a CUDA device, replay decode-only steps (every row feeds one token and samples it, no
-    input-token logprobs) of up to ``cuda_graph_max_bs`` rows from CUDA graphs captured when the
+    """On a CUDA device, replay decode-only steps (every row feeds one token, no input-token
+    logprobs) of up to ``cuda_graph_max_bs`` rows from CUDA graphs captured when the
     engine starts, one per batch-size bucket (1, 2, 4, 8, then multiples of 8): one launch per
     step instead of hundreds. Those steps run the Triton decode kernel, so graphs are used only
     where it runs and ``decode_attention`` is not ``"sdpa"``; ignored on the CPU. Weight updates

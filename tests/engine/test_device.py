@@ -172,7 +172,8 @@ async def test_captured_decode_steps_match_plain_steps(
     """The workload with its decode steps replayed through ``DecodeGraphs`` (eagerly here: the
     same static buffers, buckets and padding rows a CUDA graph replays) gives the plain Triton
     steps' ids, finish reasons and reuse, logprobs within the two runs' bounds: steps of 1, 2
-    (two padding rows) and 4 rows replayed, before and after the weight update."""
+    (two padding rows) and 4 rows replayed, before and after the weight update, the session
+    turns' last tokens (KV written, no logits read) included."""
     plain = await run(tiny_dir, perturbed, decode_attention="triton")
     made: list[_graphs.DecodeGraphs] = []
 
@@ -180,10 +181,12 @@ async def test_captured_decode_steps_match_plain_steps(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.rows_seen: set[int] = set()
+            self.closing_rows = 0
             made.append(self)
 
         def run(self, rows: Any) -> torch.Tensor:
             self.rows_seen.add(len(rows))
+            self.closing_rows += sum(not r.sample for r in rows)
             return super().run(rows)
 
     monkeypatch.setattr(_embedded, "graph_replay", lambda options, device: "eager")
@@ -193,6 +196,7 @@ async def test_captured_decode_steps_match_plain_steps(
     replayed = await run(tiny_dir, perturbed, decode_attention="triton")
     (graphs,) = made
     assert graphs.sizes == [1, 4] and graphs.rows_seen >= {1, 2, 4}
+    assert graphs.closing_rows == 2  # each session turn's last token, fed without sampling
     bounds = workload_bounds(plain, reference_model, perturbed)
     assert_close_runs(replayed, plain, [2 * b for b in bounds])
 

@@ -80,7 +80,7 @@ def test_which_steps_replay(model: CausalLM) -> None:
     assert not graphs.accepts([])
     assert not graphs.accepts([decode] * 7)  # no bucket holds 7 rows
     assert not graphs.accepts([decode, Row(tokens, 0, 9, [3, 4, 5], True)])  # a prefill chunk
-    assert not graphs.accepts([decode, decode._replace(sample=False)])  # a closing turn's feed
+    assert graphs.accepts([decode, decode._replace(sample=False)])  # a closing turn's feed
     assert not graphs.accepts([decode._replace(extra=(3, 10))])  # input-token logits wanted
     assert not graphs.accepts([decode._replace(start=32)])  # past the captured table
 
@@ -139,6 +139,23 @@ def test_padding_rows_write_only_the_pad_block(model: CausalLM) -> None:
             changed = {int(s) for s in (~same).any(dim=(0, 2, 3)).nonzero()[:, 0]}
             assert changed == slots
     assert graphs.replays == 2
+
+
+@needs_kernel
+def test_rows_that_do_not_sample_return_no_logits(model: CausalLM) -> None:
+    """A finished session turn's last token only writes its KV: the step returns the other
+    rows' logits, in order, as the same step with every row sampling does for them."""
+    pool = make_pool(model)
+    gen = torch.Generator().manual_seed(8)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    rows = [Row(list(range(20, 31)), 10, 1, [2 * i, 2 * i + 1, 2 * i + 9], True) for i in range(3)]
+    graphs = DecodeGraphs(model, pool, max_batch_size=4, max_context=16, replay="eager")
+    every = graphs.run(rows).clone()
+    closing = graphs.run([rows[0], rows[1]._replace(sample=False), rows[2]])
+    assert closing.shape == (2, model.config.vocab_size)
+    assert torch.equal(closing, every[[0, 2]])
+    assert graphs.run([rows[1]._replace(sample=False)]).shape == (0, model.config.vocab_size)
 
 
 def test_weight_updates_keep_the_captured_tensors(tiny_dir: Path, model: CausalLM) -> None:
