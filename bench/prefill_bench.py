@@ -10,9 +10,16 @@ A step packs ``B`` fresh prompts (``--prompt`` tokens each, or lengths drawn uni
 each prompt's last token up to rounding: the bench prints the largest difference next to the
 ratios grouped / per-row.
 
+``--cached K``: each prompt's first ``K`` tokens are already in the KV pool (a chunk after a
+cached prefix, as a session's next turn or a chunked prompt's later chunk): only the rest is fed.
+``--causal``: instead, one prompt at a time alone in its group, attended as a *causal row* (no
+mask tensor: ``make_attention_batch(causal_rows=True)``) against the folded, masked call
+(``causal_rows=False``); ratios causal / masked.
+
 Usage::
 
     .venv/bin/python bench/prefill_bench.py --batches 8 32 128 [--model tiny-random]
+    .venv/bin/python bench/prefill_bench.py --causal --batches 1 --prompt 512 [--cached 480]
     python bench/prefill_bench.py --device cuda --dtype bfloat16 --model FOLDER:random \
         --batches 32 128 --prompt 64 --prompt-max 256
 """
@@ -48,11 +55,14 @@ def make_rows(batch: int, args: argparse.Namespace, vocab: int) -> list[Row]:
         blocks = list(range(next_block, next_block + -(-n // BLOCK)))
         next_block += len(blocks)
         ids = [rng.randrange(100, vocab) for _ in range(n)]
-        rows.append(Row(ids, 0, n, blocks, True))
+        cached = min(args.cached, n - 1)
+        rows.append(Row(ids, cached, n - cached, blocks, True))
     return rows
 
 
-def run_once(model: CausalLM, rows: list[Row], pad: float, repeats: int) -> dict[str, Any]:
+def run_once(
+    model: CausalLM, rows: list[Row], pad: float, repeats: int, causal: bool | None = None
+) -> dict[str, Any]:
     config, device = model.config, model.device
     pool = KVPool(
         num_layers=config.num_layers,
@@ -69,7 +79,7 @@ def run_once(model: CausalLM, rows: list[Row], pad: float, repeats: int) -> dict
         for i in range(repeats + 1):
             synchronize(device)
             start = time.perf_counter()
-            batch = build_forward_batch(rows, BLOCK, device, prefill_pad=pad)
+            batch = build_forward_batch(rows, BLOCK, device, prefill_pad=pad, causal_rows=causal)
             built = time.perf_counter()
             logits = model.forward(batch, pool)
             synchronize(device)
@@ -93,23 +103,36 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--prompt-max", type=int, default=0, help="lengths drawn up to this")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cached", type=int, default=0, help="tokens already in the KV pool")
+    parser.add_argument(
+        "--causal", action="store_true", help="compare causal rows with masked ones instead"
+    )
     args = parser.parse_args()
     model = model_from_args(args)
     lengths = f"{args.prompt}" + (f"..{args.prompt_max}" if args.prompt_max > args.prompt else "")
+    if args.cached:
+        lengths += f" ({args.cached} of them cached)"
     print(
         f"model {args.model} on {model.device} ({args.dtype}), prompts of {lengths} tokens, "
         f"one prefill step (median ms of {args.repeats}, best of {args.rounds} rounds)"
     )
+    configs: list[tuple[str, float, bool | None]] = [
+        ("per-row", 0.0, False),
+        ("grouped", PREFILL_PAD, False),
+    ]
+    if args.causal:  # every row alone: masked against causal
+        configs = [("masked", 0.0, False), ("causal", 0.0, True)]
     report: dict[str, Any] = {"args": vars(args), "rows": []}
     for batch in args.batches:
         rows = make_rows(batch, args, model.config.vocab_size)
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for name, pad in (("per-row", 0.0), ("grouped", PREFILL_PAD)):
-                result = run_once(model, rows, pad, args.repeats)
+            for name, pad, causal in configs:
+                result = run_once(model, rows, pad, args.repeats, causal)
                 if name not in best or result["forward"] < best[name]["forward"]:
                     best[name] = result
-        base, new = best["per-row"], best["grouped"]
+        (base_name, _, _), (new_name, _, _) = configs
+        base, new = best[base_name], best[new_name]
         delta = (base.pop("logits") - new.pop("logits")).abs().max().item()
         for name, row in best.items():
             print(
@@ -117,7 +140,8 @@ def main() -> None:
                 f"build {row['build']:8.2f}  forward {row['forward']:9.2f}"
             )
         print(
-            f"B={batch:4d} grouped / per-row: forward {new['forward'] / base['forward']:.3f}x, "
+            f"B={batch:4d} {new_name} / {base_name}: "
+            f"forward {new['forward'] / base['forward']:.3f}x, "
             f"build {new['build'] / base['build']:.3f}x; max |dlogit| {delta:.3g}"
         )
         report["rows"].append({"batch": batch, **best, "max_dlogit": delta})

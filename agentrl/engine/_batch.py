@@ -41,10 +41,11 @@ def build_forward_batch(
     device: torch.device | str | None = None,
     *,
     prefill_pad: float = PREFILL_PAD,
+    causal_rows: bool | None = None,
 ) -> ForwardBatch:
     """Rows with ``count == 1`` must come first (they form the batched decode part). The
-    batch's tensors are on ``device`` (default: torch's default device). ``prefill_pad``:
-    how prefill rows are grouped for attention (``make_attention_batch``)."""
+    batch's tensors are on ``device`` (default: torch's default device). ``prefill_pad``,
+    ``causal_rows``: how prefill rows attend (``make_attention_batch``)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -71,6 +72,7 @@ def build_forward_batch(
         block_size,
         device,
         prefill_pad=prefill_pad,
+        causal_rows=causal_rows,
     )
     # the four index vectors travel to the device in one copy
     packed = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.long, device=device)

@@ -115,6 +115,11 @@ PREFILL_PAD = 2.0
 this factor of what its rows need; rows that would pass it start another group."""
 
 
+CAUSAL_MIN_QUERIES = 128
+"""On the CPU, a prefill row alone in its group attends as a causal row (no mask tensor) when it
+is a fresh prompt or has at least this many queries; a shorter chunk after cached keys runs the
+folded, masked call. Measured with ``bench/prefill_bench.py --causal`` (docs/benchmarks.md)."""
+
 PREFILL_MASK_ELEMENTS = 1 << 24
 """Most elements one padded group's mask may have (rows x longest chunk x padded keys; the
 attention call repeats it per query head of a KV head): a step of thousands of tokens over long
@@ -236,11 +241,12 @@ def make_attention_batch(
     copied there once) and nothing is read back from it. ``prefill_pad``: see
     ``PREFILL_PAD`` (below 1: one SDPA call per prefill row).
 
-    ``causal_rows``: prefill rows alone in their group attend without a mask tensor (query
-    heads unfolded, K/V repeated per head, ``is_causal`` or SDPA's bottom-right causal bias),
-    so a long chunk costs no ``[q_len, seq_len]`` mask and runs flash / memory-efficient
-    attention on a GPU. Default: on CUDA devices; on the CPU the folded, masked call (K/V
-    never repeated) is the faster."""
+    ``causal_rows``: whether prefill rows alone in their group attend as causal rows, without a
+    mask tensor (query heads unfolded, K/V repeated per head, ``is_causal`` or SDPA's
+    bottom-right causal bias), so a long chunk costs no ``[q_len, seq_len]`` mask and runs
+    flash / memory-efficient attention. Default: every such row on a CUDA device; on the CPU
+    fresh prompts and chunks of at least ``CAUSAL_MIN_QUERIES`` queries (a short chunk after
+    many cached keys is faster folded and masked, K/V never repeated)."""
     num_decode = 0
     while num_decode < len(query_lens) and query_lens[num_decode] == 1:
         num_decode += 1
@@ -261,8 +267,7 @@ def make_attention_batch(
     groups = group_prefill_rows(
         query_lens[num_decode:], seq_lens[num_decode:], block_size, prefill_pad
     )
-    if causal_rows is None:
-        causal_rows = torch.device(device or torch.get_default_device()).type == "cuda"
+    on_cuda = torch.device(device or torch.get_default_device()).type == "cuda"
     prefill_groups = []
     for members in groups:
         members = [num_decode + r for r in members]
@@ -270,7 +275,10 @@ def make_attention_batch(
             (row,) = members
             q, n = query_lens[row], seq_lens[row]
             mask = None
-            if not causal_rows:
+            causal = causal_rows
+            if causal is None:
+                causal = on_cuda or q == n or q >= CAUSAL_MIN_QUERIES
+            if not causal:
                 # query i sits at position n - q + i and sees keys 0..n - q + i
                 keys = torch.arange(n, device=device)
                 queries = torch.arange(n - q, n, device=device)

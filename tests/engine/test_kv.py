@@ -10,6 +10,7 @@ from numerics import assert_within, attention_error_bound, sdpa_rounding
 
 from agentrl._errors import EngineError
 from agentrl.engine._kv import (
+    CAUSAL_MIN_QUERIES,
     PREFILL_MASK_ELEMENTS,
     PREFILL_PAD,
     KVPool,
@@ -107,6 +108,20 @@ def test_mixed_step_matches_dense_attention(seed: int, pad: float, causal: bool)
         want = dense_reference(q[start : start + q_len], k, v)
         bound = dense_bound(q[start : start + q_len], k, v)
         assert_within(got[start : start + q_len], want, bound, f"seed {seed}, row {b}")
+
+
+def test_which_lone_rows_are_causal_rows_on_the_cpu() -> None:
+    """Fresh prompts and chunks of at least ``CAUSAL_MIN_QUERIES`` queries attend without a
+    mask; a short chunk after cached keys keeps its mask (faster on the CPU)."""
+    rows = [(40, 40), (CAUSAL_MIN_QUERIES, 400), (CAUSAL_MIN_QUERIES - 1, 400), (8, 400)]
+    tables = [list(range(i * 100, i * 100 + -(-n // BLOCK))) for i, (_, n) in enumerate(rows)]
+    batch = make_attention_batch(
+        tables, [n for _, n in rows], [q for q, _ in rows], BLOCK, "cpu", prefill_pad=0.0
+    )
+    masks = {g.rows[0]: g.mask for g in batch.prefill_groups}
+    assert [masks[r] is None for r in range(len(rows))] == [True, True, False, False]
+    forced = make_attention_batch(tables[3:], [400], [8], BLOCK, "cpu", causal_rows=True)
+    assert forced.prefill_groups[0].mask is None
 
 
 def test_a_padded_group_stays_within_the_mask_cap() -> None:
