@@ -86,3 +86,13 @@ def build_forward_batch(
         attention=attention,
         logits_rows=logits_rows_t,
     )
+
+
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``: a view when the rows are consecutive (a decode step's are), so no
+    index tensor is copied to the device."""
+    if not rows:
+        return logits[:0]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))

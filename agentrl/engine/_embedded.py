@@ -207,11 +207,8 @@ class EmbeddedEngine:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-                graphs = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        self.cuda_graph_sizes = graphs.sizes if graphs is not None else []
-        """The batch sizes decode steps replay captured graphs for (empty: none)."""
         self._worker = Worker(
             model,
             tokenizer,
@@ -245,6 +242,12 @@ class EmbeddedEngine:
         except (OSError, ValueError, KeyError, torch.OutOfMemoryError) as exc:
             raise EngineError(f"cannot load a causal LM from {folder}: {exc}") from exc
         return cls(model, tokenizer, opts, model_path=str(folder))
+
+    @property
+    def cuda_graph_sizes(self) -> list[int]:
+        """The batch sizes decode steps replay captured graphs for (empty: none)."""
+        graphs = self._worker.graphs
+        return graphs.sizes if graphs is not None else []
 
     @property
     def device(self) -> torch.device:

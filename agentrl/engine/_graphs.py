@@ -46,7 +46,7 @@ import torch
 from agentrl._errors import EngineError
 from agentrl.kernels import triton_available
 
-from ._batch import Row
+from ._batch import Row, take_rows
 from ._kv import AttentionBatch, KVPool
 from ._model import CausalLM, ForwardBatch
 
@@ -96,7 +96,6 @@ class DecodeGraphs:
             )
         self.model = model
         self.pool = pool
-        self.replay_mode = replay
         self.sizes = capture_sizes(max_batch_size)
         block = pool.block_size
         self.max_blocks = -(-max_context // block)
@@ -199,11 +198,7 @@ class DecodeGraphs:
         size = self.load(rows)
         logits = self._runs[size]()[: len(rows)]
         self.replays += 1
-        keep = [i for i, r in enumerate(rows) if r.sample]
-        if len(keep) == len(rows):
-            return logits
-        index = torch.tensor(keep, dtype=torch.long, device="cpu").to(logits.device)
-        return logits.index_select(0, index)
+        return take_rows(logits, [i for i, r in enumerate(rows) if r.sample])
 
     def load(self, rows: Sequence[Row]) -> int:
         """Copy the step's rows (and padding rows) into the static buffers; returns the

@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from agentrl._errors import EngineError
 from agentrl._types import FinishReason, GenerateResult
 
+from ._batch import take_rows
 from ._decode import DecodeKernelChooser
 from ._graphs import DecodeGraphs
 from ._model import CausalLM
@@ -121,16 +122,6 @@ def _report_progress(requests: list[Request]) -> None:
             anyio.from_thread.run_sync(deliver, batch, token=token)
         except Exception:  # the loop is gone, or a callback failed: nobody to tell
             pass
-
-
-def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``: a view when the rows are consecutive (a decode step's are), so no
-    index tensor is copied to the device."""
-    if not rows:
-        return logits[:0]
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return logits[rows[0] : rows[0] + len(rows)]
-    return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
 
 class _Identity(dict[int, int]):
@@ -391,9 +382,9 @@ class Worker:
                 where[row] = len(wanted)
                 wanted.append(row)
         if greedy:
-            ids, logprobs = greedy_tokens(_take_rows(logits, greedy))
+            ids, logprobs = greedy_tokens(take_rows(logits, greedy))
             picks = dict(zip(greedy, zip(ids, logprobs, strict=True), strict=True))
-        return picks, _take_rows(logits, wanted).cpu(), where
+        return picks, take_rows(logits, wanted).cpu(), where
 
     def _accept(self, request: Request, logits: torch.Tensor | tuple[int, float]) -> bool:
         """Sample the next token of ``request`` from its logits row (CPU, ``[vocab]``), or take

@@ -14,7 +14,7 @@ import torch
 
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
-from agentrl.engine import EmbeddedEngine, _worker, open_embedded_engine
+from agentrl.engine import EmbeddedEngine, _batch, _worker, open_embedded_engine
 from agentrl.engine._sampling import greedy_tokens, sample_token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]
@@ -115,6 +115,6 @@ async def test_batched_greedy_non_finite_logits_fail_only_their_request(
 def test_take_rows_slices_consecutive_rows_and_gathers_others() -> None:
     logits = torch.arange(40.0).view(10, 4)
     for rows in ([], [3], [2, 3, 4], [1, 3, 2, 4], [5, 6, 7, 2], [0, 2]):
-        assert torch.equal(_worker._take_rows(logits, rows), logits[rows])
-    view = _worker._take_rows(logits, [2, 3, 4])
+        assert torch.equal(_batch.take_rows(logits, rows), logits[rows])
+    view = _batch.take_rows(logits, [2, 3, 4])
     assert view.data_ptr() == logits[2].data_ptr()  # a view, no index copy
