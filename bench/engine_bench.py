@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from agentrl._models import resolve_model  # noqa: E402
 from agentrl._types import GenerateResult, SamplingParams  # noqa: E402
-from agentrl.engine import EmbeddedEngine, EngineOptions  # noqa: E402
+from agentrl.engine import EmbeddedEngine, EngineOptions, EngineStatistics  # noqa: E402
 
 NO_REUSE = {"radix_cache": False}
 RADIX = {"radix_cache": True}
@@ -140,18 +140,21 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
                 lambda p=prompts: hf_generate(folder, args, p)
             )
             options = {**NO_REUSE, "max_batch_size": batch}
-            (ids, wall, cpu), stats = in_thread(
+            (ids, wall, cpu, split), stats = in_thread(
                 lambda p=prompts, o=options: with_engine(
                     folder, args, o, engine_run(p, args.new, args.device)
                 )
             )
             same = sum(a == b for a, b in zip(ids, base_ids, strict=True))
-            rows.append((base_wall, wall, base_cpu, cpu, same, stats.graph_steps))
+            rows.append((base_wall, wall, base_cpu, cpu, same, stats.graph_steps, split))
             print(
                 f"  B={batch} round {round_}: HF generate {total / base_wall:7.1f} tok/s | "
                 f"engine {total / wall:7.1f} tok/s | wall ratio {base_wall / wall:.2f}x | "
                 f"CPU-time ratio {base_cpu / cpu:.2f}x | ids equal {same}/{batch} | "
-                f"decode steps from CUDA graphs {stats.graph_steps}/{stats.decode_steps}",
+                f"decode steps from CUDA graphs {stats.graph_steps}/{stats.decode_steps} | "
+                f"{split['prefill_steps']} prefill steps {split['prefill_ms']:.1f} ms, "
+                f"{split['decode_steps']} decode steps {split['decode_ms']:.1f} ms, "
+                f"other {split['other_ms']:.1f} ms",
                 flush=True,
             )
         best_hf, best_engine = min(r[0] for r in rows), min(r[1] for r in rows)
@@ -163,6 +166,7 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
             "cpu_ratios": [r[2] / r[3] for r in rows],
             "ids_equal": f"{min(r[4] for r in rows)}/{batch}",
             "graph_steps": rows[-1][5],
+            "split": min(rows, key=lambda r: r[1])[6],  # of the fastest round
         }
         print(
             f"B={batch}, prompt {args.prompt}, {args.new} new: best HF {total / best_hf:.1f} "
@@ -210,12 +214,31 @@ def engine_run(prompts: list[list[int]], new: int, device: str = "cpu"):  # noqa
         else:
             await engine.generate(prompts[0][:8], SamplingParams(max_new_tokens=2))  # warm-up
         synchronize(device)
+        before = engine.statistics()
         wall, cpu = time.perf_counter(), time.process_time()
         results = await gather(engine, calls)
         synchronize(device)
-        return [r.token_ids for r in results], time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        split = step_split(before, engine.statistics(), wall)
+        return [r.token_ids for r in results], wall, cpu, split
 
     return run
+
+
+def step_split(before: EngineStatistics, after: EngineStatistics, wall: float) -> dict:
+    """Where a timed run's wall time went: prefill steps, decode-only steps, and the rest
+    (admission, handing results back, the event loop)."""
+    prefill = after.prefill_step_seconds - before.prefill_step_seconds
+    decode = after.decode_step_seconds - before.decode_step_seconds
+    steps = after.steps - before.steps
+    prefill_steps = after.prefill_steps - before.prefill_steps
+    return {
+        "prefill_ms": prefill * 1e3,
+        "prefill_steps": prefill_steps,
+        "decode_ms": decode * 1e3,
+        "decode_steps": steps - prefill_steps,
+        "other_ms": (wall - prefill - decode) * 1e3,
+    }
 
 
 # --- multi-turn and group workloads -------------------------------------------------------------
@@ -374,7 +397,7 @@ def page_size(folder: Path, args: argparse.Namespace, report: dict) -> None:
         for round_ in range(args.rounds):
             for page in (16, 1):
                 options = {**NO_REUSE, "max_batch_size": batch, "block_size": page}
-                (_, wall, _), _ = in_thread(
+                (_, wall, _, _), _ = in_thread(
                     lambda p=prompts, o=options: with_engine(
                         folder, args, o, engine_run(p, args.new, args.device)
                     )
@@ -387,7 +410,7 @@ def page_size(folder: Path, args: argparse.Namespace, report: dict) -> None:
     for round_ in range(args.rounds):
         for page in (16, 1):
             options = {**NO_REUSE, "max_batch_size": 1, "block_size": page}
-            (_, wall, _), _ = in_thread(
+            (_, wall, _, _), _ = in_thread(
                 lambda o=options: with_engine(
                     folder, args, o, engine_run(long_prompt, 1, args.device)
                 )

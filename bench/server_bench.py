@@ -64,6 +64,39 @@ def run_concurrent(url: str, prompts: list[list[int]], new: int) -> tuple[float,
         return time.perf_counter() - started, tokens
 
 
+STEP_METRICS = ("steps", "prefill_steps", "prefill_step_seconds", "decode_step_seconds")
+
+
+def step_metrics(url: str) -> dict[str, float] | None:
+    """``agentrl serve``'s step counters from ``/metrics`` (``agentrl:engine_*``); None where
+    the server exports none (real SGLang)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("{")
+        key = name.removeprefix("agentrl:engine_")
+        if key != name and key in STEP_METRICS:
+            found[key] = float(value.rpartition(" ")[2])
+    return found if len(found) == len(STEP_METRICS) else None
+
+
+def step_split(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """A timed round's wall time: prefill steps, decode-only steps, and the rest (HTTP,
+    tokenizing, admission, handing results back)."""
+    d = {k: after[k] - before[k] for k in STEP_METRICS}
+    return {
+        "prefill_ms": d["prefill_step_seconds"] * 1e3,
+        "prefill_steps": int(d["prefill_steps"]),
+        "decode_ms": d["decode_step_seconds"] * 1e3,
+        "decode_steps": int(d["steps"] - d["prefill_steps"]),
+        "other_ms": (wall - d["prefill_step_seconds"] - d["decode_step_seconds"]) * 1e3,
+    }
+
+
 def wait_ready(url: str, timeout: float) -> float:
     """Seconds until ``/health`` answers 200 (``TimeoutError`` after ``timeout``)."""
     started = time.perf_counter()
@@ -105,20 +138,29 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [rand_ids(rng, args.prompt) for _ in range(batch)]
         for mode in args.modes:
             runners[mode](args.url, prompts, args.new)  # warm-up on the real shapes
-            walls = []
+            walls, splits = [], []
             for _ in range(args.rounds):
+                before = step_metrics(args.url)
                 wall, tokens = runners[mode](args.url, prompts, args.new)
+                after = step_metrics(args.url)
                 if tokens != batch * args.new:
                     raise RuntimeError(
                         f"B={batch} {mode}: {tokens} tokens, want {batch * args.new}"
                     )
                 walls.append(wall)
-            best = min(walls)
-            report[f"{mode}_B{batch}"] = {
-                "tok_s": batch * args.new / best,
-                "walls": walls,
-            }
-            print(f"B={batch:4} {mode:10} {batch * args.new / best:9.1f} tok/s", flush=True)
+                splits.append(step_split(before, after, wall) if before and after else None)
+            best = min(range(len(walls)), key=walls.__getitem__)
+            row = {"tok_s": batch * args.new / walls[best], "walls": walls}
+            line = f"B={batch:4} {mode:10} {row['tok_s']:9.1f} tok/s"
+            if split := splits[best]:
+                row["split"] = split
+                line += (
+                    f" | {split['prefill_steps']} prefill steps {split['prefill_ms']:.1f} ms, "
+                    f"{split['decode_steps']} decode steps {split['decode_ms']:.1f} ms, "
+                    f"other {split['other_ms']:.1f} ms"
+                )
+            report[f"{mode}_B{batch}"] = row
+            print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

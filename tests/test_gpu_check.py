@@ -46,12 +46,21 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert all(r["dlp"] < 1e-3 for r in kernels)
     engine = sections["engine"]["results"]
     assert engine["throughput_B2"]["ids_equal"] == "2/2"  # fp32 on the CPU: HF's ids exactly
+    # 2 prompts, 8 new tokens each: one prefill step each or one for both (the second prompt
+    # may arrive after the first one's step began), then decode steps
+    split = engine["throughput_B2"]["split"]
+    assert split["prefill_steps"] in (1, 2) and split["decode_steps"] >= 7, split
+    assert min(split["prefill_ms"], split["decode_ms"], split["other_ms"]) >= 0, split
+    assert "B=2 wall split:" in sections["engine"]["detail"]
     (steps,) = engine["decode_steps"]  # the graphs' static forward, run eagerly on the CPU
     assert steps["batch"] == 3 and steps["graphs_same_ids"] is True
     train = sections["train"]["results"]
     assert set(train) == {"smollm2-135m", "qwen2.5-0.5b"}
     assert all(r["update_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in train.values())
     assert sections["serve"]["results"]["batch_B2"]["tok_s"] > 0
+    serve_split = sections["serve"]["results"]["batch_B2"]["split"]  # from agentrl's /metrics
+    assert serve_split["prefill_steps"] >= 1 and serve_split["decode_steps"] >= 1, serve_split
+    assert "batch_B2 wall split" in sections["serve"]["detail"]
     pytest_counts = sections["pytest"]["results"]
     assert pytest_counts["tests"] > 0 and pytest_counts["skipped"] == pytest_counts["tests"]
 

@@ -304,6 +304,10 @@ class EmbeddedEngine:
             ),
             radix=radix,
             graph_steps=self._worker.graphs.replays if self._worker.graphs is not None else 0,
+            steps=c.steps,
+            prefill_steps=c.prefill_steps,
+            prefill_step_seconds=c.prefill_step_seconds,
+            decode_step_seconds=c.decode_step_seconds,
         )
 
     def _check_open(self) -> None:

@@ -219,3 +219,13 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     radix: RadixStatistics | None = None
     graph_steps: int = 0
     """Decode steps replayed from a captured CUDA graph (``EngineOptions.cuda_graph``)."""
+    steps: int = 0
+    """Forward steps run: ``prefill_steps`` plus steps of decode rows only."""
+    prefill_steps: int = 0
+    """Steps with at least one prompt or chunk row (decode rows may ride along)."""
+    prefill_step_seconds: float = 0.0
+    """Wall time of ``prefill_steps``: forward, sampling and bookkeeping. Every step ends by
+    reading its picks back, so on a GPU this includes the device's time."""
+    decode_step_seconds: float = 0.0
+    """Wall time of the steps with decode rows only. Time a run spends outside both (waiting
+    for requests, HTTP, tokenizing, handing results back) is its wall time minus the two."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -91,6 +92,10 @@ class Counters:
     tokens_generated: int = 0
     decode_steps: int = 0
     decode_rows: int = 0
+    steps: int = 0
+    prefill_steps: int = 0
+    prefill_step_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
 
 
 def _notify(item: Command) -> None:
@@ -294,6 +299,20 @@ class Worker:
         self.scheduler.hold_new = False
 
     def _run(self, step: Step) -> None:
+        started = time.perf_counter()
+        try:
+            self._run_step(step)
+        finally:  # the step's picks were read back, so on a GPU this includes its device time
+            seconds = time.perf_counter() - started
+            c = self.counters
+            c.steps += 1
+            if all(count == 1 for _, count in step.rows):
+                c.decode_step_seconds += seconds
+            else:
+                c.prefill_steps += 1
+                c.prefill_step_seconds += seconds
+
+    def _run_step(self, step: Step) -> None:
         for request, _ in step.rows:
             if not request.started:
                 request.weight_version = self.weight_version

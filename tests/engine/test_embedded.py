@@ -313,3 +313,19 @@ async def test_aclose_aborts_pending_requests(tiny_dir: Path) -> None:
     with pytest.raises(EngineError, match="closed"):
         await engine.generate(PROMPT, SamplingParams())
     await engine.aclose()  # idempotent
+
+
+async def test_statistics_time_prefill_and_decode_steps_apart(tiny_dir: Path) -> None:
+    context = (PROMPT * 9)[:129]  # chunks of 48, 48, 33
+    async with open_embedded_engine(tiny_dir, max_step_tokens=48, num_threads=2) as engine:
+        before = engine.statistics()
+        started = anyio.current_time()
+        result = await engine.generate(context, SamplingParams(max_new_tokens=5, temperature=0))
+        wall = anyio.current_time() - started
+        after = engine.statistics()
+    assert len(result.token_ids) == 5
+    # three prefill steps (the last one samples the first token), then four decode-only steps
+    assert (after.prefill_steps - before.prefill_steps, after.steps - before.steps) == (3, 7)
+    prefill = after.prefill_step_seconds - before.prefill_step_seconds
+    decode = after.decode_step_seconds - before.decode_step_seconds
+    assert prefill > 0 and decode > 0 and prefill + decode <= wall
