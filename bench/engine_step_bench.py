@@ -30,11 +30,16 @@ its times mean nothing.
 ``plan`` includes packing the step's inputs: its ``ForwardBatch``, or for a replayed step the
 copies into the graphs' buffers.
 
+With ``--fused-ops`` the batched (and graphs) configurations run once more with the fused
+elementwise Triton kernels (``EngineOptions.fused_ops``: RMSNorm with its residual add, rotary
+embedding, SiLU·mul), as ``batched+fused`` (and ``graphs+fused``), each compared with its
+torch-ops twin; the other configurations run the torch operations.
+
 Usage::
 
     .venv/bin/python bench/engine_step_bench.py --batches 32 128 [--model tiny-random]
     python bench/engine_step_bench.py --device cuda --dtype bfloat16 --decode-attention auto \
-        --model FOLDER --batches 1 32 128 --cuda-graph   # FOLDER:random: random weights
+        --model FOLDER --batches 1 32 128 --cuda-graph --fused-ops   # FOLDER:random: random weights
 """
 
 from __future__ import annotations
@@ -90,9 +95,15 @@ def synchronize(device: torch.device) -> None:
 
 
 def run_once(
-    model: CausalLM, batch: int, args: argparse.Namespace, batched: bool, graphs: bool = False
+    model: CausalLM,
+    batch: int,
+    args: argparse.Namespace,
+    batched: bool,
+    graphs: bool = False,
+    fused: bool = False,
 ) -> dict:
     """Prefill ``batch`` requests, then time ``args.steps`` decode steps."""
+    model.fused_ops = fused  # before any capture: a graph replays the kernels it captured
     device = model.device
     config = model.config
     context = args.prompt + args.steps + 8
@@ -258,37 +269,44 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graph", action="store_true", help="also time decode steps replayed from CUDA graphs"
     )
+    parser.add_argument(
+        "--fused-ops", action="store_true", help="also time them with the fused Triton kernels"
+    )
     args = parser.parse_args()
     model = model_from_args(args)
-    if args.cuda_graph and not triton_available(model.device):
+    if (args.cuda_graph or args.fused_ops) and not triton_available(model.device):
         parser.error(
-            "--cuda-graph needs the Triton decode kernel: a CUDA device, or TRITON_INTERPRET=1 "
-            "on the CPU (the graphs' static forward then runs eagerly, to check the bench)"
+            "--cuda-graph and --fused-ops need Triton kernels: a CUDA device, or "
+            "TRITON_INTERPRET=1 on the CPU (which checks the bench; its times mean nothing)"
         )
     print(
         f"model {args.model} on {model.device} ({args.dtype}), prompt {args.prompt}, "
         f"{args.steps} decode steps timed (median ms per step), best of {args.rounds} rounds"
     )
-    configs = [("row-by-row", False, False), ("batched", True, False)]
+    configs = [("row-by-row", False, False, False), ("batched", True, False, False)]
     if args.cuda_graph:
-        configs.append(("graphs", True, True))
+        configs.append(("graphs", True, True, False))
+    if args.fused_ops:
+        configs += [(f"{name}+fused", True, graphs, True) for name, _, graphs, _ in configs[1:]]
     report: dict[str, Any] = {"args": vars(args), "rows": []}
     for batch in args.batches:
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for name, batched, graphs in configs:
-                result = run_once(model, batch, args, batched, graphs)
+            for name, batched, graphs, fused in configs:
+                result = run_once(model, batch, args, batched, graphs, fused)
                 if name not in best or result["step"] < best[name]["step"]:
                     best[name] = result
         outputs = {name: best[name].pop("outputs") for name in best}
         for name, row in best.items():
             cols = "  ".join(f"{k} {row[k]:7.2f}" for k in PHASES)
-            print(f"B={batch:4d} {name:11s} {cols}")
+            print(f"B={batch:4d} {name:13s} {cols}")
         # on the CPU row-by-row and batched run the same reductions (equal bit for bit); on a
         # GPU the batched logprobs come from the device's log_softmax, the row-by-row ones from
         # the CPU's; graphs run the Triton decode kernel on padded batches
         row: dict[str, Any] = {"batch": batch, **best}
-        for base, new in (("row-by-row", "batched"), ("batched", "graphs")):
+        pairs = [("row-by-row", "batched"), ("batched", "graphs")]
+        pairs += [(name, f"{name}+fused") for name in ("batched", "graphs")]
+        for base, new in pairs:
             if new not in best:
                 continue
             same, delta = compare_outputs(outputs[base], outputs[new])
@@ -299,7 +317,7 @@ def main() -> None:
                 f"python {b['python'] / a['python']:.3f}x; identical ids: {same}, "
                 f"max |dlogprob| {delta:.3g}"
             )
-            key = "" if new == "batched" else f"{new}_"
+            key = "" if new == "batched" else f"{new.replace('+', '_')}_"
             row[f"{key}same_ids"], row[f"{key}max_dlogprob"] = same, delta
         report["rows"].append(row)
     if args.json:

@@ -9,6 +9,8 @@ on purpose: transformers probes a top-level ``kernels`` package for one.
   ``agentrl.trainer.policy_loss``).
 - ``paged_decode_attention``: one decode step of attention over the embedded engine's paged KV
   cache, grouped-query heads in one program.
+- ``_fused_ops``: the embedded engine's per-layer elementwise work (RMSNorm with its residual
+  add, rotary embedding, SiLU·mul), one kernel each.
 """
 
 from . import reference as reference

@@ -54,6 +54,7 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert "B=2 wall split:" in sections["engine"]["detail"]
     (steps,) = engine["decode_steps"]  # the graphs' static forward, run eagerly on the CPU
     assert steps["batch"] == 3 and steps["graphs_same_ids"] is True
+    assert steps["graphs_fused_same_ids"] is True  # the fused kernels, in the interpreter
     train = sections["train"]["results"]
     assert set(train) == {"smollm2-135m", "qwen2.5-0.5b"}
     assert all(r["update_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in train.values())

@@ -71,6 +71,7 @@ from agentrl._errors import EngineError
 from agentrl._models import resolve_model
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.kernels import triton_available
+from agentrl.kernels._fused_ops import unsupported as fused_ops_unsupported
 
 from ._decode import DecodeKernelChooser, check_decode_attention
 from ._graphs import DecodeGraphs
@@ -98,6 +99,29 @@ def graph_replay(options: EngineOptions, device: torch.device) -> str | None:
     ``decode_attention`` is not ``"sdpa"``), else ``None`` (no graphs)."""
     usable = device.type == "cuda" and options.decode_attention != "sdpa"
     return "cuda" if options.cuda_graph and usable and triton_available(device) else None
+
+
+def use_fused_ops(mode: str, device: torch.device, config: ModelConfig | None = None) -> bool:
+    """Whether the model's forward runs the fused Triton elementwise kernels
+    (``EngineOptions.fused_ops``); ``EngineError`` where ``"triton"`` cannot run (on this
+    device, or for this model's shapes when ``config`` is given)."""
+    if mode == "torch":
+        return False
+    why = None
+    if config is not None:
+        heads = config.num_heads + config.num_kv_heads
+        why = fused_ops_unsupported(config.hidden_size, heads, config.head_dim)
+    if mode == "auto":
+        return device.type == "cuda" and triton_available(device) and why is None
+    if not triton_available(device):
+        raise EngineError(
+            f"fused_ops='triton' cannot run on {device}: it needs triton installed and a CUDA "
+            "device, or TRITON_INTERPRET=1 (Triton's CPU interpreter, for tests); use 'auto' "
+            "or 'torch'"
+        )
+    if why is not None:
+        raise EngineError(f"fused_ops='triton' cannot run this model: {why}; use 'auto' or 'torch'")
+    return True
 
 
 class EmbeddedEngine:
@@ -129,6 +153,7 @@ class EmbeddedEngine:
             )
         # before any thread starts: an unusable decode kernel fails here, not mid-request
         decode = DecodeKernelChooser(opts.decode_attention, device, model.dtype)
+        model.fused_ops = use_fused_ops(opts.fused_ops, device, model.config)
         self.options = opts
         self.model_path = model_path
         config = model.config
@@ -236,6 +261,7 @@ class EmbeddedEngine:
         # refuse an unusable device or decode kernel before loading the weights
         device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
         check_decode_attention(opts.decode_attention, device, dtype)
+        use_fused_ops(opts.fused_ops, device)
         try:
             model = CausalLM.from_folder(folder, dtype, device)
             tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from agentrl._errors import EngineError
+from agentrl.kernels import _fused_ops as fused
 
 from ._decode import DecodeKernelChooser
 from ._kv import AttentionBatch, KVPool, paged_attention
@@ -197,6 +198,9 @@ class CausalLM:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.fused_ops = False
+        """Run RMSNorm (with its residual add), rotary embedding and SiLU·mul as the fused
+        Triton kernels of ``agentrl.kernels`` (``EngineOptions.fused_ops``; the engine sets it)."""
         self.layers: list[_Layer] = []
         self.load_state_dict(state)
         inv_freq, scale = rope_frequencies(config)
@@ -345,34 +349,81 @@ class CausalLM:
         for ``batch.logits_rows`` (on the model's device; ``batch`` and ``kv`` must be there
         too). ``decode`` picks the decode rows' attention kernel: a chooser, a kernel name
         (``"sdpa"`` or ``"triton"``) or ``None`` (SDPA)."""
+        if self.fused_ops:
+            return self._forward_fused(batch, kv, decode)
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         tokens = batch.input_ids.shape[0]
         x = self.embed.index_select(0, batch.input_ids)  # [T, hidden]
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
-        scale = 1.0 / math.sqrt(dim)
         split = [(heads + kv_heads) * dim, kv_heads * dim]
-        attn = batch.attention
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qk, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
             # q and k rotate together: one set of elementwise kernels per layer, not two
             qk = _rotate(qk.view(tokens, heads + kv_heads, dim), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            kv.write(index, batch.slots, k, v.view(tokens, kv_heads, dim))
-            k_cache, v_cache = kv.layer(index)
-            if decode is None or isinstance(decode, str):
-                kernel = decode or "sdpa"
-            else:
-                kernel = decode.choose(q, k_cache, v_cache, attn, scale)
-            o = paged_attention(q, k_cache, v_cache, attn, scale, decode_kernel=kernel)  # [T, H, D]
-            x = x + _project(o.reshape(tokens, heads * dim), layer.o, layer.o_bias)
+            o = self._attend(index, qk, v, batch, kv, decode)
+            x = x + _project(o, layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)
             gate, up = _project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = x + _project(F.silu(gate) * up, layer.down, layer.down_bias)
         x = self._rms_norm(x.index_select(0, batch.logits_rows), self.norm)
         return torch.matmul(x, self.lm_head).float()
+
+    def _forward_fused(
+        self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | str | None
+    ) -> torch.Tensor:
+        """``forward`` with the fused kernels: each residual add rides in the next RMSNorm's
+        kernel, rotary embedding looks up its cos/sin rows itself, SiLU·mul is one kernel."""
+        c = self.config
+        heads, kv_heads, dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        tokens = batch.input_ids.shape[0]
+        split = [(heads + kv_heads) * dim, kv_heads * dim]
+        x = self.embed.index_select(0, batch.input_ids)  # [T, hidden]
+        layers = self.layers
+        _, h = fused.rms_norm(x, layers[0].input_norm, eps) if layers else (None, x)
+        for index, layer in enumerate(layers):
+            qk, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
+            qk = fused.rotary(
+                qk.view(tokens, heads + kv_heads, dim), batch.positions, self.cos, self.sin
+            )
+            o = self._attend(index, qk, v, batch, kv, decode)
+            x, h = fused.rms_norm(x, layer.post_norm, eps, _project(o, layer.o, layer.o_bias))
+            act = fused.silu_mul(_project(h, layer.gate_up, layer.gate_up_bias))
+            down = _project(act, layer.down, layer.down_bias)
+            if index + 1 < len(layers):
+                x, h = fused.rms_norm(x, layers[index + 1].input_norm, eps, down)
+            else:
+                x = x + down
+        _, x = fused.rms_norm(x.index_select(0, batch.logits_rows), self.norm, eps)
+        return torch.matmul(x, self.lm_head).float()
+
+    def _attend(
+        self,
+        index: int,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVPool,
+        decode: DecodeKernelChooser | str | None,
+    ) -> torch.Tensor:
+        """Layer ``index``'s attention: write the step's rotated K and V into ``kv``, attend
+        the rotated queries (``qk [T, heads + kv_heads, D]``, queries first); ``[T, H * D]``."""
+        c = self.config
+        heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
+        tokens = qk.shape[0]
+        q, k = qk[:, :heads], qk[:, heads:]
+        kv.write(index, batch.slots, k, v.view(tokens, kv_heads, dim))
+        k_cache, v_cache = kv.layer(index)
+        scale = 1.0 / math.sqrt(dim)
+        attn = batch.attention
+        if decode is None or isinstance(decode, str):
+            kernel = decode or "sdpa"
+        else:
+            kernel = decode.choose(q, k_cache, v_cache, attn, scale)
+        o = paged_attention(q, k_cache, v_cache, attn, scale, decode_kernel=kernel)  # [T, H, D]
+        return o.reshape(tokens, heads * dim)
 
 
 def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -85,6 +85,13 @@ class EngineOptions(pydantic.BaseModel):
     ``"auto"``: SDPA on CPU; on a CUDA device, the first step of each shape bucket (decode rows
     and longest context, each rounded up to a power of two) times both paths once with CUDA
     events and the bucket keeps the faster."""
+    fused_ops: Literal["auto", "triton", "torch"] = "auto"
+    """What runs each layer's elementwise work: RMSNorm (with the residual add before it),
+    rotary embedding and ``silu(gate) * up``. ``"triton"``: one Triton kernel each
+    (``agentrl.kernels``), computing in fp32 and rounding once; needs a CUDA device, or Triton's
+    CPU interpreter (``TRITON_INTERPRET=1``, tests only), else the engine refuses to start.
+    ``"torch"``: torch operations in the model's dtype, several kernels each. ``"auto"``:
+    Triton on a CUDA device where Triton is installed, torch elsewhere."""
     cuda_graph: bool = True
     """On a CUDA device, replay decode-only steps (every row feeds one token, no input-token
     logprobs) of up to ``cuda_graph_max_bs`` rows from CUDA graphs captured when the

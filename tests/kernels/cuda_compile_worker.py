@@ -31,6 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from agentrl.kernels import _fused_ops_triton as fo  # noqa: E402
 from agentrl.kernels import _logprob_triton as lp  # noqa: E402
 from agentrl.kernels import _paged_attention_triton as pa  # noqa: E402
 from agentrl.kernels import _policy_loss_triton as pl  # noqa: E402
@@ -103,6 +104,26 @@ def variants():
             yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, options
 
 
+def fused_op_variants():
+    """The engine's fused elementwise kernels at the shapes of SmolLM2-135M (hidden 576, 9 + 3
+    heads of 64, intermediate 1536) and Qwen2.5-0.5B (896, 14 + 2 heads of 64, 4864)."""
+    options = {"num_warps": 4, **fo.COMPILE_OPTIONS}
+    for dtype in ("bf16", "fp32"):
+        for hidden in (576, 896):
+            for has_delta in (True, False):
+                ptrs = {k: dtype for k in ("X", "DELTA", "WEIGHT", "OUT_SUM", "OUT")}
+                const = {"HAS_DELTA": has_delta, "BLOCK": 1024}
+                label = f"rms_norm {dtype} hidden={hidden} delta={has_delta}"
+                yield label, fo._rms_norm_kernel, ptrs, {"eps"}, const, options
+        for heads in (12, 16):
+            ptrs = {"X": dtype, "POSITIONS": "i64", "COS": dtype, "SIN": dtype, "OUT": dtype}
+            const = {"HALF": 32, "BLOCK_HEADS": 16, "BLOCK_HALF": 32}
+            yield f"rotary {dtype} heads={heads}", fo._rotary_kernel, ptrs, set(), const, options
+        ptrs = {"GATE_UP": dtype, "OUT": dtype}
+        const = {"BLOCK": fo.SILU_BLOCK}
+        yield f"silu_mul {dtype}", fo._silu_mul_kernel, ptrs, set(), const, options
+
+
 def ptxas_report(ptx: str, arch: int) -> str:
     """``registers=N spill=B`` from ``ptxas -v`` (Triton's bundled ptxas that accepts its PTX)."""
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -129,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     count = 0
-    for label, fn, ptrs, floats, const, options in variants():
+    for label, fn, ptrs, floats, const, options in [*variants(), *fused_op_variants()]:
         start = time.perf_counter()
         src = ASTSource(fn=fn, signature=signature(fn, ptrs, floats, const), constexprs=const)
         try:
