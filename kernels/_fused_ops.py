@@ -19,7 +19,7 @@ import torch
 
 from ._triton import require_triton
 
-__all__ = ["rms_norm", "rotary", "silu_mul", "unsupported"]
+__all__ = ["probe", "rms_norm", "rotary", "silu_mul", "unsupported"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW = 65536
@@ -61,9 +61,10 @@ def rms_norm(
     hidden = x.shape[1]
     if not 0 < hidden <= MAX_ROW:
         raise ValueError(f"rms_norm: hidden size must be in 1..{MAX_ROW}, got {hidden}")
-    if weight.shape != (hidden,) or weight.device != x.device:
+    if weight.shape != (hidden,) or weight.device != x.device or weight.stride(0) != 1:
         raise ValueError(
-            f"weight must be [{hidden}] on {x.device}, got {tuple(weight.shape)} on {weight.device}"
+            f"weight must be a contiguous [{hidden}] on {x.device}, got {tuple(weight.shape)} "
+            f"on {weight.device}"
         )
     if delta is not None:
         _check_rows("delta", delta, 2)
@@ -79,7 +80,8 @@ def rotary(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """``x [tokens, heads, head_dim]`` rotated by ``cos``/``sin`` rows (``[max_position,
-    head_dim]``, contiguous) at ``positions [tokens]`` (int); a new contiguous tensor."""
+    head_dim]``, contiguous) at ``positions [tokens]`` (int, each below ``max_position``: not
+    checked, that would read the device back); a new contiguous tensor."""
     require_triton(x.device, "rotary")
     _check_rows("x", x, 3)
     tokens, heads, dim = x.shape
@@ -90,6 +92,8 @@ def rotary(
             f"positions must be int32/int64 [{tokens}], got {positions.dtype} "
             f"{tuple(positions.shape)}"
         )
+    if tokens and positions.stride(0) != 1:
+        raise ValueError("positions must be contiguous")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dim() != 2 or table.shape[1] != dim or not table.is_contiguous():
             raise ValueError(f"{name} must be contiguous [max_position, {dim}]")
@@ -103,3 +107,41 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up's width must be even, got {gate_up.shape[1]}")
     return _load().silu_mul(gate_up)
+
+
+def probe(device: torch.device, dtype: torch.dtype) -> None:
+    """Launch each kernel once on small inputs of ``dtype`` on ``device`` and compare with torch
+    in fp32 (a few of the dtype's ulps): ``RuntimeError`` naming what failed, so an engine can
+    find out at start that the kernels do not build or run here."""
+    gen = torch.Generator().manual_seed(0)
+    x, delta = (torch.randn(3, 40, generator=gen).to(dtype).to(device) for _ in range(2))
+    weight = torch.ones(40, dtype=dtype, device=device)
+    qk = torch.randn(3, 2, 8, generator=gen).to(dtype).to(device)
+    table = torch.randn(5, 8, generator=gen).to(dtype).to(device)
+    positions = torch.tensor([0, 4, 2], device=device)
+    try:
+        total, normed = rms_norm(x, weight, 1e-6, delta)
+        rotated = rotary(qk, positions, table, table)
+        activated = silu_mul(x)
+    except Exception as exc:
+        raise RuntimeError(f"the fused kernels do not run on {device} in {dtype}: {exc!r}") from exc
+    s = x.float() + delta.float()
+    c = table.float()[positions.long()][:, None]
+    q = qk.float()
+    half = torch.cat([-q[..., 4:], q[..., :4]], dim=-1)
+    gate, up = x.float()[:, :20], x.float()[:, 20:]
+    checks = {
+        "rms_norm": (normed, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)),
+        "rms_norm's sum": (total, s),
+        "rotary": (rotated, q * c + half * c),
+        "silu_mul": (activated, torch.nn.functional.silu(gate) * up),
+    }
+    tolerance = 8 * torch.finfo(dtype).eps
+    for name, (got, want) in checks.items():
+        error = (got.float() - want).abs().max().item()
+        scale = max(want.abs().max().item(), 1.0)
+        if not error <= tolerance * scale:  # NaN fails too
+            raise RuntimeError(
+                f"the fused kernels are wrong on {device} in {dtype}: {name} is {error:.3g} "
+                f"off torch's fp32 result"
+            )

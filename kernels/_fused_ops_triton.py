@@ -39,7 +39,7 @@ def _rms_norm_kernel(
         s = (x + delta.to(tl.float32)).to(OUT_SUM.dtype.element_ty)
         tl.store(OUT_SUM + row * stride_sum + cols, s, mask=mask)
         x = s.to(tl.float32)
-    mean_square = tl.sum(x * x, axis=0) / n_cols
+    mean_square = tl.div_rn(tl.sum(x * x, axis=0), n_cols * 1.0)
     inv = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))  # correctly rounded, not approximate
     weight = tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_out + cols, (x * inv * weight).to(OUT.dtype.element_ty), mask=mask)
@@ -101,6 +101,11 @@ def _silu_mul_kernel(
     up = tl.load(GATE_UP + row * stride_in + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
     tl.store(OUT + row * stride_out + cols, (silu * up).to(OUT.dtype.element_ty), mask=mask)
+
+
+def warps(block: int) -> int:
+    """``num_warps`` for a program of ``block`` elements (what the launchers below use)."""
+    return _warps(block)
 
 
 def _warps(block: int) -> int:

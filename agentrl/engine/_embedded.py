@@ -71,6 +71,7 @@ from agentrl._errors import EngineError
 from agentrl._models import resolve_model
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.kernels import triton_available
+from agentrl.kernels._fused_ops import probe as fused_ops_probe
 from agentrl.kernels._fused_ops import unsupported as fused_ops_unsupported
 
 from ._decode import DecodeKernelChooser, check_decode_attention
@@ -101,14 +102,21 @@ def graph_replay(options: EngineOptions, device: torch.device) -> str | None:
     return "cuda" if options.cuda_graph and usable and triton_available(device) else None
 
 
-def use_fused_ops(mode: str, device: torch.device, config: ModelConfig | None = None) -> bool:
+def use_fused_ops(
+    mode: str,
+    device: torch.device,
+    config: ModelConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> bool:
     """Whether the model's forward runs the fused Triton elementwise kernels
     (``EngineOptions.fused_ops``); ``EngineError`` where ``"triton"`` cannot run (on this
-    device, or for this model's shapes when ``config`` is given)."""
+    device, in this dtype, or for this model's shapes when ``config`` is given)."""
     if mode == "torch":
         return False
     why = None
-    if config is not None:
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        why = f"the kernels take float32, float16 and bfloat16, not {dtype}"
+    elif config is not None:
         heads = config.num_heads + config.num_kv_heads
         why = fused_ops_unsupported(config.hidden_size, heads, config.head_dim)
     if mode == "auto":
@@ -153,7 +161,19 @@ class EmbeddedEngine:
             )
         # before any thread starts: an unusable decode kernel fails here, not mid-request
         decode = DecodeKernelChooser(opts.decode_attention, device, model.dtype)
-        model.fused_ops = use_fused_ops(opts.fused_ops, device, model.config)
+        model.fused_ops = use_fused_ops(opts.fused_ops, device, model.config, model.dtype)
+        if model.fused_ops and device.type == "cuda":  # they build and run here, or not at all
+            try:
+                fused_ops_probe(device, model.dtype)
+            except RuntimeError as exc:
+                if opts.fused_ops == "triton":
+                    raise EngineError(f"fused_ops='triton': {exc}") from exc
+                warnings.warn(
+                    f"{exc}; running torch's elementwise operations instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                model.fused_ops = False
         self.options = opts
         self.model_path = model_path
         config = model.config
@@ -261,7 +281,7 @@ class EmbeddedEngine:
         # refuse an unusable device or decode kernel before loading the weights
         device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
         check_decode_attention(opts.decode_attention, device, dtype)
-        use_fused_ops(opts.fused_ops, device)
+        use_fused_ops(opts.fused_ops, device, dtype=dtype)
         try:
             model = CausalLM.from_folder(folder, dtype, device)
             tokenizer = AutoTokenizer.from_pretrained(folder)

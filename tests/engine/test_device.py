@@ -231,8 +231,8 @@ def test_fused_ops_triton_without_gpu_or_interpreter_is_refused(
 def test_fused_ops_for_shapes_the_kernels_do_not_take(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A model too wide for one program per row: "auto" keeps torch's operations, "triton"
-    is refused with the reason."""
+    """A model too wide for one program per row, or in a dtype the kernels do not take:
+    "auto" keeps torch's operations, "triton" is refused with the reason."""
     config = ModelConfig.from_folder(tiny_dir)
     assert _embedded.use_fused_ops("auto", torch.device("cpu"), config) is False  # CPU: torch
     cuda = torch.device("cuda")
@@ -242,6 +242,9 @@ def test_fused_ops_for_shapes_the_kernels_do_not_take(
     assert _embedded.use_fused_ops("auto", cuda, wide) is False
     with pytest.raises(EngineError, match="cannot run this model: hidden size 131072"):
         _embedded.use_fused_ops("triton", cuda, wide)
+    assert _embedded.use_fused_ops("auto", cuda, config, torch.float64) is False
+    with pytest.raises(EngineError, match="take float32, float16 and bfloat16, not torch.float64"):
+        _embedded.use_fused_ops("triton", cuda, config, torch.float64)
 
 
 @pytest.mark.anyio
@@ -446,6 +449,20 @@ async def test_cuda_graphs_equal_uncaptured_steps(
         got = await workload(engine, perturbed)
         assert engine.statistics().graph_steps > 0
     assert_close_runs(got, plain, [2 * b for b in bounds])
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_cuda_fused_ops_match_torch_ops(
+    tiny_dir: Path, perturbed: dict, reference_model: PreTrainedModel
+) -> None:
+    """On the GPU (graphs on) the fused elementwise kernels give the torch operations' results
+    within the two runs' bounds."""
+    options = {"device": "cuda", "decode_attention": "triton"}
+    plain = await run(tiny_dir, perturbed, fused_ops="torch", **options)
+    bounds = workload_bounds(plain, reference_model, perturbed, **CUDA_FP32)
+    fused = await run(tiny_dir, perturbed, fused_ops="triton", **options)
+    assert_close_runs(fused, plain, [2 * b for b in bounds])
 
 
 @pytest.mark.gpu

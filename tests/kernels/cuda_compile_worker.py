@@ -105,23 +105,28 @@ def variants():
 
 
 def fused_op_variants():
-    """The engine's fused elementwise kernels at the shapes of SmolLM2-135M (hidden 576, 9 + 3
-    heads of 64, intermediate 1536) and Qwen2.5-0.5B (896, 14 + 2 heads of 64, 4864)."""
-    options = {"num_warps": 4, **fo.COMPILE_OPTIONS}
+    """The engine's fused elementwise kernels with the blocks and warps their launchers pick:
+    rows of 64-256 (1 warp), 576-1024 (SmolLM2-135M, Qwen2.5-0.5B: 4) and 8192 (8) elements;
+    rotary over 16 heads of 64 (512 elements) and 128 of 128 (8192)."""
     for dtype in ("bf16", "fp32"):
-        for hidden in (576, 896):
+        for block in (256, 1024, 8192):
+            options = {"num_warps": fo.warps(block), **fo.COMPILE_OPTIONS}
             for has_delta in (True, False):
                 ptrs = {k: dtype for k in ("X", "DELTA", "WEIGHT", "OUT_SUM", "OUT")}
-                const = {"HAS_DELTA": has_delta, "BLOCK": 1024}
-                label = f"rms_norm {dtype} hidden={hidden} delta={has_delta}"
+                const = {"HAS_DELTA": has_delta, "BLOCK": block}
+                label = f"rms_norm {dtype} block={block} delta={has_delta}"
                 yield label, fo._rms_norm_kernel, ptrs, {"eps"}, const, options
-        for heads in (12, 16):
+        for heads, half in ((16, 32), (128, 64)):
+            options = {"num_warps": fo.warps(heads * half), **fo.COMPILE_OPTIONS}
             ptrs = {"X": dtype, "POSITIONS": "i64", "COS": dtype, "SIN": dtype, "OUT": dtype}
-            const = {"HALF": 32, "BLOCK_HEADS": 16, "BLOCK_HALF": 32}
-            yield f"rotary {dtype} heads={heads}", fo._rotary_kernel, ptrs, set(), const, options
-        ptrs = {"GATE_UP": dtype, "OUT": dtype}
-        const = {"BLOCK": fo.SILU_BLOCK}
-        yield f"silu_mul {dtype}", fo._silu_mul_kernel, ptrs, set(), const, options
+            const = {"HALF": half, "BLOCK_HEADS": heads, "BLOCK_HALF": half}
+            label = f"rotary {dtype} heads<={heads} half={half}"
+            yield label, fo._rotary_kernel, ptrs, set(), const, options
+        for block in (256, fo.SILU_BLOCK):
+            options = {"num_warps": fo.warps(block), **fo.COMPILE_OPTIONS}
+            ptrs = {"GATE_UP": dtype, "OUT": dtype}
+            label = f"silu_mul {dtype} block={block}"
+            yield label, fo._silu_mul_kernel, ptrs, set(), {"BLOCK": block}, options
 
 
 def ptxas_report(ptx: str, arch: int) -> str:
