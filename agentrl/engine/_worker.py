@@ -4,7 +4,9 @@ Loop: take new commands (requests, weight updates, session closes); drop cancell
 unpin sessions past their TTL; handle a pending weight update (see ``EmbeddedEngine`` for the
 ``in_flight`` rule); let the scheduler plan a step (``_scheduler``), run the model on it, sample
 for the rows that completed their context, finish requests that stopped; hand results back to
-their event loops.
+their event loops. Handing back never waits for a loop: each step posts its progress
+(``on_tokens``) and finished items to a per-loop mailbox, and one callback scheduled in that loop
+delivers whatever is there when it runs.
 
 Devices: the model and the KV pool may live on a CUDA device (``EngineOptions.device``). The
 thread makes that device current (Triton launches and CUDA events use the current device). Each
@@ -24,7 +26,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -98,35 +102,70 @@ class Counters:
     decode_step_seconds: float = 0.0
 
 
-def _notify(item: Command) -> None:
-    """Wake the awaiting task (blocks briefly until its event loop runs ``event.set``)."""
-    if item.aborted or item.done is None or item.token is None:
-        return  # the awaiting task is gone; its loop may be gone too
-    try:
-        anyio.from_thread.run_sync(item.done.set, token=item.token)
-    except Exception:  # RunFinishedError and friends: nobody is waiting any more
-        pass
+def _call_soon(token: EventLoopToken, fn: Callable[[], None]) -> None:
+    """Schedule ``fn`` in the event loop of ``token`` without waiting for it to run (asyncio's
+    ``call_soon_threadsafe``, trio's ``run_sync_soon``); raises if that loop is gone."""
+    native: Any = token.native_token
+    if hasattr(native, "call_soon_threadsafe"):
+        native.call_soon_threadsafe(fn)
+    elif hasattr(native, "run_sync_soon"):
+        native.run_sync_soon(fn)
+    else:  # another backend: its blocking hop
+        anyio.from_thread.run_sync(fn, token=token)
 
 
-def _report_progress(requests: list[Request]) -> None:
-    """Call each request's ``on_tokens`` in its event loop: one blocking hop per loop."""
-    by_loop: dict[EventLoopToken, list[tuple[Request, list[int], list[float]]]] = {}
-    for request in requests:
-        if request.aborted or request.token is None:
-            continue
-        snapshot = (request, request.output_ids, list(request.output_logprobs))
-        by_loop.setdefault(request.token, []).append(snapshot)
+class _Mailbox:
+    """What the worker hands one event loop: each request's latest progress (``on_tokens``)
+    and the finished items whose awaiting tasks to wake. The worker posts and goes on; one
+    callback at a time is scheduled in the loop, and it takes everything posted until it runs
+    (progress first, then the wake-ups), so a busy loop costs the worker nothing and gets
+    fewer, larger updates."""
 
-    def deliver(batch: list[tuple[Request, list[int], list[float]]]) -> None:
-        for request, ids, logprobs in batch:
-            if request.on_tokens is not None and not request.aborted:
-                request.on_tokens(ids, logprobs)
+    def __init__(self, token: EventLoopToken) -> None:
+        self.token = token
+        self._lock = threading.Lock()
+        self._progress: dict[int, tuple[Request, list[int], list[float]]] = {}
+        self._done: list[Command] = []
+        self._scheduled = False
 
-    for token, batch in by_loop.items():
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._scheduled
+
+    def post(
+        self, progress: list[tuple[Request, list[int], list[float]]], done: list[Command]
+    ) -> None:
+        with self._lock:
+            for snapshot in progress:
+                self._progress[id(snapshot[0])] = snapshot
+            self._done.extend(done)
+            if self._scheduled:
+                return
+            self._scheduled = True
         try:
-            anyio.from_thread.run_sync(deliver, batch, token=token)
-        except Exception:  # the loop is gone, or a callback failed: nobody to tell
-            pass
+            _call_soon(self.token, self._deliver)
+        except Exception:  # the loop is gone (RunFinishedError, a closed loop): nobody waits
+            with self._lock:
+                self._progress, self._done, self._scheduled = {}, [], False
+
+    def _deliver(self) -> None:  # in the event loop
+        with self._lock:
+            progress, done = list(self._progress.values()), self._done
+            self._progress, self._done, self._scheduled = {}, [], False
+        for request, ids, logprobs in progress:
+            if request.on_tokens is not None and not request.aborted:
+                try:
+                    request.on_tokens(ids, logprobs)
+                except Exception:  # a callback's own failure must not keep others waiting
+                    pass
+        for item in done:
+            if not item.aborted and item.done is not None:
+                item.done.set()
+
+
+MAILBOXES_KEPT = 16
+"""Idle mailboxes of event loops past this many are dropped (tests start a loop per test)."""
 
 
 class _Identity(dict[int, int]):
@@ -172,6 +211,7 @@ class Worker:
         """Finished items, notified once the bookkeeping is consistent again."""
         self._progressed: list[Request] = []
         """Unfinished requests with an ``on_tokens`` callback that sampled a token this step."""
+        self._mailboxes: dict[EventLoopToken, _Mailbox] = {}
         self.thread = threading.Thread(
             target=self._main, name="agentrl-embedded-engine", daemon=True
         )
@@ -261,11 +301,26 @@ class Worker:
         return True
 
     def _flush(self) -> None:
+        """Post this step's progress and finished items to their event loops (no waiting)."""
         progressed, self._progressed = self._progressed, []
-        _report_progress([r for r in progressed if r.result is None and r.error is None])
         outbox, self._outbox = self._outbox, []
+        progress: dict[EventLoopToken, list[tuple[Request, list[int], list[float]]]] = {}
+        done: dict[EventLoopToken, list[Command]] = {}
+        for request in progressed:
+            if request.result is None and request.error is None and request.token is not None:
+                if not request.aborted:  # snapshots: this thread goes on appending
+                    snapshot = (request, request.output_ids, list(request.output_logprobs))
+                    progress.setdefault(request.token, []).append(snapshot)
         for item in outbox:
-            _notify(item)
+            if item.token is not None and item.done is not None and not item.aborted:
+                done.setdefault(item.token, []).append(item)
+        for token in progress.keys() | done.keys():
+            mailbox = self._mailboxes.get(token)
+            if mailbox is None:
+                if len(self._mailboxes) >= MAILBOXES_KEPT:
+                    self._mailboxes = {t: m for t, m in self._mailboxes.items() if not m.idle}
+                mailbox = self._mailboxes[token] = _Mailbox(token)
+            mailbox.post(progress.get(token, []), done.get(token, []))
 
     def _has_work(self) -> bool:
         s = self.scheduler

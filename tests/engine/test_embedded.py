@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -329,3 +330,29 @@ async def test_statistics_time_prefill_and_decode_steps_apart(tiny_dir: Path) ->
     prefill = after.prefill_step_seconds - before.prefill_step_seconds
     decode = after.decode_step_seconds - before.decode_step_seconds
     assert prefill > 0 and decode > 0 and prefill + decode <= wall
+
+
+async def test_a_busy_event_loop_does_not_hold_up_the_worker(engine: EmbeddedEngine) -> None:
+    """The worker posts each step's progress (``on_tokens``) and results to the caller's event
+    loop and goes on: while that loop is blocked it keeps generating, and when the loop runs
+    again it gets the latest progress in one call rather than one call per token."""
+    calls: list[list[int]] = []
+    params = SamplingParams(max_new_tokens=24, temperature=0)  # no stop ids: all 24
+    result: list[GenerateResult] = []
+
+    async def one() -> None:
+        result.append(await engine.generate(PROMPT, params, on_tokens=lambda i, _: calls.append(i)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one)
+        with anyio.fail_after(30):
+            while not calls:  # the first token reached this loop: generation is under way
+                await anyio.sleep(0.001)
+        before = engine.statistics().tokens_generated
+        time.sleep(1.0)  # the loop is blocked; the worker is not (24 tiny steps take ~50 ms)
+        during = engine.statistics().tokens_generated - before
+        seen = len(calls)
+    assert during >= 20, f"only {during} tokens while the event loop was blocked"
+    (done,) = result
+    assert done.token_ids[: len(calls[-1])] == calls[-1]
+    assert len(calls) <= seen + 1 < len(done.token_ids)  # the blocked stretch came in one call
