@@ -2,9 +2,9 @@
 
 One background thread owns the model, the KV pool, the radix cache and the sessions' pins
 (``_worker``); ``_scheduler`` decides every step. ``generate`` works under trio and asyncio
-(anyio): it hands the request to the thread and waits on an ``anyio.Event`` that the thread sets
-through ``anyio.from_thread.run_sync(..., token=...)``. Cancelling the waiting task aborts the
-request in the worker.
+(anyio): it hands the request to the thread and waits on an ``anyio.Event`` that the thread has
+set in the caller's event loop (it schedules that and goes on; ``_worker``'s mailboxes).
+Cancelling the waiting task aborts the request in the worker.
 
 Reuse. A request's context is matched against its session's pinned KV (verified token by token)
 and otherwise against the radix tree (whole pages of ``block_size`` tokens); only the rest is

@@ -46,6 +46,11 @@ from ._model import CausalLM
 from ._sampling import check_logprob, greedy_tokens, sample_token
 from ._scheduler import Request, Scheduler, Step
 
+try:  # anyio tells asyncio code apart through sniffio when it is installed
+    import sniffio
+except ImportError:  # pragma: no cover - anyio then looks for a running asyncio loop
+    sniffio = None  # type: ignore[assignment]
+
 
 @dataclass(eq=False)
 class WeightUpdate:
@@ -104,10 +109,23 @@ class Counters:
 
 def _call_soon(token: EventLoopToken, fn: Callable[[], None]) -> None:
     """Schedule ``fn`` in the event loop of ``token`` without waiting for it to run (asyncio's
-    ``call_soon_threadsafe``, trio's ``run_sync_soon``); raises if that loop is gone."""
+    ``call_soon_threadsafe``, trio's ``run_sync_soon``); raises if that loop is gone. Under
+    asyncio ``fn`` runs marked as asyncio code (sniffio), as ``anyio.from_thread`` would run it,
+    so that anyio calls inside it (``anyio.current_time()``...) work."""
     native: Any = token.native_token
     if hasattr(native, "call_soon_threadsafe"):
-        native.call_soon_threadsafe(fn)
+
+        def in_asyncio() -> None:
+            if sniffio is None:  # anyio then takes a running asyncio loop for asyncio
+                fn()
+                return
+            reset = sniffio.current_async_library_cvar.set("asyncio")
+            try:
+                fn()
+            finally:
+                sniffio.current_async_library_cvar.reset(reset)
+
+        native.call_soon_threadsafe(in_asyncio)
     elif hasattr(native, "run_sync_soon"):
         native.run_sync_soon(fn)
     else:  # another backend: its blocking hop
@@ -130,6 +148,10 @@ class _Mailbox:
 
     @property
     def idle(self) -> bool:
+        """Nothing scheduled (or its asyncio loop closed before running it): safe to drop."""
+        native: Any = self.token.native_token
+        if hasattr(native, "is_closed") and native.is_closed():
+            return True
         with self._lock:
             return not self._scheduled
 
