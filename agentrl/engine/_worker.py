@@ -32,6 +32,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import sniffio  # how anyio tells which async library runs the current code
 import torch
 from anyio.lowlevel import EventLoopToken
 from transformers import PreTrainedTokenizerBase
@@ -45,11 +46,6 @@ from ._graphs import DecodeGraphs
 from ._model import CausalLM
 from ._sampling import check_logprob, greedy_tokens, sample_token
 from ._scheduler import Request, Scheduler, Step
-
-try:  # anyio tells asyncio code apart through sniffio when it is installed
-    import sniffio
-except ImportError:  # pragma: no cover - anyio then looks for a running asyncio loop
-    sniffio = None  # type: ignore[assignment]
 
 
 @dataclass(eq=False)
@@ -116,9 +112,6 @@ def _call_soon(token: EventLoopToken, fn: Callable[[], None]) -> None:
     if hasattr(native, "call_soon_threadsafe"):
 
         def in_asyncio() -> None:
-            if sniffio is None:  # anyio then takes a running asyncio loop for asyncio
-                fn()
-                return
             reset = sniffio.current_async_library_cvar.set("asyncio")
             try:
                 fn()
