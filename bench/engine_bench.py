@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +51,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from agentrl._models import resolve_model  # noqa: E402
 from agentrl._types import GenerateResult, SamplingParams  # noqa: E402
 from agentrl.engine import EmbeddedEngine, EngineOptions, EngineStatistics  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_bench import STEP_METRICS, split_text, step_split  # noqa: E402
 
 NO_REUSE = {"radix_cache": False}
 RADIX = {"radix_cache": True}
@@ -152,9 +156,7 @@ def throughput(folder: Path, args: argparse.Namespace, report: dict) -> None:
                 f"engine {total / wall:7.1f} tok/s | wall ratio {base_wall / wall:.2f}x | "
                 f"CPU-time ratio {base_cpu / cpu:.2f}x | ids equal {same}/{batch} | "
                 f"decode steps from CUDA graphs {stats.graph_steps}/{stats.decode_steps} | "
-                f"{split['prefill_steps']} prefill steps {split['prefill_ms']:.1f} ms, "
-                f"{split['decode_steps']} decode steps {split['decode_ms']:.1f} ms, "
-                f"other {split['other_ms']:.1f} ms",
+                f"{split_text(split)}",
                 flush=True,
             )
         best_hf, best_engine = min(r[0] for r in rows), min(r[1] for r in rows)
@@ -214,31 +216,20 @@ def engine_run(prompts: list[list[int]], new: int, device: str = "cpu"):  # noqa
         else:
             await engine.generate(prompts[0][:8], SamplingParams(max_new_tokens=2))  # warm-up
         synchronize(device)
-        before = engine.statistics()
+        before = counters(engine.statistics())
         wall, cpu = time.perf_counter(), time.process_time()
         results = await gather(engine, calls)
         synchronize(device)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        split = step_split(before, engine.statistics(), wall)
+        split = step_split(before, counters(engine.statistics()), wall)
         return [r.token_ids for r in results], wall, cpu, split
 
     return run
 
 
-def step_split(before: EngineStatistics, after: EngineStatistics, wall: float) -> dict:
-    """Where a timed run's wall time went: prefill steps, decode-only steps, and the rest
-    (admission, handing results back, the event loop)."""
-    prefill = after.prefill_step_seconds - before.prefill_step_seconds
-    decode = after.decode_step_seconds - before.decode_step_seconds
-    steps = after.steps - before.steps
-    prefill_steps = after.prefill_steps - before.prefill_steps
-    return {
-        "prefill_ms": prefill * 1e3,
-        "prefill_steps": prefill_steps,
-        "decode_ms": decode * 1e3,
-        "decode_steps": steps - prefill_steps,
-        "other_ms": (wall - prefill - decode) * 1e3,
-    }
+def counters(stats: EngineStatistics) -> dict[str, float]:
+    """The step counters ``server_bench.step_split`` reads, from in-process statistics."""
+    return {name: getattr(stats, name) for name in STEP_METRICS}
 
 
 # --- multi-turn and group workloads -------------------------------------------------------------

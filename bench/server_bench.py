@@ -86,7 +86,8 @@ def step_metrics(url: str) -> dict[str, float] | None:
 
 def step_split(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
     """A timed round's wall time: prefill steps, decode-only steps, and the rest (HTTP,
-    tokenizing, admission, handing results back)."""
+    tokenizing, admission, handing results back). ``before``/``after``: the engine's
+    ``STEP_METRICS`` counters (from ``/metrics``, or ``EngineStatistics`` in process)."""
     d = {k: after[k] - before[k] for k in STEP_METRICS}
     return {
         "prefill_ms": d["prefill_step_seconds"] * 1e3,
@@ -95,6 +96,14 @@ def step_split(before: dict[str, float], after: dict[str, float], wall: float) -
         "decode_steps": int(d["steps"] - d["prefill_steps"]),
         "other_ms": (wall - d["prefill_step_seconds"] - d["decode_step_seconds"]) * 1e3,
     }
+
+
+def split_text(split: dict) -> str:
+    return (
+        f"{split['prefill_steps']} prefill steps {split['prefill_ms']:.1f} ms, "
+        f"{split['decode_steps']} decode steps {split['decode_ms']:.1f} ms, "
+        f"other {split['other_ms']:.1f} ms"
+    )
 
 
 def wait_ready(url: str, timeout: float) -> float:
@@ -154,11 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             line = f"B={batch:4} {mode:10} {row['tok_s']:9.1f} tok/s"
             if split := splits[best]:
                 row["split"] = split
-                line += (
-                    f" | {split['prefill_steps']} prefill steps {split['prefill_ms']:.1f} ms, "
-                    f"{split['decode_steps']} decode steps {split['decode_ms']:.1f} ms, "
-                    f"other {split['other_ms']:.1f} ms"
-                )
+                line += f" | {split_text(split)}"
             report[f"{mode}_B{batch}"] = row
             print(line, flush=True)
     if args.json:

@@ -19,9 +19,10 @@ import torch
 
 from ._triton import require_triton
 
-__all__ = ["probe", "rms_norm", "rotary", "silu_mul", "unsupported"]
+__all__ = ["DTYPES", "probe", "rms_norm", "rotary", "silu_mul", "unsupported"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes the kernels take."""
 MAX_ROW = 65536
 """Widest row (hidden size, or heads x head_dim for ``rotary``) one program holds."""
 
@@ -39,7 +40,7 @@ def unsupported(hidden: int, heads: int, head_dim: int) -> str | None:
 def _check_rows(name: str, x: torch.Tensor, dim: int) -> None:
     if x.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise ValueError(f"{name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
     if x.shape[-1] and x.stride(-1) != 1:
         raise ValueError(f"{name}'s last dimension must be contiguous (stride 1)")

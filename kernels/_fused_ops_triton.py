@@ -105,10 +105,6 @@ def _silu_mul_kernel(
 
 def warps(block: int) -> int:
     """``num_warps`` for a program of ``block`` elements (what the launchers below use)."""
-    return _warps(block)
-
-
-def _warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 4096 else 8
 
 
@@ -134,7 +130,7 @@ def rms_norm(
             eps,
             HAS_DELTA=delta is not None,
             BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=warps(block),
             **COMPILE_OPTIONS,
         )
     return total, out
@@ -161,7 +157,7 @@ def rotary(
             HALF=dim // 2,
             BLOCK_HEADS=block_heads,
             BLOCK_HALF=block_half,
-            num_warps=_warps(block_heads * block_half),
+            num_warps=warps(block_heads * block_half),
             **COMPILE_OPTIONS,
         )
     return out
@@ -183,7 +179,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             cols,
             BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=warps(block),
             **COMPILE_OPTIONS,
         )
     return out

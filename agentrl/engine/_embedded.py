@@ -71,6 +71,7 @@ from agentrl._errors import EngineError
 from agentrl._models import resolve_model
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.kernels import triton_available
+from agentrl.kernels._fused_ops import DTYPES as FUSED_OPS_DTYPES
 from agentrl.kernels._fused_ops import probe as fused_ops_probe
 from agentrl.kernels._fused_ops import unsupported as fused_ops_unsupported
 
@@ -114,7 +115,7 @@ def use_fused_ops(
     if mode == "torch":
         return False
     why = None
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if dtype not in FUSED_OPS_DTYPES:
         why = f"the kernels take float32, float16 and bfloat16, not {dtype}"
     elif config is not None:
         heads = config.num_heads + config.num_kv_heads
