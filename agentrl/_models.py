@@ -112,6 +112,13 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+# What a cached folder's files hold beyond the weights; a folder written with another value is
+# rebuilt. 2: tokenizer_config.json states model_max_length (the model's context), as the hub's
+# folders do, instead of transformers' 1e30 "no limit", which servers put in JSON replies
+# (SGLang's /tokenize cannot serialise it).
+_LAYOUT = 2
+
+
 def _is_complete(folder: Path, *, verify_checksum: bool) -> bool:
     """The folder holds a manifest whose recorded weights match the weights on disk."""
     manifest = _read_manifest(folder)
@@ -119,6 +126,8 @@ def _is_complete(folder: Path, *, verify_checksum: bool) -> bool:
     if manifest is None or not weights.is_file():
         return False
     if weights.stat().st_size != manifest.get("safetensors_bytes"):
+        return False
+    if manifest.get("layout") != _LAYOUT:  # built by an older recipe: rebuild
         return False
     return not verify_checksum or _weights_sha256(weights) == manifest.get("safetensors_sha256")
 
@@ -129,6 +138,7 @@ def _write_manifest(folder: Path, name: str, source: str, **extra: object) -> No
     manifest = {
         "name": name,
         "source": source,
+        "layout": _LAYOUT,
         **extra,
         "safetensors_sha256": _weights_sha256(weights),
         "safetensors_bytes": weights.stat().st_size,
@@ -314,6 +324,7 @@ def _build_smollm2(out: Path, root: Path, say: ProgressFn) -> None:
     model.tie_weights()
     say(f"saving float32 safetensors to {out}")
     model.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     _write_manifest(
         out,
@@ -365,6 +376,7 @@ def build_tiny_random(out: Path, *, tokenizer_dir: Path) -> None:
         model = LlamaForCausalLM(config).to(torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     _write_manifest(
         out,

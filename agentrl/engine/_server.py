@@ -608,6 +608,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="on a GPU, run decode steps without captured CUDA graphs",
     )
     parser.add_argument(
+        "--cuda-graph-max-bs-decode",
         "--cuda-graph-max-bs",
         dest="cuda_graph_max_bs",
         type=int,

@@ -6,10 +6,11 @@ version; this is the subset a client reads, with this server's real values: ``mo
 ``max_total_num_tokens`` (KV pool tokens), ``max_req_input_len``, ``max_running_requests``,
 ``chunked_prefill_size`` (the engine's ``max_step_tokens``: decode rows count in it),
 ``disable_radix_cache``, ``disable_cuda_graph`` (true where decode steps run without captured
-graphs, the CPU included), ``cuda_graph_max_bs`` and ``cuda_graph_bs`` (the captured batch
-sizes; ``null`` without graphs), ``incremental_streaming_output``, ``weight_version``, ``version``
-(agentrl's) and ``internal_states`` (``last_gen_throughput`` in tokens/s of the last finished
-request, and the numbers of running and waiting requests).
+graphs, the CPU included), ``cuda_graph_max_bs_decode`` and ``cuda_graph_bs_decode`` (the
+captured batch sizes, ``null`` without graphs; SGLang 0.5.17's names, also given under the older
+names ``cuda_graph_max_bs`` and ``cuda_graph_bs``), ``incremental_streaming_output``,
+``weight_version``, ``version`` (agentrl's) and ``internal_states`` (``last_gen_throughput`` in
+tokens/s of the last finished request, and the numbers of running and waiting requests).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def server_info(server: _Server) -> dict[str, Any]:
         "chunked_prefill_size": getattr(engine, "max_step_tokens", None),
         "disable_radix_cache": not getattr(options, "radix_cache", True),
         "disable_cuda_graph": not graphs,
+        "cuda_graph_max_bs_decode": max(graphs) if graphs else None,
+        "cuda_graph_bs_decode": graphs or None,
         "cuda_graph_max_bs": max(graphs) if graphs else None,
         "cuda_graph_bs": graphs or None,
         "incremental_streaming_output": server.incremental_streaming_output,

@@ -92,6 +92,10 @@ def test_tiny_random_builds_deterministically(
         49152,
     )
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+    # a stated context limit, as the hub's folders give (not transformers' 1e30 "no limit",
+    # which a server echoing it as max_model_len cannot put in JSON)
+    tokenizer_config = json.loads((first / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"] == 2048
 
 
 def test_pull_in_isolated_root_is_idempotent_and_repairs(
@@ -124,6 +128,14 @@ def test_pull_in_isolated_root_is_idempotent_and_repairs(
     assert any("building tiny-random" in line for line in lines)
     repaired = json.loads((path / MANIFEST_NAME).read_text())
     assert repaired["safetensors_sha256"] == manifest["safetensors_sha256"]
+
+    # a folder an older recipe wrote (no or another "layout" in its manifest) is rebuilt
+    stale = {k: v for k, v in repaired.items() if k != "layout"}
+    (path / MANIFEST_NAME).write_text(json.dumps(stale))
+    lines.clear()
+    pull_model("tiny-random", progress=lines.append)
+    assert any("building tiny-random" in line for line in lines)
+    assert json.loads((path / MANIFEST_NAME).read_text())["layout"] == repaired["layout"]
     assert not [
         p for p in (tmp_path / "models").iterdir() if p.name.startswith((".build", ".trash"))
     ]
@@ -186,6 +198,8 @@ def test_smollm2_pull(smollm2_dir: Path) -> None:
     )
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config
+    tokenizer_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"] == 8192
     assert (config["hidden_size"], config["num_hidden_layers"]) == (576, 30)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     assert model.dtype == torch.float32

@@ -319,7 +319,8 @@ async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path)
     assert info["disable_radix_cache"] is False
     # no CUDA graphs on the CPU
     assert info["disable_cuda_graph"] is True
-    assert info["cuda_graph_max_bs"] is None and info["cuda_graph_bs"] is None
+    for name in ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode"):
+        assert info[name] is None and info[name.removesuffix("_decode")] is None, name
 
 
 def test_sglangs_launch_flags_set_the_engine_options() -> None:
@@ -336,6 +337,8 @@ def test_sglangs_launch_flags_set_the_engine_options() -> None:
         "max_batch_size": 7, "max_step_tokens": 96, "cuda_graph": False, "cuda_graph_max_bs": 16
     }  # fmt: skip
     EngineOptions(**options)
+    newer = engine_options_from_args(parser.parse_args(["--cuda-graph-max-bs-decode", "24"]))
+    assert newer == {"cuda_graph_max_bs": 24}  # SGLang 0.5.17's name for the same flag
     ours = ["--max-batch-size", "7", "--max-step-tokens", "96", "--page-size", "1"]
     options = engine_options_from_args(parser.parse_args(ours))
     assert options == {"max_batch_size": 7, "max_step_tokens": 96, "block_size": 1}
