@@ -87,6 +87,7 @@ from ._options import (
     resolve_device,
     resolve_dtype,
 )
+from ._protocol import PartialOutput
 from ._radix import RadixCache
 from ._sampling import check_sampling
 from ._scheduler import Request, Scheduler
@@ -371,6 +372,7 @@ class EmbeddedEngine:
         *,
         logprobs: LogprobQuery | None = None,
         on_tokens: Callable[[list[int], list[float]], None] | None = None,
+        partial: PartialOutput | None = None,
     ) -> GenerateResult:
         """Sample a continuation of the whole context ``input_ids``.
 
@@ -383,7 +385,9 @@ class EmbeddedEngine:
 
         ``on_tokens`` (optional) is called in this event loop with the output ids and logprobs
         so far after each step that sampled a token and did not finish the request (what
-        ``agentrl serve`` streams, and keeps when a request is aborted); it must not block.
+        ``agentrl serve`` streams); it must not block. ``partial`` (optional) is attached to the
+        request, so its ``read()`` gives the output so far at any time, from any thread (what
+        ``agentrl serve`` answers for an aborted request) at no cost per step.
         """
         self._check_open()
         limit = self._max_context
@@ -422,6 +426,8 @@ class EmbeddedEngine:
             logprobs=LogprobCollector(logprobs, len(ids)) if logprobs is not None else None,
             on_tokens=on_tokens,
         )
+        if partial is not None:
+            partial.attach(request.output_so_far)
         await self._submit_and_wait(request)
         if request.error is not None:
             raise request.error

@@ -9,6 +9,7 @@ filtering (temperature 0 = greedy, logprob at temperature 1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -52,3 +53,21 @@ class Engine(Protocol):
     async def aclose(self) -> None:
         """Release the engine; pending requests end with ``finish_reason="abort"``."""
         ...
+
+
+class PartialOutput:
+    """The output so far of one running request, read on demand from any thread (what an
+    aborted request answers with): the pull twin of a per-step ``on_tokens`` callback, so a
+    caller that needs the output only if it aborts costs the engine nothing per step. An engine
+    whose ``generate`` takes ``partial=`` attaches its reader when the request starts."""
+
+    def __init__(self) -> None:
+        self._reader: Callable[[], tuple[list[int], list[float]]] | None = None
+
+    def attach(self, reader: Callable[[], tuple[list[int], list[float]]]) -> None:
+        self._reader = reader
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """Output ids and their logprobs so far (equally long; empty before the request
+        started)."""
+        return self._reader() if self._reader is not None else ([], [])

@@ -99,6 +99,15 @@ class Request:
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.input_ids) :]
 
+    def output_so_far(self) -> tuple[list[int], list[float]]:
+        """Output ids and their logprobs, equally long, safe to call from another thread while
+        the worker runs this request (it appends an id, then its logprob; each slice is taken
+        whole under the interpreter lock)."""
+        logprobs = self.output_logprobs[:]
+        ids = self.output_ids
+        n = min(len(ids), len(logprobs))
+        return ids[:n], logprobs[:n]
+
     @property
     def started(self) -> bool:
         return len(self.tokens) > len(self.input_ids)
@@ -176,10 +185,13 @@ class Scheduler:
         """Choose this step's rows (may preempt); None when there is nothing to compute."""
         budget = self.max_step_tokens
         rows: list[tuple[Request, int]] = []
+        page = self.block_size
         for request in list(self.running):
-            if request.kv is None or len(request.tokens) - request.kv.length != 1:
+            seq = request.kv
+            if seq is None or len(request.tokens) - seq.length != 1:
                 continue  # preempted meanwhile, or still prefilling
-            if self._reserve(request, request.kv.length + 1):
+            # most steps the token fits the last block: no call to reserve one
+            if len(seq.blocks) * page > seq.length or self._reserve(request, seq.length + 1):
                 rows.append((request, 1))
                 budget -= 1
         for request in self.running:
@@ -342,12 +354,16 @@ class Scheduler:
         usable = (len(request.tokens) - 1) // page  # whole pages a match could reuse
         if request.logprobs is not None and request.logprobs.input_pending:
             usable = min(usable, request.logprobs.input_positions[0] // page)
+        tokens = request.tokens
         for other in self.running:
             seq = other.kv
             if seq is None or len(other.tokens) - seq.length <= 1:
                 continue
-            shared = min(_common_prefix(request.tokens, other.tokens) // page, usable)
-            if shared > seq.shared:
+            # it would put more of our prefix in the tree than it has there: we share at least
+            # one page past its shared ones (one slice compare; admitting a batch of B requests
+            # makes B^2 / 2 of these)
+            need = seq.shared + 1
+            if need <= usable and tokens[: need * page] == other.tokens[: need * page]:
                 return True
         return False
 
@@ -360,13 +376,18 @@ class Scheduler:
         index, limit = seq.length // page, len(request.tokens) - 1
         if self.kv.tree is None or seq.length % page or seq.length >= limit:
             return None
+        tokens, start = request.tokens, seq.length
         for other in self.running:
             theirs = other.kv
             if theirs is None or len(theirs.blocks) <= index:
                 continue
-            common = min(_common_prefix(request.tokens, other.tokens), theirs.length, limit)
-            if common > seq.length:
-                return theirs.blocks[index], min(common - seq.length, page)
+            end = min(theirs.length, limit, start + page)  # what their page could give us
+            if end <= start or tokens[: start + 1] != other.tokens[: start + 1]:
+                continue
+            common = start + 1
+            while common < end and tokens[common] == other.tokens[common]:
+                common += 1
+            return theirs.blocks[index], common - start
         return None
 
     def _reserve(self, request: Request, tokens: int) -> bool:
@@ -405,17 +426,3 @@ class Scheduler:
         if restart:
             request.restart()
         bisect.insort(self.waiting, request, key=lambda r: r.arrival)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

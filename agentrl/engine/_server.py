@@ -94,9 +94,9 @@ from ._server_stream import (
     Live,
     LiveTable,
     incremental,
-    reports_progress,
     sse,
     stable_text,
+    takes,
 )
 from ._server_tokenize import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 
@@ -144,7 +144,8 @@ class _Server:
         self.engine = engine
         self.incremental_streaming_output = incremental_streaming_output
         self.live = LiveTable()
-        self._progress = reports_progress(engine.generate)
+        self._progress = takes(engine.generate, "on_tokens")
+        self._partial = takes(engine.generate, "partial")
         self.last_gen_throughput = 0.0
         self.model_path = model_path
         self.served_name = served_name
@@ -208,6 +209,9 @@ class _Server:
         started: float,
         live: Live | None = None,
     ) -> None:
+        """Run one sample; ``live`` is given by a stream, which takes the engine's per-step
+        progress (``on_tokens``); other samples only read their output if aborted."""
+        streamed = live is not None
         live = live if live is not None else self.live.add(item.rid)
         turn: Turn | None = None
         context, session = item.input_ids, None
@@ -232,7 +236,11 @@ class _Server:
                         "return_logprob",
                     )
                 extra["logprobs"] = query
-            if self._progress:
+            if streamed and self._progress:
+                extra["on_tokens"] = live.update
+            elif self._partial:
+                extra["partial"] = live.partial
+            elif self._progress:
                 extra["on_tokens"] = live.update
             with anyio.CancelScope() as scope:
                 live.scope = scope
@@ -243,9 +251,10 @@ class _Server:
                 result = await self.engine.generate(context, sampling, session=session, **extra)
             if result is None:  # aborted: /abort_request, a disconnect, or a session replace
                 version = self.engine.weight_version
+                ids, logprobs = live.output()
                 result = GenerateResult(
-                    list(live.ids),
-                    list(live.logprobs),
+                    ids,
+                    logprobs,
                     "abort",
                     prompt_tokens=len(context),
                     weight_version=version,

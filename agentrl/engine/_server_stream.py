@@ -1,9 +1,10 @@
 """Streaming and aborts for ``agentrl serve``: live requests, ``/abort_request``, SSE chunks.
 
 Every running ``/generate`` sample is a ``Live`` entry keyed by its ``rid``: it holds the output
-so far (reported by the engine after each step, when the engine can report it) and the cancel
-scope that ``/abort_request`` or a client disconnect cancels. Cancelling drops the request in
-the engine, which frees its KV; the sample then ends with ``finish_reason`` ``{"type":
+so far (a streamed sample: reported by the engine after each step; any other: read from the
+engine when it is aborted, so it costs nothing per step) and the cancel scope that
+``/abort_request`` or a client disconnect cancels. Cancelling drops the request in the engine,
+which frees its KV; the sample then ends with ``finish_reason`` ``{"type":
 "abort"}`` and the output it had, as SGLang answers an aborted request.
 
 Server-sent events follow SGLang's ``/generate`` with ``stream: true``: each chunk is ``data:
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from . import _wire as w
+from ._protocol import PartialOutput
 
 DONE = b"data: [DONE]\n\n"
 
@@ -32,10 +34,11 @@ def sse(payload: object) -> bytes:
     return b"data: " + w.encoder.encode(payload) + b"\n\n"
 
 
-def reports_progress(generate: Callable[..., object]) -> bool:
-    """Whether an engine's ``generate`` takes ``on_tokens`` (the embedded engine does)."""
+def takes(generate: Callable[..., object], name: str) -> bool:
+    """Whether an engine's ``generate`` takes the keyword ``name`` (the embedded engine takes
+    ``on_tokens`` and ``partial``)."""
     try:
-        return "on_tokens" in inspect.signature(generate).parameters
+        return name in inspect.signature(generate).parameters
     except (TypeError, ValueError):
         return False
 
@@ -52,11 +55,19 @@ class Live:
     aborted: bool = False
     context: list[int] | None = None
     """The whole context once the request started (inside a session: with its history)."""
+    partial: PartialOutput = field(default_factory=PartialOutput)
+    """Where a non-streaming sample's output is read when it is aborted (pulled, not sent)."""
 
     def update(self, ids: list[int], logprobs: list[float]) -> None:
         """The engine's ``on_tokens`` callback (runs in the server's event loop)."""
         self.ids, self.logprobs = ids, logprobs
         self.changed.set()
+
+    def output(self) -> tuple[list[int], list[float]]:
+        """The output so far: the latest ``on_tokens`` report, or what ``partial`` reads."""
+        if self.ids:
+            return list(self.ids), list(self.logprobs)
+        return self.partial.read()
 
     def abort(self) -> None:
         self.aborted = True

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, Engine, open_embedded_engine
+from agentrl.engine._protocol import PartialOutput
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
@@ -358,3 +359,36 @@ async def test_a_busy_event_loop_does_not_hold_up_the_worker(engine: EmbeddedEng
     assert counts[1] >= len(calls[0]) + 2 or counts[1] == 64, seen
     assert result.token_ids[: len(calls[-1])] == calls[-1], seen
     assert len(calls) < 63, seen  # waiting, each of the 63 unfinished steps was one call
+
+
+async def test_partial_output_is_read_while_running_and_after_an_abort(
+    engine: EmbeddedEngine,
+) -> None:
+    """``partial=`` hands nothing over per step: the caller reads the output so far when it
+    wants it (from the event loop while the worker appends): ids with as many logprobs, each
+    read a prefix of the next, the last one the whole result; after a cancel it still reads
+    what was generated."""
+    params = SamplingParams(max_new_tokens=64, temperature=0)
+    done = PartialOutput()
+    assert done.read() == ([], [])  # not attached yet
+    result = await engine.generate(PROMPT, params, partial=done)
+    assert done.read() == (result.token_ids, result.logprobs)
+
+    partial = PartialOutput()
+    reads: list[tuple[list[int], list[float]]] = []
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: engine.generate(PROMPT, params, partial=partial))
+            with anyio.fail_after(30):
+                while len(partial.read()[0]) < 8:
+                    reads.append(partial.read())
+                    await anyio.sleep(0.002)
+            scope.cancel()
+    reads.append(partial.read())
+    await anyio.sleep(0.5)  # the worker drops the cancelled request at its next step
+    reads.append(partial.read())
+    assert len(reads[-1][0]) >= 8
+    for (ids, logprobs), (later_ids, later_logprobs) in zip(reads, reads[1:], strict=False):
+        assert len(ids) == len(logprobs) and len(later_ids) == len(later_logprobs)
+        assert later_ids[: len(ids)] == ids and later_logprobs[: len(ids)] == logprobs
+    assert engine.statistics().running == 0
