@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._kv import PREFILL_PAD, make_attention_batch
+from ._kv import PREFILL_PAD, int_tensor, make_attention_batch
 from ._model import ForwardBatch
 
 
@@ -57,10 +57,14 @@ def build_forward_batch(
         positions.extend(range(row.start, end))
         if row.count == 1:
             slots.append(row.blocks[row.start // block_size] * block_size + row.start % block_size)
-        else:
-            table = torch.tensor(row.blocks, dtype=torch.long, device="cpu")
-            pos = torch.arange(row.start, end, device="cpu")
-            slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
+        else:  # one run of slots per block the chunk touches (no tensors: host lists)
+            p = row.start
+            while p < end:
+                block, offset = divmod(p, block_size)
+                first = row.blocks[block] * block_size + offset
+                stop = min(end, (block + 1) * block_size)
+                slots.extend(range(first, first + stop - p))
+                p = stop
         if row.extra[1] > row.extra[0]:  # most rows ask for none
             logits_rows.extend(base + p for p in extra_positions(row))
         if row.sample:
@@ -75,7 +79,7 @@ def build_forward_batch(
         causal_rows=causal_rows,
     )
     # the four index vectors travel to the device in one copy
-    packed = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.long, device=device)
+    packed = int_tensor(ids + positions + slots + logits_rows, device)
     input_ids, positions_t, slots_t, logits_rows_t = packed.split(
         [len(ids), len(positions), len(slots), len(logits_rows)]
     )

@@ -47,7 +47,7 @@ from agentrl._errors import EngineError
 from agentrl.kernels import triton_available
 
 from ._batch import Row, take_rows
-from ._kv import AttentionBatch, KVPool
+from ._kv import AttentionBatch, KVPool, int_tensor
 from ._model import CausalLM, ForwardBatch
 
 REPLAY_MODES = ("cuda", "eager")
@@ -220,8 +220,10 @@ class DecodeGraphs:
             slots + [self._pad_slot] * pad,
             [r.start + 1 for r in rows] + [1] * pad,
         ]
-        self._vectors[:, :size].copy_(torch.tensor(vectors, dtype=torch.long, device="cpu"))
-        self._tables[:size, :width].copy_(torch.tensor(table, dtype=torch.long, device="cpu"))
+        flat = [value for vector in vectors for value in vector]
+        self._vectors[:, :size].copy_(int_tensor(flat, "cpu").view(4, size))
+        flat = [block for row in table for block in row]
+        self._tables[:size, :width].copy_(int_tensor(flat, "cpu").view(size, width))
         return size
 
 

@@ -9,12 +9,14 @@ import torch
 from numerics import assert_within, attention_error_bound, sdpa_rounding
 
 from agentrl._errors import EngineError
+from agentrl.engine._batch import Row, build_forward_batch
 from agentrl.engine._kv import (
     CAUSAL_MIN_QUERIES,
     PREFILL_MASK_ELEMENTS,
     PREFILL_PAD,
     KVPool,
     group_prefill_rows,
+    int_tensor,
     make_attention_batch,
     paged_attention,
 )
@@ -152,3 +154,26 @@ def test_pool_alloc_free() -> None:
     assert pool.k[1].view(-1, 1, 2)[5].tolist() == [[1.0, 1.0]]
     pool.copy_block(1, 3)
     assert pool.v[1, 3, 1].tolist() == [[2.0, 2.0]]
+
+
+def test_slots_and_index_tensors_match_the_per_token_formula() -> None:
+    """A step's KV slots come from block runs and its index vectors from ``int_tensor``: the
+    same values and dtypes as the per-token formula ``blocks[p // page] * page + p % page``,
+    for chunks that start and end inside blocks, span several, or sit in one."""
+    rng = random.Random(0)
+    page = 4
+    rows = []
+    for _ in range(40):
+        length = rng.randint(2, 40)
+        start = rng.randint(0, length - 1)
+        blocks = rng.sample(range(200), -(-length // page))
+        rows.append(Row(list(range(length)), start, length - start, blocks, True))
+    rows.sort(key=lambda r: r.count != 1)
+    batch = build_forward_batch(rows, page, "cpu")
+    fed = [(r, p) for r in rows for p in range(r.start, r.start + r.count)]
+    want = [r.blocks[p // page] * page + p % page for r, p in fed]
+    assert batch.slots.dtype == torch.long and batch.slots.tolist() == want
+    assert batch.positions.tolist() == [p for _, p in fed]
+    assert int_tensor([], "cpu").shape == (0,) and int_tensor([7, -1], "cpu").tolist() == [7, -1]
+    assert int_tensor([2**40], "cpu").item() == 2**40
+    assert int_tensor([3], "cpu", torch.int32).dtype == torch.int32
