@@ -332,6 +332,7 @@ class EmbeddedEngine:
             mean_batch_size=c.decode_rows / c.decode_steps if c.decode_steps else 0.0,
             running=self._worker.running,
             waiting=self._worker.waiting,
+            waiting_tokens=self._worker.waiting_tokens,
             weight_version=self._worker.weight_version,
             cached_tokens=s.cached_tokens,
             preemptions=s.preemptions,

@@ -197,6 +197,8 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     running: int
     waiting: int
     weight_version: int
+    waiting_tokens: int = 0
+    """Context tokens of the waiting requests (what admitting them would put in the KV pool)."""
     cached_tokens: int = 0
     """Tokens whose KV was reused (radix tree or session pin) instead of computed."""
     preemptions: int = 0

@@ -4,7 +4,8 @@ Endpoints: ``POST /generate`` (one prompt or a batch of ``input_ids`` or ``text`
 samples, ``return_logprob``, ``session_params``), ``/open_session``, ``/close_session``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/get_model_info`` (and ``/model_info``),
 ``/get_weight_version``, ``/v1/models``, ``/health``, ``/health_generate``, ``/metrics``
-(Prometheus text), ``/abort_request``, ``/server_info`` (and ``/get_server_info``); ``stream:
+(Prometheus text), ``/abort_request``, ``/server_info`` (and ``/get_server_info``),
+``/get_load`` (what ``sglang-router``'s ``power_of_two`` policy reads); ``stream:
 true`` answers server-sent events (see ``_server_stream``). Session semantics are SGLang's
 (see ``_server_sessions``).
 
@@ -72,7 +73,7 @@ from ._server_generate import (
 )
 from ._server_guard import install_request_guard
 from ._server_health import ModelHealth
-from ._server_info import server_info
+from ._server_info import load, server_info
 from ._server_limits import (
     DEFAULT_MAX_SAMPLES_PER_REQUEST,
     DEFAULT_MAX_SESSIONS,
@@ -363,6 +364,9 @@ class _Server:
         self.live.abort(req.rid or "", bool(req.abort_all))
         return web.Response(status=200)
 
+    async def get_load(self, request: web.Request) -> web.Response:
+        return _json(load(self))
+
     async def server_info(self, request: web.Request) -> web.Response:
         return _json(server_info(self))
 
@@ -517,6 +521,7 @@ def create_app(
         ("GET", "/metrics", server.metrics),
         ("POST", "/abort_request", server.abort_request),
         ("GET", "/server_info", server.server_info),
+        ("GET", "/get_load", server.get_load),
         ("GET", "/get_server_info", server.server_info),
         ("POST", "/tokenize", server.tokenize),
         ("POST", "/v1/tokenize", server.tokenize),

@@ -15,12 +15,37 @@ tokens/s of the last finished request, and the numbers of running and waiting re
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from ._server_metrics import engine_statistics, kv_facts
 
 if TYPE_CHECKING:
     from ._server import _Server
+
+
+def load(server: _Server) -> list[dict[str, Any]]:
+    """``GET /get_load``: SGLang 0.5.17's shape (one entry per data-parallel rank; this server
+    has one), which ``sglang-router``'s ``power_of_two`` policy reads (``num_tokens``) to send
+    each request to the less loaded of two workers. ``num_tokens``: KV tokens held by running
+    requests plus the context tokens of waiting ones, ``num_pending_tokens`` the latter."""
+    stats = engine_statistics(server.engine)
+
+    def read(name: str) -> int:  # an engine without statistics (or a field) reports 0
+        return int(getattr(stats, name, 0) or 0)
+
+    running, waiting, pending = read("running"), read("waiting"), read("waiting_tokens")
+    in_use = read("kv_blocks_in_use") * read("block_size")
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": in_use + pending,
+            "num_pending_tokens": pending,
+            "ts_tic": time.perf_counter(),
+        }
+    ]
 
 
 def server_info(server: _Server) -> dict[str, Any]:

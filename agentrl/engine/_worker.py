@@ -259,6 +259,13 @@ class Worker:
             queued = sum(isinstance(i, Request) for i in self._inbox)
         return len(self.scheduler.waiting) + queued
 
+    @property
+    def waiting_tokens(self) -> int:
+        """Context tokens of the waiting requests (read from another thread: a snapshot)."""
+        with self._cond:
+            queued = sum(len(i.tokens) for i in self._inbox if isinstance(i, Request))
+        return sum(len(r.tokens) for r in list(self.scheduler.waiting)) + queued
+
     # --- the worker thread ----------------------------------------------------------------------
 
     def _main(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -392,3 +393,27 @@ async def test_partial_output_is_read_while_running_and_after_an_abort(
         assert len(ids) == len(logprobs) and len(later_ids) == len(later_logprobs)
         assert later_ids[: len(ids)] == ids and later_logprobs[: len(ids)] == logprobs
     assert engine.statistics().running == 0
+
+
+async def test_statistics_count_the_tokens_of_waiting_requests(tiny_dir: Path) -> None:
+    """``waiting_tokens``: the context tokens of the requests the batch limit keeps waiting
+    (what ``/get_load`` reports as pending); none once they ran."""
+    contexts = prompts(3, seed=5)
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    async with open_embedded_engine(tiny_dir, max_batch_size=1, num_threads=2) as engine:
+        seen: list[tuple[int, int]] = []
+        async with anyio.create_task_group() as tg:
+            for context in contexts:
+                tg.start_soon(engine.generate, context, params)
+            with anyio.fail_after(60):  # until some waited and none waits any more
+                while not any(w for w, _ in seen) or seen[-1][0] > 0:
+                    await anyio.sleep(0.001)
+                    stats = engine.statistics()
+                    seen.append((stats.waiting, stats.waiting_tokens))
+        assert engine.statistics().waiting_tokens == 0
+    # any subset may be waiting at a read (all three before the worker admits one, then two,
+    # then one): the sum of their contexts' lengths
+    possible = {sum(len(c) for c, keep in zip(contexts, mask, strict=True) if keep)
+                for mask in itertools.product((0, 1), repeat=len(contexts))}  # fmt: skip
+    assert all(tokens in possible for _, tokens in seen), seen
+    assert any(waiting == 2 and tokens in possible - {0} for waiting, tokens in seen), seen

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,3 +298,30 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
         result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), session)
         assert len(result.token_ids) == 2
         await engine.close_session(session)
+
+
+def test_the_router_reads_each_workers_load(fleet: Fleet) -> None:
+    """The router's load-based policies (``power_of_two``) read ``num_tokens`` from each
+    worker's ``/get_load``; its ``/get_loads`` shows what it read (``-1`` for a worker it could
+    not read). While a long request runs on one worker, that worker's load covers its context."""
+    loads = httpx.get(fleet.router + "/get_loads", timeout=30).json()["workers"]
+    assert {entry["worker"] for entry in loads} == set(fleet.workers)
+    assert all(entry["load"] >= 0 for entry in loads), loads
+    busy = fleet.workers[0]
+    prompt = [1, *range(400, 460)]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True},
+    }
+    seen: list[int] = []
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, busy + "/generate", json=body, timeout=300)
+        deadline = time.monotonic() + 60
+        while not running.done() and time.monotonic() < deadline:
+            loads = httpx.get(fleet.router + "/get_loads", timeout=30).json()["workers"]
+            seen.append(next(e["load"] for e in loads if e["worker"] == busy))
+            if seen[-1] >= len(prompt):
+                break
+            time.sleep(0.05)
+        assert running.result().status_code == 200
+    assert seen and max(seen) >= len(prompt), seen

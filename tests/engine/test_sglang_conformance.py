@@ -793,3 +793,19 @@ async def test_tokenize_and_detokenize_round_trip(server: Server) -> None:
             assert back.status_code == 200 and back.json()["text"] == text, back.text
         bad = await client.post(server.url + "/tokenize", json={"prompt": 12345})
         assert bad.status_code == 400, bad.text
+
+
+async def test_get_load_has_the_fields_routers_read(server: Server) -> None:
+    """``/get_load`` in SGLang 0.5.17's shape: one entry per data-parallel rank, with the load
+    ``sglang-router`` reads (``num_tokens``); an idle server waits for nothing."""
+    await _until_idle(server)
+    async with httpx.AsyncClient(timeout=60) as client:
+        reply = await client.get(server.url + "/get_load")
+    assert reply.status_code == 200, reply.text
+    loads = reply.json()
+    assert isinstance(loads, list) and loads
+    for entry in loads:
+        for key in ("dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens"):
+            assert isinstance(entry[key], int) and entry[key] >= 0, (key, entry)
+        assert isinstance(entry["ts_tic"], float)
+        assert entry["num_waiting_reqs"] == entry["num_pending_tokens"] == 0  # idle
