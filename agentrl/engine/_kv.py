@@ -196,6 +196,9 @@ class AttentionBatch(NamedTuple):
         return found
 
 
+_ARRAY_CODES = {torch.long: "q", torch.int32: "i"}
+
+
 def int_tensor(
     values: Iterable[int], device: torch.device | str | None = None, dtype: torch.dtype = torch.long
 ) -> torch.Tensor:
@@ -203,7 +206,10 @@ def int_tensor(
     device). Built through ``array`` (one C loop over the ints) instead of ``torch.tensor``'s
     per-element conversion: ~3x faster for the thousands of ids, positions and slots a step
     sends (the host time of every step)."""
-    host_array = array.array("q" if dtype == torch.long else "i", values)
+    code = _ARRAY_CODES.get(dtype)
+    if code is None:
+        raise EngineError(f"int_tensor makes int64 or int32 tensors, not {dtype}")
+    host_array = array.array(code, values)
     if not host_array:
         host = torch.empty(0, dtype=dtype, device="cpu")
     else:

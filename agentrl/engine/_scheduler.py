@@ -68,6 +68,8 @@ class Request:
     token_versions: list[int] = field(default_factory=list)
     """The weight version that sampled each output token."""
     generator: torch.Generator = field(default_factory=torch.Generator)
+    runs: int = 0
+    """How many times its output started from nothing (``restart``; 1 once created)."""
     weight_version: int = 0
     cached_tokens: int = 0
     kv: SequenceKV | None = None
@@ -90,6 +92,7 @@ class Request:
         self.tokens = list(self.input_ids)
         self.output_logprobs = []
         self.token_versions = []
+        self.runs += 1  # after both lists: see output_so_far
         self.generator = make_generator(self.seed)
         if self.logprobs is not None:
             self.logprobs.reset_input()
@@ -102,11 +105,15 @@ class Request:
     def output_so_far(self) -> tuple[list[int], list[float]]:
         """Output ids and their logprobs, equally long, safe to call from another thread while
         the worker runs this request (it appends an id, then its logprob; each slice is taken
-        whole under the interpreter lock)."""
-        logprobs = self.output_logprobs[:]
-        ids = self.output_ids
-        n = min(len(ids), len(logprobs))
-        return ids[:n], logprobs[:n]
+        whole under the interpreter lock; a restart in between is seen and the read taken again,
+        so ids and logprobs are of one run)."""
+        while True:
+            run = self.runs
+            logprobs = self.output_logprobs[:]
+            ids = self.output_ids
+            if self.runs == run:
+                n = min(len(ids), len(logprobs))
+                return ids[:n], logprobs[:n]
 
     @property
     def started(self) -> bool:

@@ -27,15 +27,18 @@ if TYPE_CHECKING:
 def load(server: _Server) -> list[dict[str, Any]]:
     """``GET /get_load``: SGLang 0.5.17's shape (one entry per data-parallel rank; this server
     has one), which ``sglang-router``'s ``power_of_two`` policy reads (``num_tokens``) to send
-    each request to the less loaded of two workers. ``num_tokens``: KV tokens held by running
-    requests plus the context tokens of waiting ones, ``num_pending_tokens`` the latter."""
+    each request to the less loaded of two workers. ``num_tokens``: KV tokens the pool cannot
+    give back (what running requests hold, their prompt pages in the radix tree included;
+    SGLang's "used" tokens) plus the context tokens of waiting ones, ``num_pending_tokens`` the
+    latter."""
     stats = engine_statistics(server.engine)
 
     def read(name: str) -> int:  # an engine without statistics (or a field) reports 0
         return int(getattr(stats, name, 0) or 0)
 
     running, waiting, pending = read("running"), read("waiting"), read("waiting_tokens")
-    in_use = read("kv_blocks_in_use") * read("block_size")
+    held = read("kv_blocks") - read("kv_blocks_free") - read("kv_blocks_evictable")
+    in_use = max(0, held) * read("block_size")  # the reads are not one snapshot
     return [
         {
             "dp_rank": 0,

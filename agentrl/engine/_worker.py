@@ -255,16 +255,19 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        with self._cond:
-            queued = sum(isinstance(i, Request) for i in self._inbox)
-        return len(self.scheduler.waiting) + queued
+        return len(self._waiting_requests())
 
     @property
     def waiting_tokens(self) -> int:
-        """Context tokens of the waiting requests (read from another thread: a snapshot)."""
+        """Context tokens of the waiting requests."""
+        return sum(len(r.tokens) for r in self._waiting_requests())
+
+    def _waiting_requests(self) -> list[Request]:
+        """Queued and waiting requests, read from another thread: under the lock that moving a
+        request from the inbox to the queue holds, so none is seen in both or neither."""
         with self._cond:
-            queued = sum(len(i.tokens) for i in self._inbox if isinstance(i, Request))
-        return sum(len(r.tokens) for r in list(self.scheduler.waiting)) + queued
+            queued = [i for i in self._inbox if isinstance(i, Request)]
+            return [*self.scheduler.waiting, *queued]
 
     # --- the worker thread ----------------------------------------------------------------------
 

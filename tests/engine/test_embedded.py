@@ -386,13 +386,14 @@ async def test_partial_output_is_read_while_running_and_after_an_abort(
                     await anyio.sleep(0.002)
             scope.cancel()
     reads.append(partial.read())
-    await anyio.sleep(0.5)  # the worker drops the cancelled request at its next step
+    with anyio.fail_after(30):  # the worker drops the cancelled request at its next step
+        while engine.statistics().running:
+            await anyio.sleep(0.01)
     reads.append(partial.read())
     assert len(reads[-1][0]) >= 8
     for (ids, logprobs), (later_ids, later_logprobs) in zip(reads, reads[1:], strict=False):
         assert len(ids) == len(logprobs) and len(later_ids) == len(later_logprobs)
         assert later_ids[: len(ids)] == ids and later_logprobs[: len(ids)] == logprobs
-    assert engine.statistics().running == 0
 
 
 async def test_statistics_count_the_tokens_of_waiting_requests(tiny_dir: Path) -> None:

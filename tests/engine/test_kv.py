@@ -177,3 +177,5 @@ def test_slots_and_index_tensors_match_the_per_token_formula() -> None:
     assert int_tensor([], "cpu").shape == (0,) and int_tensor([7, -1], "cpu").tolist() == [7, -1]
     assert int_tensor([2**40], "cpu").item() == 2**40
     assert int_tensor([3], "cpu", torch.int32).dtype == torch.int32
+    with pytest.raises(EngineError, match="int16"):
+        int_tensor([3], "cpu", torch.int16)

@@ -303,25 +303,27 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
 def test_the_router_reads_each_workers_load(fleet: Fleet) -> None:
     """The router's load-based policies (``power_of_two``) read ``num_tokens`` from each
     worker's ``/get_load``; its ``/get_loads`` shows what it read (``-1`` for a worker it could
-    not read). While a long request runs on one worker, that worker's load covers its context."""
+    not read). While a request with a long prompt decodes on one worker, that worker's load
+    covers its whole context, the prompt pages it holds in the prefix cache included."""
+    healthy = [w for w, ok in _listed(fleet.router).items() if ok]  # a test kills one
     loads = httpx.get(fleet.router + "/get_loads", timeout=30).json()["workers"]
-    assert {entry["worker"] for entry in loads} == set(fleet.workers)
-    assert all(entry["load"] >= 0 for entry in loads), loads
-    busy = fleet.workers[0]
-    prompt = [1, *range(400, 460)]
+    assert set(healthy) <= {entry["worker"] for entry in loads}
+    assert all(entry["load"] >= 0 for entry in loads if entry["worker"] in healthy), loads
+    busy = healthy[0]
+    prompt = [1, *(400 + i % 20000 for i in range(1000))]  # most of it in whole cached pages
     body = {
         "input_ids": prompt,
-        "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 800, "temperature": 0, "ignore_eos": True},
     }
     seen: list[int] = []
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(httpx.post, busy + "/generate", json=body, timeout=300)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not running.done() and time.monotonic() < deadline:
             loads = httpx.get(fleet.router + "/get_loads", timeout=30).json()["workers"]
             seen.append(next(e["load"] for e in loads if e["worker"] == busy))
-            if seen[-1] >= len(prompt):
-                break
-            time.sleep(0.05)
+            time.sleep(0.02)
         assert running.result().status_code == 200
-    assert seen and max(seen) >= len(prompt), seen
+    # most reads fall while it decodes (the prompt's prefill is two steps): the typical read
+    # counts the prompt, which the pages locked in the tree hold by then
+    assert len(seen) >= 3 and sorted(seen)[len(seen) // 2] >= len(prompt), seen

@@ -584,19 +584,18 @@ async def test_input_token_logprobs_shape_and_cache(
 
 
 async def _until_idle(server: Server, timeout: float = 60.0) -> None:
-    """Wait until a real SGLang runs no request (``/get_load``). SGLang 0.5.17's scheduler dies
-    when a ``token_ids_logprob`` request decodes in one batch with a request that has none (seen
-    on a GPU run: ``'list' object has no attribute 'tolist'``), so that check waits for an empty
-    batch (earlier checks leave aborted requests finishing). agentrl serve takes the mix."""
-    if server.ours:
-        return
+    """Wait until the server runs no request (``/get_load``): earlier checks leave aborted
+    requests finishing. SGLang 0.5.17's scheduler dies when a ``token_ids_logprob`` request
+    decodes in one batch with a request that has none (seen on a GPU run: ``'list' object has
+    no attribute 'tolist'``), so that check waits for an empty batch (agentrl serve takes the
+    mix), and so does the check of an idle server's load."""
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         deadline = time.monotonic() + timeout
         while True:
             loads = (await client.get("/get_load")).json()
             if sum(int(entry["num_reqs"]) for entry in loads) == 0:
                 return
-            assert time.monotonic() < deadline, f"SGLang still busy after {timeout} s: {loads}"
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {loads}"
             await anyio.sleep(0.2)
 
 
