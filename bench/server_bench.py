@@ -98,11 +98,12 @@ def step_split(before: dict[str, float], after: dict[str, float], wall: float) -
     }
 
 
-def split_text(split: dict) -> str:
+def split_text(split: dict, digits: int = 1) -> str:
+    """``step_split``'s result in one line, milliseconds with ``digits`` decimals."""
     return (
-        f"{split['prefill_steps']} prefill steps {split['prefill_ms']:.1f} ms, "
-        f"{split['decode_steps']} decode steps {split['decode_ms']:.1f} ms, "
-        f"other {split['other_ms']:.1f} ms"
+        f"{split['prefill_steps']} prefill steps {split['prefill_ms']:.{digits}f} ms, "
+        f"{split['decode_steps']} decode steps {split['decode_ms']:.{digits}f} ms, "
+        f"other {split['other_ms']:.{digits}f} ms"
     )
 
 

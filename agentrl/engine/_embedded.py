@@ -320,6 +320,7 @@ class EmbeddedEngine:
         tree = scheduler.kv.tree
         radix = tree.statistics() if tree is not None else None
         free = pool.num_free
+        waiting = self._worker.waiting_requests()
         cached = radix.cached_tokens // pool.block_size if radix is not None else 0
         evictable = radix.evictable_tokens // pool.block_size if radix is not None else 0
         return EngineStatistics(
@@ -331,8 +332,8 @@ class EmbeddedEngine:
             decode_steps=c.decode_steps,
             mean_batch_size=c.decode_rows / c.decode_steps if c.decode_steps else 0.0,
             running=self._worker.running,
-            waiting=self._worker.waiting,
-            waiting_tokens=self._worker.waiting_tokens,
+            waiting=len(waiting),
+            waiting_tokens=sum(len(r.tokens) for r in waiting),
             weight_version=self._worker.weight_version,
             cached_tokens=s.cached_tokens,
             preemptions=s.preemptions,

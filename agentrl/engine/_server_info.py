@@ -63,6 +63,7 @@ def server_info(server: _Server) -> dict[str, Any]:
         pool_tokens = int(stats.kv_blocks) * int(stats.block_size)
     context = engine.max_context
     graphs = list(getattr(engine, "cuda_graph_sizes", []))
+    largest = max(graphs) if graphs else None
     return {
         "model_path": server.model_path,
         "tokenizer_path": server.model_path,
@@ -75,9 +76,9 @@ def server_info(server: _Server) -> dict[str, Any]:
         "chunked_prefill_size": getattr(engine, "max_step_tokens", None),
         "disable_radix_cache": not getattr(options, "radix_cache", True),
         "disable_cuda_graph": not graphs,
-        "cuda_graph_max_bs_decode": max(graphs) if graphs else None,
+        "cuda_graph_max_bs_decode": largest,
         "cuda_graph_bs_decode": graphs or None,
-        "cuda_graph_max_bs": max(graphs) if graphs else None,
+        "cuda_graph_max_bs": largest,
         "cuda_graph_bs": graphs or None,
         "incremental_streaming_output": server.incremental_streaming_output,
         "enable_streaming_session": True,

@@ -253,16 +253,7 @@ class Worker:
     def running(self) -> int:
         return len(self.scheduler.running)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting_requests())
-
-    @property
-    def waiting_tokens(self) -> int:
-        """Context tokens of the waiting requests."""
-        return sum(len(r.tokens) for r in self._waiting_requests())
-
-    def _waiting_requests(self) -> list[Request]:
+    def waiting_requests(self) -> list[Request]:
         """Queued and waiting requests, read from another thread: under the lock that moving a
         request from the inbox to the queue holds, so none is seen in both or neither."""
         with self._cond:
