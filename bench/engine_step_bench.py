@@ -57,7 +57,7 @@ import torch
 from agentrl._models import resolve_model
 from agentrl._types import SamplingParams
 from agentrl.engine import _scheduler, _worker
-from agentrl.engine._decode import DecodeKernelChooser
+from agentrl.engine._decode import AttentionKernelChooser
 from agentrl.engine._graphs import DecodeGraphs
 from agentrl.engine._kv import KVPool
 from agentrl.engine._model import CausalLM, ModelConfig
@@ -121,7 +121,7 @@ def run_once(
     kv = KVManager(pool, None)
     sessions = SessionTable(cap_tokens=0, ttl_s=None, release=kv.release)
     scheduler = Scheduler(kv, sessions, max_batch_size=batch, max_step_tokens=1 << 20)
-    decode = DecodeKernelChooser(args.decode_attention, device, model.dtype)
+    decode = AttentionKernelChooser(args.decode_attention, device, model.dtype)
     replay = "cuda" if device.type == "cuda" else "eager"
     captured = (
         DecodeGraphs(model, pool, max_batch_size=batch, max_context=context, replay=replay)
@@ -129,7 +129,7 @@ def run_once(
         else None
     )
     worker = Worker(
-        model, None, scheduler, num_threads=args.threads, decode=decode, graphs=captured
+        model, None, scheduler, num_threads=args.threads, attention=decode, graphs=captured
     )  # type: ignore[arg-type]
     worker.batched_greedy = batched
     rng = random.Random(0)

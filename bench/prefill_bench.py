@@ -15,6 +15,10 @@ cached prefix, as a session's next turn or a chunked prompt's later chunk): only
 ``--causal``: instead, one prompt at a time alone in its group, attended as a *causal row* (no
 mask tensor: ``make_attention_batch(causal_rows=True)``) against the folded, masked call
 (``causal_rows=False``); ratios causal / masked.
+``--triton``: instead, the engine's SDPA prefill path (padded groups, causal rows where the
+engine picks them) against the Triton paged-prefill kernel (``prefill_attention="triton"``:
+every row in one launch per layer); ratios triton / sdpa. Needs a CUDA device, or
+``TRITON_INTERPRET=1`` on the CPU (which checks the bench; its times mean nothing).
 
 Usage::
 
@@ -22,6 +26,8 @@ Usage::
     .venv/bin/python bench/prefill_bench.py --causal --batches 1 --prompt 512 [--cached 480]
     python bench/prefill_bench.py --device cuda --dtype bfloat16 --model FOLDER:random \
         --batches 32 128 --prompt 64 --prompt-max 256
+    python bench/prefill_bench.py --device cuda --dtype bfloat16 --model FOLDER:random \
+        --triton --batches 128 --prompt 128 --cached 112   # a batch over radix-cached prompts
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_step_bench import add_model_arguments, model_from_args, synchronize  # noqa: E402
 
 from agentrl.engine._batch import Row, build_forward_batch  # noqa: E402
+from agentrl.engine._decode import AttentionKernelChooser  # noqa: E402
 from agentrl.engine._kv import PREFILL_PAD, KVPool  # noqa: E402
 from agentrl.engine._model import CausalLM  # noqa: E402
 
@@ -61,9 +68,15 @@ def make_rows(batch: int, args: argparse.Namespace, vocab: int) -> list[Row]:
 
 
 def run_once(
-    model: CausalLM, rows: list[Row], pad: float, repeats: int, causal: bool | None = None
+    model: CausalLM,
+    rows: list[Row],
+    pad: float,
+    repeats: int,
+    causal: bool | None = None,
+    prefill: str = "sdpa",
 ) -> dict[str, Any]:
     config, device = model.config, model.device
+    attention = AttentionKernelChooser("sdpa", device, model.dtype, prefill)
     pool = KVPool(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -81,7 +94,7 @@ def run_once(
             start = time.perf_counter()
             batch = build_forward_batch(rows, BLOCK, device, prefill_pad=pad, causal_rows=causal)
             built = time.perf_counter()
-            logits = model.forward(batch, pool)
+            logits = model.forward(batch, pool, attention)
             synchronize(device)
             end = time.perf_counter()
             if i:  # the first is a warm-up
@@ -107,6 +120,9 @@ def main() -> None:
     parser.add_argument(
         "--causal", action="store_true", help="compare causal rows with masked ones instead"
     )
+    parser.add_argument(
+        "--triton", action="store_true", help="compare the Triton prefill kernel with SDPA instead"
+    )
     args = parser.parse_args()
     model = model_from_args(args)
     lengths = f"{args.prompt}" + (f"..{args.prompt_max}" if args.prompt_max > args.prompt else "")
@@ -116,22 +132,24 @@ def main() -> None:
         f"model {args.model} on {model.device} ({args.dtype}), prompts of {lengths} tokens, "
         f"one prefill step (median ms of {args.repeats}, best of {args.rounds} rounds)"
     )
-    configs: list[tuple[str, float, bool | None]] = [
-        ("per-row", 0.0, False),
-        ("grouped", PREFILL_PAD, False),
+    configs: list[tuple[str, float, bool | None, str]] = [
+        ("per-row", 0.0, False, "sdpa"),
+        ("grouped", PREFILL_PAD, False, "sdpa"),
     ]
     if args.causal:  # every row alone: masked against causal
-        configs = [("masked", 0.0, False), ("causal", 0.0, True)]
+        configs = [("masked", 0.0, False, "sdpa"), ("causal", 0.0, True, "sdpa")]
+    if args.triton:  # the engine's SDPA path against the kernel
+        configs = [("sdpa", PREFILL_PAD, None, "sdpa"), ("triton", PREFILL_PAD, None, "triton")]
     report: dict[str, Any] = {"args": vars(args), "rows": []}
     for batch in args.batches:
         rows = make_rows(batch, args, model.config.vocab_size)
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for name, pad, causal in configs:
-                result = run_once(model, rows, pad, args.repeats, causal)
+            for name, pad, causal, prefill in configs:
+                result = run_once(model, rows, pad, args.repeats, causal, prefill)
                 if name not in best or result["forward"] < best[name]["forward"]:
                     best[name] = result
-        (base_name, _, _), (new_name, _, _) = configs
+        (base_name, *_), (new_name, *_) = configs
         base, new = best[base_name], best[new_name]
         delta = (base.pop("logits") - new.pop("logits")).abs().max().item()
         for name, row in best.items():

@@ -9,6 +9,8 @@ on purpose: transformers probes a top-level ``kernels`` package for one.
   ``agentrl.trainer.policy_loss``).
 - ``paged_decode_attention``: one decode step of attention over the embedded engine's paged KV
   cache, grouped-query heads in one program.
+- ``paged_prefill_attention``: a step's prefill chunks (new tokens after a cached context),
+  causal over the same paged cache, every chunk in one launch.
 - ``_fused_ops``: the embedded engine's per-layer elementwise work (RMSNorm with its residual
   add, rotary embedding, SiLU·mul), one kernel each.
 """
@@ -18,6 +20,7 @@ from ._logprob import FusedLogprobEntropy as FusedLogprobEntropy
 from ._logprob import fused_logprob_entropy as fused_logprob_entropy
 from ._logprob_gemm import GemmLogprobEntropy as GemmLogprobEntropy
 from ._paged_attention import paged_decode_attention as paged_decode_attention
+from ._paged_attention import paged_prefill_attention as paged_prefill_attention
 from ._policy_loss import MAX_LOG_RATIO as MAX_LOG_RATIO
 from ._policy_loss import PolicyLossStats as PolicyLossStats
 from ._policy_loss import fused_policy_loss as fused_policy_loss
@@ -38,6 +41,7 @@ __all__ = [
     "fused_policy_loss",
     "interpreting",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "reference",
     "sequence_segments",
     "triton_available",

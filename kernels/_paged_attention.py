@@ -39,7 +39,7 @@ import torch
 
 from ._triton import require_triton, triton_available
 
-__all__ = ["paged_decode_attention", "triton_available"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "triton_available"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,7 +50,10 @@ def _check_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    batch: int | None = None,
 ) -> None:
+    """``batch``: the sequences (default ``q``'s first dimension; the prefill kernel's ``q``
+    holds tokens)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
@@ -62,7 +65,8 @@ def _check_inputs(
         raise ValueError(
             f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
         )
-    batch, heads, dim = q.shape
+    heads, dim = q.shape[1:]
+    batch = q.shape[0] if batch is None else batch
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q's head_dim {dim}")
@@ -176,14 +180,92 @@ def paged_decode_attention(
     )
 
 
-def _require_triton(device: torch.device) -> None:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed prefill chunks over a paged KV cache (Triton): each row's new
+    query tokens attend to its cached keys and to themselves, in one launch for every row.
+
+    - ``q``: ``[T, H, D]``, the rows' query tokens packed row after row (float32, float16 or
+      bfloat16).
+    - ``k_cache``/``v_cache``: ``[num_blocks, block_size, KVH, D]``, ``q``'s dtype, already
+      holding the queries' own keys and values; query head ``h`` reads KV head ``h // (H /
+      KVH)``.
+    - ``block_tables``: ``[B, max_blocks]`` int32/int64, as in ``paged_decode_attention``.
+    - ``seq_lens``: ``[B]`` int32/int64, each row's keys (its cached context plus its queries).
+    - ``query_starts``: ``[B + 1]`` int32/int64, row ``b``'s queries are
+      ``q[query_starts[b]:query_starts[b + 1]]``, the last ``q_len`` of its ``seq_lens[b]``
+      positions (query ``i`` sits at ``seq_len - q_len + i`` and sees keys ``0..`` that).
+      ``query_starts[0]`` is 0 and ``query_starts[B]`` is ``T``.
+    - ``max_query_len``: the longest row's query count when the caller knows it: then it is
+      trusted and nothing is read back from the device; without it the wrapper reads the
+      lengths and the used table entries once and checks them.
+
+    Returns ``[T, H, D]`` in ``q``'s dtype (fp32 accumulation). Raises ``ValueError`` on bad
+    arguments, ``RuntimeError`` when Triton cannot run here.
+    """
+    if block_tables.dim() != 2:
+        raise ValueError(
+            f"block_tables must be [rows, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    rows = block_tables.shape[0]
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, batch=rows)
+    if query_starts.shape != (rows + 1,) or query_starts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"query_starts must be [rows + 1 = {rows + 1}] int32/int64, got "
+            f"{tuple(query_starts.shape)} {query_starts.dtype}"
+        )
+    if query_starts.device != q.device:
+        raise ValueError(f"query_starts is on {query_starts.device}, q on {q.device}")
+    _require_triton(q.device, "paged_prefill_attention")
+    num_blocks, block_size = k_cache.shape[:2]
+    if rows == 0:
+        if q.shape[0]:
+            raise ValueError(f"q has {q.shape[0]} tokens and there are no rows")
+        return torch.empty_like(q)
+    if max_query_len is None:
+        _check_lengths(seq_lens, block_tables, block_size, num_blocks)
+        starts = query_starts.to("cpu", torch.int64)
+        lens = seq_lens.to("cpu", torch.int64)
+        q_lens = starts[1:] - starts[:-1]
+        if int(starts[0]) != 0 or int(starts[-1]) != q.shape[0]:
+            raise ValueError(
+                f"query_starts must run from 0 to q's {q.shape[0]} tokens, got "
+                f"{int(starts[0])}..{int(starts[-1])}"
+            )
+        bad = ((q_lens < 1) | (q_lens > lens)).nonzero()
+        if len(bad):
+            row = int(bad[0])
+            raise ValueError(
+                f"row {row} has {int(q_lens[row])} queries and {int(lens[row])} keys (a row "
+                "needs 1..seq_len queries)"
+            )
+        max_query_len = int(q_lens.max())
+    elif max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    from ._paged_attention_triton import paged_prefill_forward
+
+    return paged_prefill_forward(
+        q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale, max_query_len
+    )
+
+
+def _require_triton(device: torch.device, name: str = "paged_decode_attention") -> None:
     """``RuntimeError`` saying why, unless the kernel can run on ``device``."""
-    require_triton(device, "paged_decode_attention")
+    require_triton(device, name)
     if device.type != "cuda":
         from ._paged_attention_triton import interpreted
 
         if not interpreted():
             raise RuntimeError(
-                "paged_decode_attention cannot run on CPU tensors: its kernels were compiled for "
+                f"{name} cannot run on CPU tensors: its kernels were compiled for "
                 "the GPU (TRITON_INTERPRET was set after they were first used)"
             )

@@ -326,3 +326,182 @@ def paged_decode_forward(
             **COMPILE_OPTIONS,
         )
     return out
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q,
+    K_CACHE,
+    V_CACHE,
+    BLOCK_TABLES,
+    SEQ_LENS,
+    QUERY_STARTS,
+    OUT,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_tb,
+    stride_tm,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PRECISE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (row, kv_head, query block): ``BLOCK_M`` (query, head) pairs of one KV head, the
+    ``GROUP`` heads of a query side by side, attend causally over the row's paged keys with an
+    online softmax (base 2; ``qk_scale`` = softmax scale * log2(e)). Both products are
+    ``tl.dot`` on fp32 operands at ``DOT_PRECISION``."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+
+    q_first = tl.load(QUERY_STARTS + row).to(tl.int32)
+    q_len = tl.load(QUERY_STARTS + row + 1).to(tl.int32) - q_first
+    if m_start >= q_len * GROUP:
+        return
+    seq_len = tl.load(SEQ_LENS + row).to(tl.int32)
+    context = seq_len - q_len  # keys before this step's queries
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, TILE_N)
+    query = offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    mask_m = query < q_len
+    mask_d = offs_d < HEAD_DIM
+    # a padded pair reads as the row's last query (finite scores; never stored)
+    last_query = tl.minimum(query, q_len - 1)
+    visible = context + last_query  # the last key each pair sees
+
+    token = (q_first + last_query).to(tl.int64)
+    q_ptrs = (
+        Q + token[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_row = BLOCK_TABLES + row.to(tl.int64) * stride_tb
+    k_head = K_CACHE + kv_head.to(tl.int64) * stride_kh
+    v_head = V_CACHE + kv_head.to(tl.int64) * stride_vh
+    end = context + tl.minimum((m_start + BLOCK_M - 1) // GROUP, q_len - 1) + 1
+
+    for tile_start in range(0, end, TILE_N):
+        pos = tile_start + offs_n  # [TILE_N] key positions
+        mask_n = pos < end
+        block = tl.load(table_row + (pos // KV_BLOCK_SIZE) * stride_tm, mask=mask_n, other=0)
+        block = block.to(tl.int64)
+        offset = pos % KV_BLOCK_SIZE
+        k_ptrs = (
+            k_head
+            + block[None, :] * stride_kn
+            + offset[None, :] * stride_kt
+            + offs_d[:, None] * stride_kd
+        )
+        k = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        seen = (pos[None, :] <= visible[:, None]) & mask_n[None, :]
+        scores = tl.where(seen, scores, float("-inf"))
+
+        # finite from the first tile on: key 0 is in it and every pair sees it
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = _exp2(m_i - m_new, PRECISE)
+        p = _exp2(scores - m_new[:, None], PRECISE)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_ptrs = (
+            v_head
+            + block[:, None] * stride_vn
+            + offset[:, None] * stride_vt
+            + offs_d[None, :] * stride_vd
+        )
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = _div(acc, l_i[:, None], PRECISE)
+    o_ptrs = (
+        OUT
+        + (q_first + query).to(tl.int64)[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def prefill_tiles(group: int, dim: int, max_query_len: int, fp32: bool) -> tuple[int, int, int]:
+    """``(BLOCK_M, TILE_N, num_warps)`` of the prefill kernel: query blocks of 16-64 (query,
+    head) pairs, 16-32 for fp32 (no longer than the longest row needs), 64-key tiles for 16-bit
+    heads of up to 64 dims and 32-key tiles otherwise, 8 warps for the larger tiles and for
+    fp32 (sized with ptxas's register report for sm_90: larger tiles or fewer warps spill)."""
+    block_m = max(16, min(32 if fp32 else 64, triton.next_power_of_2(max_query_len * group)))
+    tile_n = 64 if dim <= 64 and not fp32 else 32
+    return block_m, tile_n, 8 if fp32 or block_m * tile_n >= 2048 else 4
+
+
+def paged_prefill_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Launch on checked inputs (``_paged_attention.paged_prefill_attention``); ``[T, H, D]``."""
+    tokens, heads, dim = q.shape
+    rows = seq_lens.shape[0]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or rows == 0:
+        return out
+    group = heads // kv_heads
+    fp32 = q.dtype == torch.float32
+    # fp32 inputs: exact products and libdevice exp2/division; 16-bit inputs are exact in tf32,
+    # so only the probabilities round (to tf32) before their product with V
+    precise = fp32 and not interpreted()
+    block_m, tile_n, warps = prefill_tiles(group, dim, max_query_len, fp32)
+    grid = (rows, kv_heads, triton.cdiv(max_query_len * group, block_m))
+    _paged_prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_starts,
+        out,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        float(scale) * _LOG2E,
+        GROUP=group,
+        HEAD_DIM=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        KV_BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        PRECISE=precise,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=warps,
+        **COMPILE_OPTIONS,
+    )
+    return out

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["logprob_entropy", "paged_decode_attention", "policy_loss"]
+__all__ = ["logprob_entropy", "paged_decode_attention", "paged_prefill_attention", "policy_loss"]
 
 
 def logprob_entropy(
@@ -236,4 +236,43 @@ def paged_decode_attention(
             scores = (keys[:, kv].double() @ q[b, h].double()) * scale  # [n]
             weights = torch.softmax(scores, dim=0)
             out[b, h] = weights @ values[:, kv].double()
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor | list[int],
+    query_starts: torch.Tensor | list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed prefill chunks over a paged KV cache, a query at a time.
+
+    ``q [T, H, D]`` packs the rows' queries: row ``b``'s are ``q[query_starts[b]:query_starts[b
+    + 1]]``, the last ``q_len`` of its ``seq_lens[b]`` positions, so query ``i`` sits at
+    position ``seq_lens[b] - q_len + i`` and attends to keys ``0..`` that position (causal
+    attention after a cached context). Keys as in ``paged_decode_attention``. Float64, returned
+    in ``q``'s dtype.
+    """
+    heads = q.shape[1]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    lens = [int(n) for n in (seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens)]
+    starts = [
+        int(s) for s in (query_starts.tolist() if torch.is_tensor(query_starts) else query_starts)
+    ]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        blocks = [int(block_tables[b, i // block_size]) for i in range(n)]
+        keys = torch.stack([k_cache[blk, i % block_size] for i, blk in enumerate(blocks)])
+        values = torch.stack([v_cache[blk, i % block_size] for i, blk in enumerate(blocks)])
+        first, q_len = starts[b], starts[b + 1] - starts[b]
+        for i in range(q_len):
+            seen = n - q_len + i + 1
+            for h in range(heads):
+                kv = h // group
+                scores = (keys[:seen, kv].double() @ q[first + i, h].double()) * scale
+                out[first + i, h] = torch.softmax(scores, dim=0) @ values[:seen, kv].double()
     return out.to(q.dtype)

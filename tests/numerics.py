@@ -238,6 +238,51 @@ def triton_decode_rounding(
     return {"u_out": u_out, "splits": num_splits or -(-max_seq_len // 16)}
 
 
+def triton_prefill_rounding(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``attention_error_bound`` arguments for the Triton paged-prefill kernel: loads upcast to
+    fp32 and both products in ``tl.dot`` on fp32 operands. fp32 inputs: ``"ieee"`` products,
+    exact. 16-bit inputs: ``"tf32"``, which holds bf16/fp16 values exactly, so only the
+    probabilities round (to tf32, on a GPU; the interpreter multiplies in fp32) before ``P V``;
+    the output cast as in ``triton_decode_rounding``."""
+    if dtype == torch.float32:
+        return {}
+    u_out = unit_roundoff(dtype) * (2 if device == "cpu" else 1)
+    return {"u_out": u_out, "u_prob": TF32_UNIT_ROUNDOFF if device != "cpu" else 0.0}
+
+
+def paged_prefill_bound(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    scale: float,
+    **rounding: float,
+) -> torch.Tensor:
+    """``attention_error_bound`` for every (query token, head) of packed prefill chunks over a
+    paged cache (``q [T, H, D]``; row ``b``'s queries ``query_starts[b]:query_starts[b + 1]``
+    are its last positions and see the keys up to their own): ``[T, H, D]``."""
+    q64, k64, v64 = to64(q, k_cache, v_cache)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    tables, starts = block_tables.cpu(), query_starts.tolist()
+    bound = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        blocks = tables[b, pos // block_size]
+        keys, values = k64[blocks, pos % block_size], v64[blocks, pos % block_size]
+        first, q_len = starts[b], starts[b + 1] - starts[b]
+        for i in range(q_len):
+            seen = n - q_len + i + 1
+            for h in range(q.shape[1]):
+                kv = h // group
+                bound[first + i, h] = attention_error_bound(
+                    q64[first + i, h], keys[:seen, kv], values[:seen, kv], scale, **rounding
+                )
+    return bound
+
+
 def sdpa_rounding(dtype: torch.dtype, device: str) -> dict[str, float]:
     """``attention_error_bound`` arguments for torch SDPA, over its backends: in bf16/fp16 the
     math backend pre-scales q and k and stores scores and probabilities in the working dtype,

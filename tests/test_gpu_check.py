@@ -55,6 +55,11 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     (steps,) = engine["decode_steps"]  # the graphs' static forward, run eagerly on the CPU
     assert steps["batch"] == 3 and steps["graphs_same_ids"] is True
     assert steps["graphs_fused_same_ids"] is True  # the fused kernels, in the interpreter
+    for key in ("prefill_cached0", "prefill_cached112"):  # the prefill kernel, interpreted
+        (prefill,) = engine[key]
+        assert prefill["batch"] == 2 and prefill["max_dlogit"] < 1e-3, prefill
+        assert prefill["triton"]["forward"] > 0 and prefill["sdpa"]["forward"] > 0
+    assert "prefill step (112 cached), triton / sdpa forward: B=2" in sections["engine"]["detail"]
     train = sections["train"]["results"]
     assert set(train) == {"smollm2-135m", "qwen2.5-0.5b"}
     assert all(r["update_tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in train.values())

@@ -75,7 +75,7 @@ from agentrl.kernels._fused_ops import DTYPES as FUSED_OPS_DTYPES
 from agentrl.kernels._fused_ops import probe as fused_ops_probe
 from agentrl.kernels._fused_ops import unsupported as fused_ops_unsupported
 
-from ._decode import DecodeKernelChooser, check_decode_attention
+from ._decode import AttentionKernelChooser, check_attention
 from ._graphs import DecodeGraphs
 from ._kv import KVPool
 from ._logprobs import LogprobCollector
@@ -161,8 +161,10 @@ class EmbeddedEngine:
                 f"the model is on {model.device} but device={opts.device!r} ({device}): build "
                 f"the CausalLM with device={str(device)!r}"
             )
-        # before any thread starts: an unusable decode kernel fails here, not mid-request
-        decode = DecodeKernelChooser(opts.decode_attention, device, model.dtype)
+        # before any thread starts: an unusable attention kernel fails here, not mid-request
+        attention = AttentionKernelChooser(
+            opts.decode_attention, device, model.dtype, opts.prefill_attention
+        )
         model.fused_ops = use_fused_ops(opts.fused_ops, device, model.config, model.dtype)
         if model.fused_ops and device.type == "cuda":  # they build and run here, or not at all
             try:
@@ -263,7 +265,7 @@ class EmbeddedEngine:
             num_threads=opts.num_threads or os.cpu_count() or 1,
             in_flight=opts.in_flight,
             weight_version=weight_version,
-            decode=decode,
+            attention=attention,
             graphs=graphs,
         )
         self._worker.thread.start()
@@ -280,9 +282,10 @@ class EmbeddedEngine:
         """
         folder = resolve_model(path)
         opts = (options or EngineOptions()).replace(**overrides)
-        # refuse an unusable device or decode kernel before loading the weights
+        # refuse an unusable device or attention kernel before loading the weights
         device, dtype = resolve_device(opts.device), resolve_dtype(opts.dtype)
-        check_decode_attention(opts.decode_attention, device, dtype)
+        check_attention(opts.decode_attention, device, dtype, "decode_attention")
+        check_attention(opts.prefill_attention, device, dtype, "prefill_attention")
         use_fused_ops(opts.fused_ops, device, dtype=dtype)
         try:
             model = CausalLM.from_folder(folder, dtype, device)

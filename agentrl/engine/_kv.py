@@ -21,6 +21,7 @@ step's metadata tensors on that device once, so no layer copies or builds any.
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from agentrl._errors import EngineError
-from agentrl.kernels import paged_decode_attention
+from agentrl.kernels import paged_decode_attention, paged_prefill_attention
 
 
 class KVPool:
@@ -176,6 +177,9 @@ class AttentionBatch(NamedTuple):
     - ``decode_mask``: ``[num_decode, 1, 1, L]`` bool (``True`` = attend; ``L`` the longest decode
       row rounded up to blocks) or ``None`` when every decode row spans all ``L`` keys.
     - ``prefill_groups``: the prefill rows, grouped for batched SDPA calls (``PrefillGroup``).
+    - ``prefill_starts``: ``[P + 1]`` int32, the prefill rows' query starts counted from the
+      first prefill token (``query_starts[num_decode:]`` minus its first), what the Triton
+      prefill kernel reads; ``None`` when the step has no prefill row.
     """
 
     block_tables: torch.Tensor
@@ -186,10 +190,12 @@ class AttentionBatch(NamedTuple):
     num_decode: int
     decode_mask: torch.Tensor | None
     prefill_groups: list[PrefillGroup]
+    prefill_starts: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch (to check where they live)."""
         found = [self.block_tables, self.seq_lens_tensor]
+        found += [self.prefill_starts] if self.prefill_starts is not None else []
         found += [self.decode_mask] if self.decode_mask is not None else []
         for g in self.prefill_groups:
             found += [t for t in (g.src, g.dst, g.table, g.mask) if t is not None]
@@ -277,10 +283,16 @@ def make_attention_batch(
     rows = [t + [0] * (width - len(t)) for t in tables]
     flat = [block for row in rows for block in row]
     block_tables = int_tensor(flat, device).view(len(rows), width)
-    lens = int_tensor(seq_lens, device, torch.int32)
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
+    prefill_starts = None
+    if num_decode < len(query_lens):  # one copy for the lengths and the prefill starts
+        relative = [start - starts[num_decode] for start in starts[num_decode:]]
+        both = int_tensor(seq_lens + relative, device, torch.int32)
+        lens, prefill_starts = both.split([len(seq_lens), len(relative)])
+    else:
+        lens = int_tensor(seq_lens, device, torch.int32)
     runs = [t[0] if t[-1] - t[0] == len(t) - 1 and _ascending(t) else None for t in tables]
     decode_mask = None
     if num_decode > 1:
@@ -337,6 +349,7 @@ def make_attention_batch(
         num_decode=num_decode,
         decode_mask=decode_mask,
         prefill_groups=prefill_groups,
+        prefill_starts=prefill_starts,
     )
 
 
@@ -365,6 +378,7 @@ def paged_attention(
     scale: float,
     *,
     decode_kernel: str = "sdpa",
+    prefill_kernel: str = "sdpa",
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged KV.
 
@@ -372,16 +386,19 @@ def paged_attention(
     ``[num_blocks, block_size, kv_heads, head_dim]``, already holding this step's keys/values.
     Returns ``[T, heads, head_dim]`` (``q``'s dtype). Grouped-query attention folds the query
     heads sharing a KV head into the query-length axis, so KV is never repeated.
-    ``decode_kernel``: ``"sdpa"`` or ``"triton"``, what the decode rows run (prefill rows always
-    run SDPA). ``batch``'s tensors must be on the cache's device.
+    ``decode_kernel``: ``"sdpa"`` or ``"triton"``, what the decode rows run; ``prefill_kernel``
+    the same for the prefill chunks (``"triton"``: all of them in one launch of
+    ``paged_prefill_attention``; ``"sdpa"``: per ``PrefillGroup``). ``batch``'s tensors must be
+    on the cache's device.
     """
     tokens, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     nd = batch.num_decode
-    if decode_kernel not in ("sdpa", "triton"):
-        raise EngineError(f"decode_kernel must be 'sdpa' or 'triton', got {decode_kernel!r}")
+    for name, kernel in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
+        if kernel not in ("sdpa", "triton"):
+            raise EngineError(f"{name} must be 'sdpa' or 'triton', got {kernel!r}")
     if nd and decode_kernel == "triton":
         out[:nd] = paged_decode_attention(
             q[:nd],
@@ -406,6 +423,19 @@ def paged_attention(
         qd = q[:nd].view(nd, kv_heads, group, dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, heads, dim)
+    if prefill_kernel == "triton" and batch.prefill_starts is not None:
+        first = batch.query_starts[nd]
+        out[first:] = paged_prefill_attention(
+            q[first:],
+            k_cache,
+            v_cache,
+            batch.block_tables[nd:],
+            batch.seq_lens_tensor[nd:],
+            batch.prefill_starts,
+            scale,
+            max_query_len=max(b - a for a, b in itertools.pairwise(batch.query_starts[nd:])),
+        )
+        return out
     for g in batch.prefill_groups:
         if g.src is None:
             _prefill_row(out, q, k_cache, v_cache, batch, g, scale)

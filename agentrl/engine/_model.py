@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from agentrl._errors import EngineError
 from agentrl.kernels import _fused_ops as fused
 
-from ._decode import DecodeKernelChooser
+from ._decode import AttentionKernelChooser
 from ._kv import AttentionBatch, KVPool, paged_attention
 from ._weight_values import check_weight_values
 
@@ -343,14 +343,18 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | str | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVPool,
+        attention: AttentionKernelChooser | str | None = None,
     ) -> torch.Tensor:
         """Run one step: write the step's K/V into ``kv`` and return float32 logits ``[R, vocab]``
         for ``batch.logits_rows`` (on the model's device; ``batch`` and ``kv`` must be there
-        too). ``decode`` picks the decode rows' attention kernel: a chooser, a kernel name
-        (``"sdpa"`` or ``"triton"``) or ``None`` (SDPA)."""
+        too). ``attention`` picks the attention kernels: a chooser (decode rows and prefill
+        chunks), a kernel name for the decode rows (``"sdpa"`` or ``"triton"``; prefill chunks
+        then run SDPA) or ``None`` (SDPA)."""
         if self.fused_ops:
-            return self._forward_fused(batch, kv, decode)
+            return self._forward_fused(batch, kv, attention)
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         tokens = batch.input_ids.shape[0]
@@ -363,7 +367,7 @@ class CausalLM:
             qk, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
             # q and k rotate together: one set of elementwise kernels per layer, not two
             qk = _rotate(qk.view(tokens, heads + kv_heads, dim), cos, sin)
-            o = self._attend(index, qk, v, batch, kv, decode)
+            o = self._attend(index, qk, v, batch, kv, attention)
             x = x + _project(o, layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)
             gate, up = _project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
@@ -372,7 +376,7 @@ class CausalLM:
         return torch.matmul(x, self.lm_head).float()
 
     def _forward_fused(
-        self, batch: ForwardBatch, kv: KVPool, decode: DecodeKernelChooser | str | None
+        self, batch: ForwardBatch, kv: KVPool, attention: AttentionKernelChooser | str | None
     ) -> torch.Tensor:
         """``forward`` with the fused kernels: each residual add rides in the next RMSNorm's
         kernel, rotary embedding looks up its cos/sin rows itself, SiLU·mul is one kernel."""
@@ -388,7 +392,7 @@ class CausalLM:
             qk = fused.rotary(
                 qk.view(tokens, heads + kv_heads, dim), batch.positions, self.cos, self.sin
             )
-            o = self._attend(index, qk, v, batch, kv, decode)
+            o = self._attend(index, qk, v, batch, kv, attention)
             x, h = fused.rms_norm(x, layer.post_norm, eps, _project(o, layer.o, layer.o_bias))
             act = fused.silu_mul(_project(h, layer.gate_up, layer.gate_up_bias))
             down = _project(act, layer.down, layer.down_bias)
@@ -406,7 +410,7 @@ class CausalLM:
         v: torch.Tensor,
         batch: ForwardBatch,
         kv: KVPool,
-        decode: DecodeKernelChooser | str | None,
+        attention: AttentionKernelChooser | str | None,
     ) -> torch.Tensor:
         """Layer ``index``'s attention: write the step's rotated K and V into ``kv``, attend
         the rotated queries (``qk [T, heads + kv_heads, D]``, queries first); ``[T, H * D]``."""
@@ -418,11 +422,14 @@ class CausalLM:
         k_cache, v_cache = kv.layer(index)
         scale = 1.0 / math.sqrt(dim)
         attn = batch.attention
-        if decode is None or isinstance(decode, str):
-            kernel = decode or "sdpa"
+        if attention is None or isinstance(attention, str):
+            kernel, prefill = attention or "sdpa", "sdpa"
         else:
-            kernel = decode.choose(q, k_cache, v_cache, attn, scale)
-        o = paged_attention(q, k_cache, v_cache, attn, scale, decode_kernel=kernel)  # [T, H, D]
+            kernel = attention.choose(q, k_cache, v_cache, attn, scale)
+            prefill = attention.choose_prefill(q, k_cache, v_cache, attn, scale)
+        o = paged_attention(  # [T, H, D]
+            q, k_cache, v_cache, attn, scale, decode_kernel=kernel, prefill_kernel=prefill
+        )
         return o.reshape(tokens, heads * dim)
 
 

@@ -85,6 +85,16 @@ class EngineOptions(pydantic.BaseModel):
     ``"auto"``: SDPA on CPU; on a CUDA device, the first step of each shape bucket (decode rows
     and longest context, each rounded up to a power of two) times both paths once with CUDA
     events and the bucket keeps the faster."""
+    prefill_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    """What runs the prefill chunks' attention (a prompt's tokens past its cached prefix, over
+    that prefix and causally over themselves). ``"sdpa"``: torch SDPA, chunks of similar length
+    padded into groups (one call per group) or alone as causal rows. ``"triton"``: the Triton
+    paged-prefill kernel (``agentrl.kernels``), every chunk of the step in one launch per layer,
+    reading the cached keys in place; needs a CUDA device, or Triton's CPU interpreter
+    (``TRITON_INTERPRET=1``, tests only), else the engine refuses to start. ``"auto"``: SDPA on
+    CPU; on a CUDA device, the first step of each shape bucket (prefill rows, their new tokens,
+    their longest context, each rounded up to a power of two) times both paths once with CUDA
+    events and the bucket keeps the faster."""
     fused_ops: Literal["auto", "triton", "torch"] = "auto"
     """What runs each layer's elementwise work: RMSNorm (with the residual add before it),
     rotary embedding and ``silu(gate) * up``. ``"triton"``: one Triton kernel each

@@ -629,6 +629,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="largest decode batch captured as a CUDA graph (default: --max-running-requests)",
     )
+    for phase in ("decode", "prefill"):
+        parser.add_argument(
+            f"--{phase}-attention-backend",
+            f"--{phase}-attention",
+            dest=f"{phase}_attention",
+            choices=("auto", "sdpa", "triton"),
+            default=None,
+            help=f"what runs the {phase} attention: torch SDPA, the Triton paged kernel, or "
+            "auto (default: on a GPU the faster of the two, measured per shape bucket)",
+        )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--page-size",
@@ -692,6 +702,8 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "dtype",
         "in_flight",
         "cuda_graph_max_bs",
+        "decode_attention",
+        "prefill_attention",
     )
     options = {k: getattr(args, k, None) for k in names}
     options = {k: v for k, v in options.items() if v is not None}

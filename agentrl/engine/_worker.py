@@ -41,7 +41,7 @@ from agentrl._errors import EngineError
 from agentrl._types import FinishReason, GenerateResult
 
 from ._batch import take_rows
-from ._decode import DecodeKernelChooser
+from ._decode import AttentionKernelChooser
 from ._graphs import DecodeGraphs
 from ._model import CausalLM
 from ._sampling import check_logprob, greedy_tokens, sample_token
@@ -200,11 +200,12 @@ class Worker:
         num_threads: int,
         in_flight: str = "finish",
         weight_version: int = 0,
-        decode: DecodeKernelChooser | None = None,
+        attention: AttentionKernelChooser | None = None,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
-        self.decode = decode
+        self.attention = attention
+        """What runs the attention of uncaptured steps (``None``: SDPA)."""
         self.graphs = graphs
         """Captured decode steps (``_graphs``): a step they accept replays one."""
         self.tokenizer = tokenizer
@@ -393,7 +394,7 @@ class Worker:
                 logits = graphs.run(step.packed)
             else:
                 pool = self.scheduler.kv.pool
-                logits = self.model.forward(step.forward_batch(), pool, self.decode)
+                logits = self.model.forward(step.forward_batch(), pool, self.attention)
             picks, host, where = self._read_logits(step, logits)
         except Exception as exc:
             for request, _ in step.rows:

@@ -28,7 +28,7 @@ from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, _embedded, _graphs, open_embedded_engine
 from agentrl.engine._batch import Row, build_forward_batch
-from agentrl.engine._decode import DecodeKernelChooser
+from agentrl.engine._decode import AttentionKernelChooser
 from agentrl.engine._kv import PREFILL_PAD, KVPool
 from agentrl.engine._model import CausalLM, ModelConfig, read_safetensors
 from agentrl.engine._options import resolve_device
@@ -561,7 +561,7 @@ def test_a_step_runs_on_a_device_other_than_the_cpu(tiny_dir: Path) -> None:
         Row(list(range(10, 50)), 10, 25, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39], True),
         Row(list(range(10, 25)), 0, 15, [40, 45, 41, 42], False),
     ]
-    decode = DecodeKernelChooser("auto", pool.device, model.dtype)
+    decode = AttentionKernelChooser("auto", pool.device, model.dtype)
     for pad, groups in ((PREFILL_PAD, 1), (0.0, 2)):  # the two prefill rows together, alone
         batch = build_forward_batch(rows, 4, pool.device, prefill_pad=pad)
         attention = batch.attention

@@ -344,3 +344,10 @@ def test_sglangs_launch_flags_set_the_engine_options() -> None:
     assert options == {"max_batch_size": 7, "max_step_tokens": 96, "block_size": 1}
     assert engine_options_from_args(parser.parse_args([])) == {}
     EngineOptions(**options)  # every key is a field
+    # SGLang's attention backend flags, with the values agentrl has ("triton" is one of SGLang's)
+    backends = ["--prefill-attention-backend", "triton", "--decode-attention-backend", "sdpa"]
+    options = engine_options_from_args(parser.parse_args(backends))
+    assert options == {"prefill_attention": "triton", "decode_attention": "sdpa"}
+    EngineOptions(**options)
+    with pytest.raises(SystemExit):  # argparse names the flag and the choices
+        parser.parse_args(["--prefill-attention-backend", "flashinfer"])

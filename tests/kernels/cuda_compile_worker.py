@@ -102,6 +102,19 @@ def variants():
             label = f"paged decode merge {dtype} dim={dim}"
             options = {"num_warps": 4, **pa.COMPILE_OPTIONS}
             yield label, pa._paged_decode_reduce_kernel, ptrs, set(), const, options
+            for max_query_len in (1, 16, 512):
+                block_m, tile_n, warps = pa.prefill_tiles(
+                    group, dim, max_query_len, dtype == "fp32"
+                )
+                ptrs = {"Q": dtype, "K_CACHE": dtype, "V_CACHE": dtype, "OUT": dtype}
+                ptrs |= {"BLOCK_TABLES": "i64", "SEQ_LENS": "i32", "QUERY_STARTS": "i32"}
+                const = {"GROUP": group, "HEAD_DIM": dim, "BLOCK_D": max(16, block_d)}
+                const |= {"KV_BLOCK_SIZE": 16, "BLOCK_M": block_m, "TILE_N": tile_n}
+                const |= {"PRECISE": dtype == "fp32"}
+                const |= {"DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+                label = f"paged prefill {dtype} group={group} dim={dim} block_m={block_m}"
+                options = {"num_warps": warps, **pa.COMPILE_OPTIONS}
+                yield label, pa._paged_prefill_kernel, ptrs, {"qk_scale"}, const, options
 
 
 def fused_op_variants():
@@ -164,7 +177,10 @@ def main() -> None:
             print(f"FAILED {label}: {type(exc).__name__}: {exc}", flush=True)
             raise SystemExit(1) from exc
         assert compiled.asm.get("cubin"), f"{label}: no cubin"
-        if options.get("enable_fp_fusion") is False and "fma.rn.f32" in compiled.asm["ptx"]:
+        # an fp32 "ieee" tl.dot is itself a chain of FMAs (its accumulation, not a contraction)
+        ieee_dot = const.get("DOT_PRECISION") == "ieee"
+        fused = "fma.rn.f32" in compiled.asm["ptx"]
+        if options.get("enable_fp_fusion") is False and fused and not ieee_dot:
             print(f"FAILED {label}: fp fusion is off yet the PTX has fma.rn.f32", flush=True)
             raise SystemExit(1)
         count += 1
