@@ -8,7 +8,9 @@ version; this is the subset a client reads, with this server's real values: ``mo
 ``disable_radix_cache``, ``disable_cuda_graph`` (true where decode steps run without captured
 graphs, the CPU included), ``cuda_graph_max_bs_decode`` and ``cuda_graph_bs_decode`` (the
 captured batch sizes, ``null`` without graphs; SGLang 0.5.17's names, also given under the older
-names ``cuda_graph_max_bs`` and ``cuda_graph_bs``), ``incremental_streaming_output``,
+names ``cuda_graph_max_bs`` and ``cuda_graph_bs``), ``decode_attention_backend`` and
+``prefill_attention_backend`` (the engine's ``decode_attention``/``prefill_attention``: ``auto``,
+``sdpa`` or ``triton``), ``incremental_streaming_output``,
 ``weight_version``, ``version`` (agentrl's) and ``internal_states`` (``last_gen_throughput`` in
 tokens/s of the last finished request, and the numbers of running and waiting requests).
 """
@@ -80,6 +82,8 @@ def server_info(server: _Server) -> dict[str, Any]:
         "cuda_graph_bs_decode": graphs or None,
         "cuda_graph_max_bs": largest,
         "cuda_graph_bs": graphs or None,
+        "decode_attention_backend": getattr(options, "decode_attention", None),
+        "prefill_attention_backend": getattr(options, "prefill_attention", None),
         "incremental_streaming_output": server.incremental_streaming_output,
         "enable_streaming_session": True,
         "skip_tokenizer_init": False,

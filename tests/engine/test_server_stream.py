@@ -321,6 +321,7 @@ async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path)
     assert info["disable_cuda_graph"] is True
     for name in ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode"):
         assert info[name] is None and info[name.removesuffix("_decode")] is None, name
+    assert info["decode_attention_backend"] == info["prefill_attention_backend"] == "auto"
 
 
 def test_sglangs_launch_flags_set_the_engine_options() -> None:

@@ -769,6 +769,8 @@ async def test_server_info_has_the_fields_clients_read(server: Server) -> None:
     assert graph_bs is None or (isinstance(graph_bs, int) and graph_bs >= 1)
     sizes = info["cuda_graph_bs_decode"]
     assert sizes is None or (isinstance(sizes, list) and all(b >= 1 for b in sizes))
+    for key in ("decode_attention_backend", "prefill_attention_backend"):  # a flag's value
+        assert info[key] is None or isinstance(info[key], str), key
     assert isinstance(info["version"], str)
     assert isinstance(info["internal_states"], list) and info["internal_states"]
     assert "last_gen_throughput" in info["internal_states"][0]
