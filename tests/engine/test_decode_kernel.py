@@ -278,7 +278,7 @@ async def test_engine_triton_prefill_matches_sdpa(
 
     def counting(*args, **kwargs):
         starts, lens = args[5].tolist(), args[4].tolist()
-        calls.append([(b - a, n) for a, b, n in zip(starts, starts[1:], lens, strict=True)])
+        calls.append([(b - a, n) for a, b, n in zip(starts[:-1], starts[1:], lens, strict=True)])
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(_kv, "paged_prefill_attention", counting)
