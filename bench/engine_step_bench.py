@@ -1,7 +1,8 @@
 """Per-decode-step host time of the embedded engine, at large batch, on the CPU or a GPU.
 
 Drives the engine's scheduler and worker directly (no event loop, no HTTP): ``B`` greedy
-requests with short random prompts are prefilled, then ``--steps`` decode steps are timed one by
+requests (or, with ``--temperature T``, seeded requests sampling at ``T``) with short random
+prompts are prefilled, then ``--steps`` decode steps are timed one by
 one and split into
 
 - ``plan``: the scheduler's step plan and the packed ``ForwardBatch`` (block tables, positions,
@@ -10,13 +11,14 @@ one and split into
   a GPU this is the device time of the step's kernels plus their launches);
 - ``sample``: reading the logits back and sampling, logprob recording, stop checks, bookkeeping;
   ``reduce`` is the part of it spent in the vocabulary-wide reductions (``sample_token`` per row,
-  or ``greedy_tokens`` once, including the wait for the device), the rest is Python per row.
+  or ``greedy_picks``/``sampled_picks`` and their ``read_back`` once, including the wait for the
+  device), the rest is Python per row.
 
 ``host`` is ``plan + sample``: the work a step does besides the forward; ``python`` is
 ``host - reduce``, what the host spends per step whatever device runs the reductions. Two
 configurations run in the same process, alternating for ``--rounds`` rounds (best round of each
 reported): ``row-by-row`` copies the whole ``[B, vocab]`` logits to the host and samples each
-row there, ``batched`` picks all greedy rows where the logits are and reads back ids and
+row there, ``batched`` picks all rows where the logits are and reads back ids and
 logprobs in one copy (the engine's default on a GPU; on the CPU row-by-row is its default).
 Both produce the same tokens (on the CPU the same logprobs too, bit for bit; on a GPU the
 batched logprobs are the device's ``log_softmax``): the bench prints whether the ids agree, the
@@ -131,9 +133,9 @@ def run_once(
     worker = Worker(
         model, None, scheduler, num_threads=args.threads, attention=decode, graphs=captured
     )  # type: ignore[arg-type]
-    worker.batched_greedy = batched
+    worker.batched_sampling = batched
     rng = random.Random(0)
-    greedy = SamplingParams(max_new_tokens=args.steps + 8, temperature=0)
+    greedy = SamplingParams(max_new_tokens=args.steps + 8, temperature=args.temperature)
     requests = []
     for seed in range(batch):
         ids = [rng.randrange(100, config.vocab_size) for _ in range(args.prompt)]
@@ -153,7 +155,8 @@ def run_once(
     spent = [0.0]
     reduced = [0.0]
     packed = [0.0]
-    originals = {name: getattr(_worker, name) for name in ("sample_token", "greedy_tokens")}
+    reductions = ("sample_token", "greedy_picks", "sampled_picks", "read_back")
+    originals = {name: getattr(_worker, name) for name in reductions}
 
     def timing(fn: Any, into: list[float] = reduced) -> Any:
         """``fn``, adding the seconds each call takes to ``into[0]``."""
@@ -266,6 +269,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)"
+    )
     parser.add_argument(
         "--cuda-graph", action="store_true", help="also time decode steps replayed from CUDA graphs"
     )

@@ -55,6 +55,8 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     (steps,) = engine["decode_steps"]  # the graphs' static forward, run eagerly on the CPU
     assert steps["batch"] == 3 and steps["graphs_same_ids"] is True
     assert steps["graphs_fused_same_ids"] is True  # the fused kernels, in the interpreter
+    (sampled,) = engine["sampled_steps"]  # temperature 1: both ways draw the same tokens
+    assert sampled["batch"] == 3 and sampled["same_ids"] is True, sampled
     for key in ("prefill_cached0", "prefill_cached112"):  # the prefill kernel, interpreted
         (prefill,) = engine[key]
         assert prefill["batch"] == 2 and prefill["max_dlogit"] < 1e-3, prefill

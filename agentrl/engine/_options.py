@@ -71,9 +71,10 @@ class EngineOptions(pydantic.BaseModel):
     ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``"cuda"`` is the current CUDA device of the thread
     that opens the engine (under torchrun: the rank's, once ``torch.cuda.set_device`` ran).
     Checked when the engine starts: ``EngineError`` naming this field when CUDA is unavailable
-    or the index does not exist. Sampling stays on the CPU either way: each step copies its
-    logits rows back (float32) and every request samples with its own CPU generator, so a seed
-    means the same on every device."""
+    or the index does not exist. Every sampled token consumes one uniform number of its
+    request's own CPU generator and is drawn by inverse CDF from it: on a GPU all of a step's rows
+    at once where the logits are (only ids and logprobs come back), on the CPU row by row, by the
+    same operations, so a seed means the same on every device."""
     dtype: str = "float32"
     """Model and KV dtype (a ``torch`` dtype name): ``"float32"``, or ``"bfloat16"``, the natural
     choice on a GPU (logits are float32 either way)."""

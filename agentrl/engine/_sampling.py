@@ -5,15 +5,18 @@ vocabulary, taken *before* top-k / top-p / min-p filtering (what SGLang returns 
 trainer recomputes). ``temperature == 0`` means greedy (argmax, lowest id on ties); its logprob is
 then ``log_softmax(logits)``, i.e. temperature 1 for the logprob only.
 
-Each request samples with its own ``torch.Generator`` and only ever looks at its own logits row,
-so a seed gives the same tokens whatever other requests share the batch (up to the last-bit fp32
-differences batching can cause in the logits themselves).
+A sampled token is drawn by inverse CDF from one uniform number of the request's own
+``torch.Generator`` (``draw_uniform``), so a seed gives the same tokens whatever other requests
+share the batch, whether the step samples its rows one by one on the CPU (``sample_token``) or
+all at once where the logits are (``sample_rows``, the engine's path on a GPU): both run the same
+operations on a row (up to the last-bit differences a device's reductions may have).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -49,6 +52,12 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+def draw_uniform(generator: torch.Generator) -> float:
+    """The one uniform number in ``[0, 1)`` a sampled token consumes from its request's
+    generator (float64, 53 random bits)."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
 def sample_token(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
@@ -61,9 +70,8 @@ def sample_token(
         token = int(torch.argmax(logits))
         logprob = float(torch.log_softmax(logits, dim=-1)[token])
     else:
-        logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
-        token = _sample_filtered(logprobs.exp(), sampling, generator)
-        logprob = float(logprobs[token])
+        ids, logprobs = sample_rows(logits.view(1, -1), [sampling], [draw_uniform(generator)])
+        token, logprob = ids[0], logprobs[0]
     check_logprob(token, logprob)
     return token, logprob
 
@@ -80,33 +88,87 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     lowest id on ties; ``log_softmax`` of the row at the id), computed where the logits are, and
     read back in one device-to-host copy of ``2 * R`` numbers (float64 holds both the int ids
     and the float32 logprobs exactly). Finiteness is not checked (``check_logprob``)."""
-    if not len(logits):
-        return [], []
+    return read_back(*greedy_picks(logits))
+
+
+def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_tokens`` left on the logits' device: ids ``[R]`` int64, logprobs ``[R]``."""
     ids = torch.argmax(logits, dim=-1)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids.view(-1, 1)).view(-1)
+    return ids, logprobs
+
+
+def read_back(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Device ids and logprobs as Python lists, in one copy of ``2 * R`` float64 numbers."""
+    if not len(ids):
+        return [], []
     packed = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).cpu()
     host_ids, host_logprobs = packed.tolist()
     return [int(i) for i in host_ids], host_logprobs
 
 
-def _sample_filtered(
-    probs: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
-) -> int:
-    """Draw from ``probs`` (``[vocab]``) after top-k, then top-p (renormalized), then min-p."""
-    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
-    vocab = probs.shape[-1]
-    if top_k == -1 and top_p >= 1:
-        if min_p > 0:
-            probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
-        return int(torch.multinomial(probs, 1, generator=generator))
-    if 0 < top_k < vocab:
-        values, indices = torch.topk(probs, top_k)  # sorted, descending
-    else:
-        values, indices = torch.sort(probs, descending=True)
-    if top_p < 1:
-        values = values / values.sum()
-        before = torch.cumsum(values, dim=0) - values  # mass strictly above each token
-        values = torch.where(before < top_p, values, 0.0)
-    if min_p > 0:
-        values = torch.where(values >= min_p * values[0], values, 0.0)
-    return int(indices[torch.multinomial(values, 1, generator=generator)])
+def sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> tuple[list[int], list[float]]:
+    """Sample a token for every row of ``logits`` (``[R, vocab]`` float32, on any device) at
+    once, row ``r`` with ``params[r]`` (temperature > 0) and the uniform ``uniforms[r]``
+    (``draw_uniform``); ids and unfiltered logprobs, read back in one copy (``read_back``).
+    Finiteness is not checked (``check_logprob``)."""
+    return read_back(*sampled_picks(logits, params, uniforms))
+
+
+def sampled_picks(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_rows`` left on the logits' device: ids ``[R]`` int64, logprobs ``[R]`` float32.
+
+    Inverse CDF: a row's token is the first whose running sum of weights exceeds ``u`` times
+    their total. A row without top-k and top-p sums its probabilities (those below ``min_p``
+    times the largest zeroed) in vocabulary order. A row with either sorts them, descending and
+    stable (ties keep the lower id first), keeps its ``top_k``, then the tokens whose
+    renormalized mass above them is below ``top_p``, then those of at least ``min_p`` times the
+    first kept one, and sums in that order. Which of the two a row takes depends on its own
+    parameters only, so a row draws the same token in any batch.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    ids = torch.empty(rows, dtype=torch.long, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    sort = [0 < p.top_k < vocab or p.top_p < 1 for p in params]
+    for filtered in (False, True):
+        members = [r for r in range(rows) if sort[r] == filtered]
+        if not members:
+            continue
+        settings = [
+            [params[r].temperature, params[r].top_p, params[r].min_p, uniforms[r], r]
+            for r in members
+        ]
+        table = torch.tensor(settings, dtype=torch.float64).to(device)  # one copy
+        temperature, top_p, min_p, uniform = (table[:, i : i + 1].float() for i in range(4))
+        index = table[:, 4].long()
+        chosen = logits if len(members) == rows else logits.index_select(0, index)
+        row_logprobs = torch.log_softmax(chosen / temperature, dim=-1)
+        weights = row_logprobs.exp()
+        order = None
+        if filtered:
+            weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+            top_k = [params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in members]
+            ranks = torch.arange(vocab, device=device)
+            limit = torch.tensor(top_k, device=device)
+            weights = torch.where(ranks < limit[:, None], weights, 0.0)
+            kept = weights / weights.sum(-1, keepdim=True)
+            before = torch.cumsum(kept, dim=-1) - kept  # the kept mass strictly above each
+            weights = torch.where((before < top_p) | (top_p >= 1), kept, 0.0)
+            peak = weights[:, :1]
+        else:
+            peak = weights.max(-1, keepdim=True).values
+        weights = torch.where((weights >= min_p * peak) | (min_p <= 0), weights, 0.0)
+        cdf = torch.cumsum(weights, dim=-1)
+        total = cdf[:, -1:]
+        # u < 1, but u * total may round up to total: stay below it (the last kept token)
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        pick = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+        token = pick if order is None else order.gather(1, pick)
+        ids.index_copy_(0, index, token.view(-1))
+        logprobs.index_copy_(0, index, row_logprobs.gather(1, token).view(-1))
+    return ids, logprobs

@@ -38,13 +38,20 @@ from anyio.lowlevel import EventLoopToken
 from transformers import PreTrainedTokenizerBase
 
 from agentrl._errors import EngineError
-from agentrl._types import FinishReason, GenerateResult
+from agentrl._types import FinishReason, GenerateResult, SamplingParams
 
 from ._batch import take_rows
 from ._decode import AttentionKernelChooser
 from ._graphs import DecodeGraphs
 from ._model import CausalLM
-from ._sampling import check_logprob, greedy_tokens, sample_token
+from ._sampling import (
+    check_logprob,
+    draw_uniform,
+    greedy_picks,
+    read_back,
+    sample_token,
+    sampled_picks,
+)
 from ._scheduler import Request, Scheduler, Step
 
 
@@ -213,10 +220,10 @@ class Worker:
         self.num_threads = num_threads
         self.in_flight = in_flight
         self.weight_version = weight_version
-        self.batched_greedy = model.device.type != "cpu"
-        """Greedy rows pick their ids where the logits are, all at once (``_read_logits``);
-        on the CPU row-by-row picks are faster (a ``[vocab]`` reduction runs in cache) and
-        give the same numbers."""
+        self.batched_sampling = model.device.type != "cpu"
+        """Greedy and sampled rows pick their ids where the logits are, all at once
+        (``_read_logits``); on the CPU row-by-row picks are faster (a ``[vocab]`` reduction runs
+        in cache) and give the same tokens."""
         self.counters = Counters()
         self.broken: BaseException | None = None
         self._cond = threading.Condition()
@@ -441,40 +448,54 @@ class Worker:
         self, step: Step, logits: torch.Tensor
     ) -> tuple[dict[int, tuple[int, float]], torch.Tensor, dict[int, int]]:
         """What the host needs of this step's ``logits`` (on the model's device): ``picks``,
-        the batched greedy ``(id, logprob)`` per logits row (``batched_greedy`` only), and the
+        the batched ``(id, logprob)`` per logits row (``batched_sampling`` only), and the
         float32 CPU copy ``host`` of every other row the step reads, ``where[row]`` being the
         row's index in ``host`` (input-logprob ranges stay contiguous).
 
-        Plain greedy rows (no ``LogprobQuery``) need only their id and logprob, not their
-        ``[vocab]`` row: ``greedy_tokens`` computes them for all such rows where the logits are
-        and reads back ``2 * rows`` numbers. Rows that sample with a generator or feed a
-        ``LogprobCollector`` are copied whole (one transfer) and sampled on the CPU as before.
+        Rows without a ``LogprobQuery`` need only their id and logprob, not their ``[vocab]``
+        row: greedy rows (``greedy_picks``) and sampled ones (``sampled_picks``, each with the
+        uniform its request's generator draws for this token) are picked where the logits are,
+        all at once, and ``2 * rows`` numbers come back in one copy. Rows that feed a
+        ``LogprobCollector`` are copied whole (one transfer) and sampled on the CPU.
         """
         picks: dict[int, tuple[int, float]] = {}
-        if not self.batched_greedy:
+        if not self.batched_sampling:
             host = logits.cpu()
             return picks, host, _Identity()
-        greedy = [
-            row
-            for request, row in zip(step.sampled, step.sample_rows, strict=True)
-            if request.sampling.temperature == 0
-            and request.sampling.max_new_tokens > 0
-            and request.logprobs is None
-        ]
+        greedy: list[int] = []
+        sampled: list[int] = []
+        params: list[SamplingParams] = []
+        uniforms: list[float] = []
+        for request, row in zip(step.sampled, step.sample_rows, strict=True):
+            sampling = request.sampling
+            if sampling.max_new_tokens == 0 or request.logprobs is not None:
+                continue
+            if sampling.temperature == 0:
+                greedy.append(row)
+            else:
+                sampled.append(row)
+                params.append(sampling)
+                uniforms.append(draw_uniform(request.generator))
         wanted: list[int] = []
         where: dict[int, int] = {}
         for _, _, count, first in step.inputs:
             for row in range(first, first + count):
                 where[row] = len(wanted)
                 wanted.append(row)
-        chosen = set(greedy)
+        chosen = {*greedy, *sampled}
         for row in step.sample_rows:
             if row not in chosen and row not in where:
                 where[row] = len(wanted)
                 wanted.append(row)
-        if greedy:
-            ids, logprobs = greedy_tokens(take_rows(logits, greedy))
-            picks = dict(zip(greedy, zip(ids, logprobs, strict=True), strict=True))
+        if chosen:
+            parts = []
+            if greedy:
+                parts.append(greedy_picks(take_rows(logits, greedy)))
+            if sampled:
+                parts.append(sampled_picks(take_rows(logits, sampled), params, uniforms))
+            ids, logprobs = read_back(*(torch.cat(values) for values in zip(*parts, strict=True)))
+            rows = greedy + sampled
+            picks = dict(zip(rows, zip(ids, logprobs, strict=True), strict=True))
         return picks, take_rows(logits, wanted).cpu(), where
 
     def _accept(self, request: Request, logits: torch.Tensor | tuple[int, float]) -> bool:

@@ -1,6 +1,6 @@
-"""Batched greedy picks: one reduction over a step's greedy rows, where the logits are, instead
-of a ``[vocab]`` host copy and two reductions per row. Checked on the CPU against the row-by-row
-sampler, number for number."""
+"""Batched picks: a step's greedy rows and sampled rows pick their tokens where the logits are,
+all at once, instead of a ``[vocab]`` host copy and a CPU sampler per row. Checked on the CPU
+against the row-by-row sampler, number for number."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.engine import EmbeddedEngine, _batch, _worker, open_embedded_engine
-from agentrl.engine._sampling import greedy_tokens, sample_token
+from agentrl.engine._sampling import draw_uniform, greedy_tokens, sample_rows, sample_token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]
 
@@ -37,8 +37,61 @@ def test_greedy_tokens_match_sample_token_bit_for_bit() -> None:
     assert greedy_tokens(logits[:0]) == ([], [])
 
 
+def test_sample_rows_match_sample_token_bit_for_bit() -> None:
+    """Each row of a batch draws what it draws alone (``sample_token`` with the same generator
+    state): plain rows, each filter, their mixes, and rows whose filters keep everything, in
+    one call; then the same rows in another order and batch."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = 3000
+    logits = torch.randn(10, vocab, generator=gen) * torch.tensor(
+        [[0.5], [1], [3], [8], [1], [2], [1], [4], [1], [0.2]]
+    )
+    logits[3, :40] = logits[3].max()  # ties at the top: the lower id first
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.3, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.8, min_p=0.05),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=2.0, top_k=vocab),  # keeps everything: the plain path
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.5, top_p=0.999),
+        SamplingParams(temperature=1.0, top_k=vocab + 5, top_p=1.0),
+        SamplingParams(temperature=1.0, top_p=0.05),
+    ]
+    for round_ in range(5):
+        seeds = [100 * round_ + r for r in range(len(params))]
+        alone = [
+            sample_token(logits[r], params[r], torch.Generator().manual_seed(seeds[r]))
+            for r in range(len(params))
+        ]
+        uniforms = [draw_uniform(torch.Generator().manual_seed(seed)) for seed in seeds]
+        ids, logprobs = sample_rows(logits, params, uniforms)
+        assert list(zip(ids, logprobs, strict=True)) == alone
+        order = [7, 2, 9, 0, 5]
+        ids, logprobs = sample_rows(
+            logits[order], [params[r] for r in order], [uniforms[r] for r in order]
+        )
+        assert list(zip(ids, logprobs, strict=True)) == [alone[r] for r in order]
+    assert sample_rows(logits[:0], [], []) == ([], [])
+
+
+def test_sample_rows_edges_of_the_uniform() -> None:
+    """u = 0 takes the first token with weight, u just below 1 the last one; zero-weight tokens
+    (filtered out) are never drawn, whatever u."""
+    logits = torch.tensor([[0.0, -1e9, 1.0, 2.0, -1e9]])
+    plain = SamplingParams(temperature=1.0)
+    assert sample_rows(logits, [plain], [0.0])[0] == [0]
+    assert sample_rows(logits, [plain], [1 - 2**-53])[0] == [3]
+    top2 = SamplingParams(temperature=1.0, top_k=2)  # sorted: 3, then 2
+    assert sample_rows(logits, [top2], [0.0])[0] == [3]
+    assert sample_rows(logits, [top2], [1 - 2**-53])[0] == [2]
+    for u in (0.0, 0.3, 0.7, 1 - 2**-53):
+        assert sample_rows(logits, [SamplingParams(min_p=0.5)], [u])[0] == [3]
+
+
 async def run(engine: EmbeddedEngine, batched: bool) -> list[GenerateResult]:
-    engine._worker.batched_greedy = batched
+    engine._worker.batched_sampling = batched
     rng = random.Random(1)
     contexts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(10)]
     params = [
@@ -62,12 +115,12 @@ async def run(engine: EmbeddedEngine, batched: bool) -> list[GenerateResult]:
     return [results[i] for i in range(len(contexts))]
 
 
-async def test_batched_greedy_engine_matches_row_by_row(
+async def test_batched_sampling_engine_matches_row_by_row(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Greedy rows, sampled rows, logprob queries and prefill-only requests share steps; the
-    batched path gives the same ids, logprobs and details as the row-by-row one, and greedy rows
-    without a query never reach the per-row sampler."""
+    batched path gives the same ids, logprobs and details as the row-by-row one, and only rows
+    with a query still reach the per-row sampler."""
     calls: list[float] = []
 
     def counting(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator):  # noqa: ANN202
@@ -83,19 +136,19 @@ async def test_batched_greedy_engine_matches_row_by_row(
         batched = await run(engine, batched=True)
     assert per_row_greedy > 0
     assert batched == rowwise
-    # only greedy rows with a LogprobQuery still sample row by row (their collector reads
-    # the row): request 2 (input logprobs) and 4 (top-2)
-    with_query = [batched[2], batched[4]]
-    assert calls.count(0) == sum(len(r.token_ids) for r in with_query)
-    assert calls.count(1.0) == sum(len(r.token_ids) for r in batched[1::4])
+    # only rows with a LogprobQuery still sample row by row (their collector reads the row):
+    # greedy requests 2 (input logprobs) and 4 (top-2), sampled request 9 (top-2)
+    assert calls.count(0) == len(batched[2].token_ids) + len(batched[4].token_ids)
+    assert calls.count(1.0) == len(batched[9].token_ids) > 0
+    assert all(len(r.token_ids) == 12 for r in batched[1::4])  # sampled, batched
 
 
-async def test_batched_greedy_non_finite_logits_fail_only_their_request(
+async def test_batched_sampling_non_finite_logits_fail_only_their_request(
     tiny_dir: Path,
 ) -> None:
     async with open_embedded_engine(tiny_dir, max_batch_size=4, num_threads=1) as engine:
         worker = engine._worker
-        worker.batched_greedy = True
+        worker.batched_sampling = True
         forward = worker.model.forward
 
         def poisoned(batch, pool, decode):  # noqa: ANN001, ANN202
