@@ -55,7 +55,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 def draw_uniform(generator: torch.Generator) -> float:
     """The one uniform number in ``[0, 1)`` a sampled token consumes from its request's
     generator (float64, 53 random bits)."""
-    return float(torch.rand((), dtype=torch.float64, generator=generator))
+    return float(torch.rand((), dtype=torch.float64, generator=generator, device="cpu"))
 
 
 def sample_token(
@@ -143,7 +143,7 @@ def sampled_picks(
             [params[r].temperature, params[r].top_p, params[r].min_p, uniforms[r], r]
             for r in members
         ]
-        table = torch.tensor(settings, dtype=torch.float64).to(device)  # one copy
+        table = torch.tensor(settings, dtype=torch.float64, device="cpu").to(device)  # one copy
         temperature, top_p, min_p, uniform = (table[:, i : i + 1].float() for i in range(4))
         index = table[:, 4].long()
         chosen = logits if len(members) == rows else logits.index_select(0, index)

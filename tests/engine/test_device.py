@@ -145,13 +145,20 @@ async def test_explicit_cpu_is_the_default(tiny_dir: Path, perturbed: dict) -> N
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("decode", ["sdpa", pytest.param("triton", marks=needs_kernel)])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        pytest.param({"decode_attention": "sdpa"}, id="sdpa"),
+        pytest.param({"decode_attention": "triton"}, marks=needs_kernel, id="triton"),
+        pytest.param({"prefill_attention": "triton"}, marks=needs_kernel, id="triton-prefill"),
+    ],
+)
 async def test_worker_names_the_device_of_every_tensor(
-    tiny_dir: Path, perturbed: dict, monkeypatch: pytest.MonkeyPatch, decode: str
+    tiny_dir: Path, perturbed: dict, monkeypatch: pytest.MonkeyPatch, attention: dict
 ) -> None:
     """Inside the worker thread torch's default device is ``meta``: a tensor made there without
     naming its device (the engine's, or the CPU on purpose) breaks the step or its numbers."""
-    plain = await run(tiny_dir, perturbed, decode_attention=decode)
+    plain = await run(tiny_dir, perturbed, **attention)
     main = Worker._main
 
     def on_meta(self: Worker) -> None:
@@ -159,7 +166,7 @@ async def test_worker_names_the_device_of_every_tensor(
             main(self)
 
     monkeypatch.setattr(Worker, "_main", on_meta)
-    assert await run(tiny_dir, perturbed, device="cpu", decode_attention=decode) == plain
+    assert await run(tiny_dir, perturbed, device="cpu", **attention) == plain
 
 
 @pytest.mark.anyio
