@@ -28,6 +28,7 @@ from agentrl.kernels import triton_available
 from ._kv import AttentionBatch, paged_attention
 
 ATTENTION_MODES = ("auto", "sdpa", "triton")
+KERNELS = ("sdpa", "triton")
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TIMED_CALLS = 5
 
@@ -99,15 +100,11 @@ class AttentionKernelChooser:
                 prefill_groups=[],
                 prefill_starts=None,
             )
-            times = {
-                kernel: cuda_median_ms(
-                    lambda kernel=kernel: paged_attention(
-                        q[:nd], k_cache, v_cache, decode, scale, decode_kernel=kernel
-                    )
+            choice = self.choices[key] = _faster(
+                lambda kernel: paged_attention(
+                    q[:nd], k_cache, v_cache, decode, scale, decode_kernel=kernel
                 )
-                for kernel in ("sdpa", "triton")
-            }
-            choice = self.choices[key] = min(times, key=times.__getitem__)
+            )
         return choice
 
     def choose_prefill(
@@ -135,18 +132,20 @@ class AttentionKernelChooser:
         )
         choice = self.prefill_choices.get(key)
         if choice is None:
-            # the decode rows run the same kernel either way: time the step with them and
-            # without a decode kernel of their own, i.e. both paths on identical decode work
-            times = {
-                kernel: cuda_median_ms(
-                    lambda kernel=kernel: paged_attention(
-                        q, k_cache, v_cache, batch, scale, prefill_kernel=kernel
-                    )
+            # the decode rows run SDPA in both timings: the difference is the prefill's
+            choice = self.prefill_choices[key] = _faster(
+                lambda kernel: paged_attention(
+                    q, k_cache, v_cache, batch, scale, prefill_kernel=kernel
                 )
-                for kernel in ("sdpa", "triton")
-            }
-            choice = self.prefill_choices[key] = min(times, key=times.__getitem__)
+            )
         return choice
+
+
+def _faster(call: Callable[[str], object]) -> str:
+    """The kernel ("sdpa" or "triton") whose ``call(kernel)`` has the lower median time
+    (``cuda_median_ms``; SDPA on a tie)."""
+    times = {kernel: cuda_median_ms(lambda kernel=kernel: call(kernel)) for kernel in KERNELS}
+    return min(times, key=times.__getitem__)
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int = 1, repeats: int = _TIMED_CALLS) -> float:

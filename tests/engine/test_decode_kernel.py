@@ -175,20 +175,27 @@ def test_triton_not_installed_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     assert AttentionKernelChooser("auto", CPU, torch.float32, "auto").prefill_mode == "sdpa"
 
 
+def _fake_timings(monkeypatch: pytest.MonkeyPatch, timings: list[float]) -> list:
+    """The chooser's CUDA-event timer replaced (CUDA events need a GPU): each measured call
+    still runs, its output appended to the returned list, and takes the next of ``timings``
+    (here: sdpa, triton for a first bucket, then for a second)."""
+    times, measured = iter(timings), []
+
+    def fake_median_ms(fn):
+        measured.append(fn())
+        return next(times)
+
+    monkeypatch.setattr(_decode, "cuda_median_ms", fake_median_ms)
+    return measured
+
+
 @needs_kernel
 def test_auto_measures_each_bucket_once(
     monkeypatch: pytest.MonkeyPatch, rng: random.Random
 ) -> None:
     """The chooser's bookkeeping on CPU: timings are faked (CUDA events need a GPU), both
     kernels still run on the real inputs."""
-    timings = iter([2.0, 1.0, 1.0, 3.0])  # sdpa, triton for bucket 1; then for bucket 2
-    measured = []
-
-    def fake_median_ms(fn):
-        measured.append(fn())
-        return next(timings)
-
-    monkeypatch.setattr(_decode, "cuda_median_ms", fake_median_ms)
+    measured = _fake_timings(monkeypatch, [2.0, 1.0, 1.0, 3.0])
     chooser = AttentionKernelChooser("auto", CPU, torch.float32)
     chooser.mode = "auto"  # as on a CUDA device
     q, pool, batch = _step(torch.Generator().manual_seed(1), rng)
@@ -208,14 +215,7 @@ def test_auto_measures_each_prefill_bucket_once(
 ) -> None:
     """The prefill side of the chooser: buckets of (prefill rows, their tokens, their longest
     context); both paths measured on the real step, the faster kept."""
-    timings = iter([2.0, 1.0, 1.0, 3.0])  # sdpa, triton for bucket 1; then for bucket 2
-    measured = []
-
-    def fake_median_ms(fn):
-        measured.append(fn())
-        return next(timings)
-
-    monkeypatch.setattr(_decode, "cuda_median_ms", fake_median_ms)
+    measured = _fake_timings(monkeypatch, [2.0, 1.0, 1.0, 3.0])
     chooser = AttentionKernelChooser("sdpa", CPU, torch.float32, "auto")
     chooser.prefill_mode = "auto"  # as on a CUDA device
     q, pool, batch = _step(torch.Generator().manual_seed(1), rng)
