@@ -1,4 +1,5 @@
-"""The Triton side of ``_paged_attention``: the two kernels and their launch. Imported on first
+"""The Triton side of ``_paged_attention``: the decode kernels (forward and split merge), the
+prefill kernel, and their launches. Imported on first
 use only (it imports Triton, and Triton reads ``TRITON_INTERPRET`` when these kernels are
 decorated, i.e. when this module is imported)."""
 
@@ -15,7 +16,7 @@ _LOG2E = math.log2(math.e)
 _MAX_SPLITS = 64
 _TILE_ELEMENTS = 8192
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
-"""Compiler options of both kernels. No multiply-add contraction: the compiler computes the
+"""Compiler options of every kernel here. No multiply-add contraction: the compiler computes the
 probabilities ``2^(s·c - m)`` once per register layout (one feeds ``Σ p``, the other ``Σ p v``)
 and may contract one copy into an FMA and not the other; the numerator and denominator then
 weigh the same key differently, by up to an ulp of the score, an output error that grows with
@@ -475,7 +476,8 @@ def paged_prefill_forward(
     group = heads // kv_heads
     fp32 = q.dtype == torch.float32
     # fp32 inputs: exact products and libdevice exp2/division; 16-bit inputs are exact in tf32,
-    # so only the probabilities round (to tf32) before their product with V
+    # so only the probabilities lose bits (truncated to tf32 by the tensor cores) before their
+    # product with V
     precise = fp32 and not interpreted()
     block_m, tile_n, warps = prefill_tiles(group, dim, max_query_len, fp32)
     grid = (rows, kv_heads, triton.cdiv(max_query_len * group, block_m))

@@ -242,12 +242,14 @@ def triton_prefill_rounding(dtype: torch.dtype, device: str) -> dict[str, float]
     """``attention_error_bound`` arguments for the Triton paged-prefill kernel: loads upcast to
     fp32 and both products in ``tl.dot`` on fp32 operands. fp32 inputs: ``"ieee"`` products,
     exact. 16-bit inputs: ``"tf32"``, which holds bf16/fp16 values exactly, so only the
-    probabilities round (to tf32, on a GPU; the interpreter multiplies in fp32) before ``P V``;
-    the output cast as in ``triton_decode_rounding``."""
+    probabilities lose bits before ``P V``: on a GPU the tensor cores *truncate* the fp32 operand
+    to tf32 (sm_90's PTX has no rounding ``cvt`` before the ``wgmma``), up to one tf32 ulp,
+    twice ``TF32_UNIT_ROUNDOFF``; the interpreter multiplies in fp32. The output cast as in
+    ``triton_decode_rounding``."""
     if dtype == torch.float32:
         return {}
     u_out = unit_roundoff(dtype) * (2 if device == "cpu" else 1)
-    return {"u_out": u_out, "u_prob": TF32_UNIT_ROUNDOFF if device != "cpu" else 0.0}
+    return {"u_out": u_out, "u_prob": 2 * TF32_UNIT_ROUNDOFF if device != "cpu" else 0.0}
 
 
 def paged_prefill_bound(

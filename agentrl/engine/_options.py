@@ -65,7 +65,8 @@ class EngineOptions(pydantic.BaseModel):
     sampled are kept; ``GenerateResult.token_versions`` then holds several versions). See
     ``EmbeddedEngine``."""
     num_threads: int | None = pydantic.Field(None, ge=1)
-    """torch CPU threads of the worker (default: every core); on a GPU they only sample."""
+    """torch CPU threads of the worker (default: every core); on a GPU they only sample the rows
+    a logprob query reads."""
     device: str = "cpu"
     """Where the weights, the rope tables, the KV pool and every step's tensors live:
     ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``"cuda"`` is the current CUDA device of the thread
@@ -74,7 +75,8 @@ class EngineOptions(pydantic.BaseModel):
     or the index does not exist. Every sampled token consumes one uniform number of its
     request's own CPU generator and is drawn by inverse CDF from it: on a GPU all of a step's rows
     at once where the logits are (only ids and logprobs come back), on the CPU row by row, by the
-    same operations, so a seed means the same on every device."""
+    same operations, so a seed means the same on every device. (A row that feeds a logprob
+    query is copied back whole and sampled on the CPU.)"""
     dtype: str = "float32"
     """Model and KV dtype (a ``torch`` dtype name): ``"float32"``, or ``"bfloat16"``, the natural
     choice on a GPU (logits are float32 either way)."""

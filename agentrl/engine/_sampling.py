@@ -123,12 +123,16 @@ def sampled_picks(
     """``sample_rows`` left on the logits' device: ids ``[R]`` int64, logprobs ``[R]`` float32.
 
     Inverse CDF: a row's token is the first whose running sum of weights exceeds ``u`` times
-    their total. A row without top-k and top-p sums its probabilities (those below ``min_p``
-    times the largest zeroed) in vocabulary order. A row with either sorts them, descending and
-    stable (ties keep the lower id first), keeps its ``top_k``, then the tokens whose
-    renormalized mass above them is below ``top_p``, then those of at least ``min_p`` times the
-    first kept one, and sums in that order. Which of the two a row takes depends on its own
-    parameters only, so a row draws the same token in any batch.
+    their total, the sums in float64 (float32 sums would leave tokens below ~1e-7 undrawable
+    late in the vocabulary). A row without top-k and top-p sums its probabilities (those below
+    ``min_p`` times the largest zeroed) in vocabulary order. A row with either orders them by
+    probability, descending, ties by lower id (its ``top_k`` candidates from ``topk``, or the
+    whole vocabulary sorted when it has no top-k), keeps its ``top_k``, then the tokens whose
+    kept mass above them is below ``top_p`` of the kept total, then those of at least ``min_p``
+    times the first kept one, and sums in that order. Which of the two a row takes depends on
+    its own parameters only, so a row draws the same token in any batch (ties straddling the
+    k-th probability aside, where ``topk`` may keep either). A token of zero weight is never
+    drawn.
     """
     rows, vocab = logits.shape
     device = logits.device
@@ -139,36 +143,58 @@ def sampled_picks(
         members = [r for r in range(rows) if sort[r] == filtered]
         if not members:
             continue
+        top_k = [params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in members]
         settings = [
-            [params[r].temperature, params[r].top_p, params[r].min_p, uniforms[r], r]
-            for r in members
+            [params[r].temperature, params[r].top_p, params[r].min_p, uniforms[r], r, k]
+            for r, k in zip(members, top_k, strict=True)
         ]
         table = torch.tensor(settings, dtype=torch.float64, device="cpu").to(device)  # one copy
-        temperature, top_p, min_p, uniform = (table[:, i : i + 1].float() for i in range(4))
-        index = table[:, 4].long()
+        temperature = table[:, 0:1].float()
+        top_p, min_p, uniform = table[:, 1:2], table[:, 2:3], table[:, 3:4]
+        index, limit = table[:, 4].long(), table[:, 5:6]
         chosen = logits if len(members) == rows else logits.index_select(0, index)
         row_logprobs = torch.log_softmax(chosen / temperature, dim=-1)
         weights = row_logprobs.exp()
         order = None
-        if filtered:
-            weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
-            top_k = [params[r].top_k if 0 < params[r].top_k < vocab else vocab for r in members]
-            ranks = torch.arange(vocab, device=device)
-            limit = torch.tensor(top_k, device=device)
-            weights = torch.where(ranks < limit[:, None], weights, 0.0)
-            kept = weights / weights.sum(-1, keepdim=True)
-            before = torch.cumsum(kept, dim=-1) - kept  # the kept mass strictly above each
-            weights = torch.where((before < top_p) | (top_p >= 1), kept, 0.0)
+        if filtered:  # ordered in float32 (exact: the values only move), summed in float64
+            weights, order = _ordered(weights, max(top_k))
+            weights = weights.double()
+            ranks = torch.arange(weights.shape[1], device=device, dtype=torch.float64)
+            weights = torch.where(ranks < limit, weights, 0.0)
+            mass = torch.cumsum(weights, dim=-1)
+            before = (mass - weights) / mass[:, -1:]  # the kept mass strictly above each
+            weights = torch.where((before < top_p) | (top_p >= 1), weights, 0.0)
             peak = weights[:, :1]
         else:
+            weights = weights.double()
             peak = weights.max(-1, keepdim=True).values
         weights = torch.where((weights >= min_p * peak) | (min_p <= 0), weights, 0.0)
         cdf = torch.cumsum(weights, dim=-1)
         total = cdf[:, -1:]
-        # u < 1, but u * total may round up to total: stay below it (the last kept token)
+        # u < 1, but u * total may round up to total: stay below it
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        pick = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+        pick = torch.searchsorted(cdf, target, right=True)
+        # a parallel scan may sum the zero tail past the last kept token an ulp higher: never
+        # land there
+        width = weights.shape[1]
+        last = width - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+        pick = torch.minimum(pick, last)
         token = pick if order is None else order.gather(1, pick)
         ids.index_copy_(0, index, token.view(-1))
         logprobs.index_copy_(0, index, row_logprobs.gather(1, token).view(-1))
     return ids, logprobs
+
+
+def _ordered(weights: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of ``weights`` (every one when ``k`` is the row length),
+    descending, ties by lower id, and their ids: ``(values [R, k], ids [R, k])``. ``topk``
+    first when ``k`` is smaller (a sort of the vocabulary costs ~15x a top-50 on a CPU), its
+    candidates then put in that order, so either way a row gets the same order."""
+    if k < weights.shape[1]:
+        values, ids = torch.topk(weights, k, dim=-1, sorted=False)
+        ids, by_id = torch.sort(ids, dim=-1)
+        values = values.gather(1, by_id)
+    else:
+        values, ids = weights, None
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return values, order if ids is None else ids.gather(1, order)

@@ -500,7 +500,7 @@ class Worker:
 
     def _accept(self, request: Request, logits: torch.Tensor | tuple[int, float]) -> bool:
         """Sample the next token of ``request`` from its logits row (CPU, ``[vocab]``), or take
-        the ``(id, logprob)`` a batched greedy pick made; finish it (and return True) on a stop
+        the ``(id, logprob)`` a batched pick made; finish it (and return True) on a stop
         or limit."""
         if request.sampling.max_new_tokens == 0:  # prefill only (input logprobs)
             if request.logprobs is not None:

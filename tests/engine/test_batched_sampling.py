@@ -88,6 +88,11 @@ def test_sample_rows_edges_of_the_uniform() -> None:
     assert sample_rows(logits, [top2], [1 - 2**-53])[0] == [2]
     for u in (0.0, 0.3, 0.7, 1 - 2**-53):
         assert sample_rows(logits, [SamplingParams(min_p=0.5)], [u])[0] == [3]
+    # a token of probability 2e-8 late in the vocabulary is drawn by the u that reach it: the
+    # sums are float64 (in float32, 1 - 2e-8 rounds to 1 and it could never be drawn)
+    tiny = torch.tensor([[0.5, 0.5 - 2e-8, 2e-8]], dtype=torch.float64).log().float()
+    assert sample_rows(tiny, [plain], [1 - 1e-9])[0] == [2]
+    assert sample_rows(tiny, [plain], [0.9])[0] == [1]
 
 
 async def run(engine: EmbeddedEngine, batched: bool) -> list[GenerateResult]:
