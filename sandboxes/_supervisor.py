@@ -280,6 +280,8 @@ class Cgroups:
     def __init__(self, dirs):
         self.dirs = [d for d in dirs if d and os.path.isdir(d)]
         self.oom_before = 0
+        self.base = None  # what the program's own memory group held when its limit was set
+        self.peak_file = None  # v2: memory.peak opened and reset for this request
         self.saved = None  # once contained: the CPU quota files lifted, with their texts
         self.me = os.getpid()
         self._inside = None
@@ -338,6 +340,7 @@ class Cgroups:
                     write_best_effort(self._file("memory.force_empty") or limit, "0")
                     usage = self.usage_bytes() or 0
                 memory_bytes += usage
+                self.base = usage
             swap = self._file("memory.memsw.limit_in_bytes")
             # memory+swap may never be below memory: raise it first, lower it last
             raising = memory_bytes > (_read_int(limit) or 0)
@@ -350,6 +353,8 @@ class Cgroups:
             peak = self._file("memory.max_usage_in_bytes")
             if peak:
                 _write_file(peak, "0")
+        else:
+            self._reset_peak()
         for name, value in (("memory.max", memory_bytes), ("memory.swap.max", 0)):
             path = self._file(name)
             if path and not limit:
@@ -358,6 +363,31 @@ class Cgroups:
         if pids and max_processes:
             _write_file(pids, str(max_processes))
         self.oom_before = self.oom_kills()
+
+    def _reset_peak(self):
+        """v2's ``memory.peak`` is the group's high-water mark since it was made (the slot's,
+        over all its requests); kernels since 6.12 reset it for reads through the file
+        descriptor that wrote to it. Where that is refused, no per-request mark exists."""
+        self.close_peak()
+        path = self._file("memory.peak")
+        if path is None:
+            return
+        try:
+            f = open(path, "r+b", buffering=0)  # noqa: SIM115 (held for the request)
+        except OSError:
+            return
+        try:
+            f.write(b"reset\n")
+        except OSError:
+            f.close()
+            return
+        self.peak_file = f
+
+    def close_peak(self):
+        """Close what ``prepare`` held open for the request (v2's memory.peak)."""
+        if self.peak_file is not None:
+            self.peak_file.close()
+            self.peak_file = None
 
     def join(self, pid):
         for d in self.to_join:
@@ -377,12 +407,26 @@ class Cgroups:
                 return value
         return None
 
+    @property
+    def peak_is_fresh(self):
+        """Whether ``peak_bytes`` is the mark since ``prepare`` (not since the group was made)."""
+        return self._file("memory.max_usage_in_bytes") is not None or self.peak_file is not None
+
     def peak_bytes(self):
-        for name in ("memory.max_usage_in_bytes", "memory.peak"):
-            value = _read_int(self._file(name) or "/nonexistent")
-            if value is not None:
-                return value
-        return None
+        """The high-water mark: since ``prepare`` where ``peak_is_fresh`` (v1's reset watermark,
+        v2's memory.peak read through the descriptor that reset it), else since the group was
+        made (v2 before Linux 6.12), or None."""
+        value = _read_int(self._file("memory.max_usage_in_bytes") or "/nonexistent")
+        if value is not None:
+            return value
+        if self.peak_file is None:  # the group's mark since it was made
+            return _read_int(self._file("memory.peak") or "/nonexistent")
+        try:
+            self.peak_file.seek(0)
+            text = self.peak_file.read(64).split()
+        except OSError:
+            return None
+        return int(text[0]) if text and text[0].isdigit() else None
 
     def cpu_ns(self):
         """CPU time of the group in ns (v1 ``cpuacct.usage``, v2 ``cpu.stat``), or None."""
@@ -552,6 +596,7 @@ class CgroupMeter(Meter):
         super().__init__(run)
         self.cg = run.cgroups
         self.mem0 = 0
+        self.peak0 = None  # the group's mark before the request, where it cannot be reset
         self.cpu0 = None
         self.own0 = 0
         self.shared = False
@@ -559,7 +604,11 @@ class CgroupMeter(Meter):
         self.helper0 = 0
 
     def start(self):
-        self.mem0 = self.cg.usage_bytes() or 0
+        # the limit's own baseline where it has one: the usage read twice could differ (per-CPU
+        # charge caches drain meanwhile, up to 64 pages each), and peak_memory_mb would then
+        # pass memory_mb at an OOM kill by that much
+        self.mem0 = self.cg.base if self.cg.base is not None else (self.cg.usage_bytes() or 0)
+        self.peak0 = None if self.cg.peak_is_fresh else self.cg.peak_bytes()
         self.cpu0 = self.cg.cpu_ns()
         self.shared = self.cg.shares("cpuacct.usage") or self.cg.shares("cpu.stat")
         self.own0 = _own_cpu_ns() if self.shared else 0
@@ -583,8 +632,8 @@ class CgroupMeter(Meter):
 
     def peak_bytes(self):
         peak = self.cg.peak_bytes()
-        if peak is None:
-            return self.peak
+        if peak is None or (self.peak0 is not None and peak <= self.peak0):
+            return self.peak  # no mark, or only an earlier request's: not this one's
         return max(peak - self.mem0, self.peak or 0)
 
 
@@ -1464,6 +1513,7 @@ class Run:
         stdout = bytes(self.out[1]).decode("utf-8", "replace")
         stderr = bytes(self.out[2]).decode("utf-8", "replace")
         peak = self.meter.peak_bytes()
+        self.cgroups.close_peak()
         peak_mb = round(peak / MB, 2) if peak is not None else round(self.maxrss_kb / 1024, 2)
         self.cpu_s = self.meter.final_cpu()
         res = {
