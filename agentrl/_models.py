@@ -216,12 +216,21 @@ def resolve_model(
     A folder is accepted as is when it contains ``config.json``. Anything else raises
     ``ModelError`` naming the value and the known names.
     """
-    value = os.fspath(name_or_path)
+    value = check_model(name_or_path)
     if value in _REGISTRY:
         return pull_model(value, progress=progress)
+    return Path(value).expanduser()
+
+
+def check_model(name_or_path: str | os.PathLike[str]) -> str:
+    """``name_or_path`` if it is a registered name or a folder with ``config.json`` (nothing
+    is built or read); else ``ModelError`` naming the value and the known names."""
+    value = os.fspath(name_or_path)
+    if value in _REGISTRY:
+        return value
     path = Path(value).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return path
+        return value
     raise ModelError(
         f"{value!r} is neither a registered model nor a folder with config.json; "
         f"known models: {', '.join(sorted(_REGISTRY))}"

@@ -167,9 +167,6 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
     if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
     check_run_dir(out, if_exists)  # refused before anything heavy is imported or loaded
-
-    from .engine import engine_options
-
     console = _console()
     data: dict[str, Any] = {}
     engine_data: dict[str, Any] = {}
@@ -181,7 +178,6 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         engine_data = dict(loaded.get("engine", {}))
         if args.sandbox is None and loaded.get("sandbox") is not None:
             args.sandbox, args.sandbox_where = loaded["sandbox"], f"{args.config}: sandbox"
-    args.engine_options = engine_options(engine_data)
     overrides = {
         "group_size": args.group,
         "max_turns": args.max_turns,
@@ -201,6 +197,19 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     cfg = validate_config(RolloutConfig, data)
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
+    # the settings, the environment and the model are checked before torch is imported (an
+    # error here takes a fraction of a second, not the engine's import)
+    from ._models import check_model
+    from ._registry import spec
+    from .envs import check_env_sandbox
+
+    env_spec = spec(args.env)
+    check_env_sandbox(args.sandbox, args.env, env_spec.entry_point, where=args.sandbox_where)
+    check_model(args.model)
+
+    from .engine import engine_options
+
+    args.engine_options = engine_options(engine_data)
     console.print(
         f"[bold]rollout[/] {args.env} on {args.model}: {args.num_tasks} tasks × "
         f"{cfg.group_size} samples → {out}" + (" (appending)" if args.append else "")

@@ -127,15 +127,31 @@ def test_bad_input_gets_a_clear_error(args, needle, tmp_path):
     for key, value in zip(args[::2], args[1::2], strict=True):
         base[key] = value
     flat = [x for kv in base.items() for x in kv]
-    proc = agentrl("rollout", *flat)
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPORTS_TORCH, "rollout", *flat],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     # a broken env constructor is data (an error trajectory: every one failed, exit 1),
-    # everything else exits 2
+    # everything else exits 2, before the engine (torch) is even imported
     text = proc.stderr + proc.stdout
     assert needle in text, text
     assert proc.returncode in (1, 2)
     if proc.returncode == 1:
         (traj,) = read_trajectories(str(tmp_path / "trajectories.jsonl"))
         assert traj.status == "error" and needle in traj.error.message
+    elif "constructor failed" not in text:  # the env is built with its resources, later
+        assert "torch imported: False" in proc.stderr, text
+
+
+# ``agentrl ARGS...``, then whether torch was imported on the way out (on stderr)
+_REPORTS_TORCH = """
+import runpy, sys
+sys.argv = ["agentrl", *sys.argv[1:]]
+try:
+    runpy.run_module("agentrl.cli", run_name="__main__")
+finally:
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
 
 
 def test_readme_example_runs_as_is(tiny_model_path):
