@@ -27,10 +27,28 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from agentrl._errors import EngineError
 from agentrl.kernels import paged_decode_attention, paged_prefill_attention
+
+
+def causal_bias_module():
+    """``torch.nn.attention.bias``, imported on first use: it imports ``torch._dynamo`` (~2 s
+    of a CPU), which nothing else of the engine needs. Engines off the CPU load it when built,
+    so no step pays for it."""
+    import torch.nn.attention.bias as bias
+
+    return bias
+
+
+def lower_right_causal(q_len: int, n: int, device: torch.device) -> torch.Tensor | object:
+    """The mask of ``q_len`` queries that are the last of ``n`` positions (query ``i`` sees keys
+    ``0 .. n - q_len + i``): torch's ``causal_lower_right`` bias, which the flash and
+    memory-efficient kernels take without a mask; on the CPU, where torch materialises that
+    bias as this very boolean mask, the mask itself."""
+    if device.type == "cpu":
+        return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
+    return causal_bias_module().causal_lower_right(q_len, n)
 
 
 class KVPool:
@@ -489,7 +507,7 @@ def _prefill_row(
         if q_len == n:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:  # the queries are the last q_len positions: causal from the bottom right
-            bias = causal_lower_right(q_len, n)
+            bias = lower_right_causal(q_len, n, q.device)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
         out[start:end] = o[0].transpose(0, 1)
         return
