@@ -25,7 +25,7 @@ import torch
 from agentrl._errors import EngineError
 from agentrl.kernels import triton_available
 
-from ._kv import AttentionBatch, causal_bias_module, paged_attention
+from ._kv import AttentionBatch, paged_attention
 
 ATTENTION_MODES = ("auto", "sdpa", "triton")
 KERNELS = ("sdpa", "triton")
@@ -73,8 +73,6 @@ class AttentionKernelChooser:
         measurable = device.type == "cuda" and dtype in _TRITON_DTYPES and triton_available(device)
         self.mode = "sdpa" if mode == "auto" and not measurable else mode
         self.prefill_mode = "sdpa" if prefill == "auto" and not measurable else prefill
-        if device.type != "cpu":
-            causal_bias_module()  # the SDPA prefill path's lower-right bias, before any step
         self.choices: dict[tuple[int, int], str] = {}
         self.prefill_choices: dict[tuple[int, int, int], str] = {}
 

@@ -34,14 +34,14 @@ from agentrl.kernels import paged_decode_attention, paged_prefill_attention
 
 def causal_bias_module():
     """``torch.nn.attention.bias``, imported on first use: it imports ``torch._dynamo`` (~2 s
-    of a CPU), which nothing else of the engine needs. Engines off the CPU load it when built,
-    so no step pays for it."""
+    of a CPU), which nothing else of the engine needs. A KV pool off the CPU loads it when
+    built, so no step (nor the attention chooser's measurement) pays for it."""
     import torch.nn.attention.bias as bias
 
     return bias
 
 
-def lower_right_causal(q_len: int, n: int, device: torch.device) -> torch.Tensor | object:
+def lower_right_causal(q_len: int, n: int, device: torch.device) -> torch.Tensor:
     """The mask of ``q_len`` queries that are the last of ``n`` positions (query ``i`` sees keys
     ``0 .. n - q_len + i``): torch's ``causal_lower_right`` bias, which the flash and
     memory-efficient kernels take without a mask; on the CPU, where torch materialises that
@@ -79,6 +79,8 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.device = self.k.device
+        if self.device.type != "cpu":
+            causal_bias_module()  # the SDPA prefill path's lower-right bias, before any step
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
