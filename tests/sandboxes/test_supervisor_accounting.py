@@ -65,7 +65,7 @@ def test_an_oom_kill_at_the_limit_reports_memory_mb_at_most(sup, tmp_path, drain
     assert meter.peak_bytes() == 64 * MB
 
 
-def test_v2_without_a_resettable_peak_reports_no_earlier_requests_mark(sup, tmp_path):
+def test_v2_without_a_resettable_peak_reports_no_earlier_requests_mark(sup, tmp_path, monkeypatch):
     """A v2 group's memory.peak that cannot be reset (Linux before 6.12) is the mark of the
     group's whole life: an earlier request's high is not this request's peak."""
     group = tmp_path / "slot"
@@ -85,17 +85,14 @@ def test_v2_without_a_resettable_peak_reports_no_earlier_requests_mark(sup, tmp_
             raise PermissionError(13, "read-only", str(path))
         return real_open(path, mode, *args, **kwargs)
 
-    sup.open = refuse_writes  # the module's own open: root would write a 0444 file anyway
-    try:
-        cg.prepare(64 * MB, 8)
-        assert cg.peak_file is None and not cg.peak_is_fresh
-        meter.start()
-        assert meter.peak_bytes() is None  # no mark of this request (the maxrss decides)
-        _set(peak, 100 * MB)  # a new high of the group: this request's
-        assert meter.peak_bytes() == 80 * MB
-    finally:
-        cg.close_peak()
-        del sup.open
+    # the module's own open: root would write a 0444 file anyway
+    monkeypatch.setattr(sup, "open", refuse_writes, raising=False)
+    cg.prepare(64 * MB, 8)
+    assert cg.peak_file is None and not cg.peak_is_fresh
+    meter.start()
+    assert meter.peak_bytes() is None  # no mark of this request (the maxrss decides)
+    _set(peak, 100 * MB)  # a new high of the group: this request's
+    assert meter.peak_bytes() == 80 * MB
 
 
 def test_v2_peak_is_read_through_the_descriptor_that_reset_it(sup, tmp_path):
