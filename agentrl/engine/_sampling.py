@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -198,3 +199,16 @@ def _ordered(weights: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         values, ids = weights, None
     values, order = torch.sort(values, dim=-1, descending=True, stable=True)
     return values, order if ids is None else ids.gather(1, order)
+
+
+def match_stop_string(tokenizer: Any, output: Sequence[int], stop: Sequence[str]) -> str | None:
+    """The stop string that ends ``output`` now (the one that starts first, as in the decoded
+    text), or None. Checked after every sampled token, so an earlier match would already have
+    stopped the request: a new match ends in the last token's text and is found in the text of
+    the last ``4 * longest + 8`` tokens (a token is at least a quarter of a character, for a
+    4-byte character split into byte tokens). Each check costs the stop strings' length, not
+    the output's."""
+    longest = max(map(len, stop))
+    text = tokenizer.decode(output[-(4 * longest + 8) :], skip_special_tokens=False)
+    found = [(at, i) for i, s in enumerate(stop) if (at := text.find(s)) >= 0]
+    return stop[min(found)[1]] if found else None

@@ -34,9 +34,11 @@ Choices where SGLang leaves room, or where agentrl serve differs:
 Errors: invalid input is a 400 ``{"error": {"message": ..., "field": ...}}`` naming the field;
 an unexpected failure is a 500 with the same shape. No request can stop the server: a body that
 is not UTF-8 or nests too deeply is refused before any handler runs (``_server_guard``), one
-request asks for at most ``--max-samples-per-request`` samples and at most ``--max-sessions``
-sessions are open (``_server_limits``), and ``/health`` answers 200 only while the model can
-generate (``_server_health``). Limits and failure answers for users: ``docs/serve-limits.md``.
+request asks for at most ``--max-samples-per-request`` samples and ``--max-logprob-entries``
+top-k and chosen-id logprobs, at most ``--max-sessions`` sessions are open (``_server_limits``),
+request bodies are decoded and large replies built off the event loop, and ``/health``
+answers 200 only while the model can generate (``_server_health``). Limits and failure
+answers for users: ``docs/serve-limits.md``.
 """
 
 from __future__ import annotations
@@ -75,10 +77,12 @@ from ._server_guard import install_request_guard
 from ._server_health import ModelHealth
 from ._server_info import load, server_info
 from ._server_limits import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_SAMPLES_PER_REQUEST,
     DEFAULT_MAX_SESSIONS,
     RequestTooLarge,
     ServeLimits,
+    check_logprob_entries,
     check_request_size,
 )
 from ._server_metrics import (
@@ -108,6 +112,13 @@ def _json(payload: msgspec.Struct | list | dict | str, status: int = 200) -> web
     return web.Response(body=w.encoder.encode(payload), status=status, content_type=_JSON)
 
 
+def _heavy(item: Item) -> bool:
+    """The sample's response holds top-k, chosen-id or input-token logprob lists."""
+    return item.return_logprob and bool(
+        item.top_logprobs_num or item.token_ids_logprob or item.logprob_start_len >= 0
+    )
+
+
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
     body = w.WireError(w.WireErrorBody(message, field), code=status)
     return _json(body, status)
@@ -121,9 +132,15 @@ async def _answer_body(
 ) -> web.Response:
     """Decode ``request``'s body and answer ``run(body)`` (in a thread: tokenizers are slow);
     a body that does not decode, or that ``run`` refuses, is a 400 naming the field."""
+    body = await request.read()
     try:
-        req = decoder.decode(await request.read())
-        return _json(await asyncio.to_thread(run, req))
+
+        def answer() -> dict[str, Any]:
+            with w.gc_paused():
+                req = decoder.decode(body)
+            return run(req)
+
+        return _json(await asyncio.to_thread(answer))
     except msgspec.ValidationError as exc:
         return _error(400, f"invalid {endpoint} request: {exc}", w.error_field(exc))
     except msgspec.DecodeError as exc:
@@ -156,16 +173,17 @@ class _Server:
         self.counters = Counters()
         self.model_health = ModelHealth(engine)
         self.logprob_queries = "logprobs" in inspect.signature(engine.generate).parameters
+        self._update_lock = asyncio.Lock()
+        self._updates: set[asyncio.Future[web.Response]] = set()
         """The engine computes input-token, top-k and chosen-id logprobs (``LogprobQuery``)."""
 
     # --- /generate ----------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
-        try:
-            req = decode_generate(await request.read())
-            check_request_size(req, self.limits)
-            items, single = plan_generate(req, self.facts)
+        body = await request.read()
+        try:  # decoding, tokenizing and checking a large body takes seconds: off the event loop
+            req, items, single = await anyio.to_thread.run_sync(self._plan, body)
         except msgspec.ValidationError as exc:
             return _error(400, f"invalid /generate request: {exc}", w.error_field(exc))
         except msgspec.DecodeError as exc:
@@ -183,7 +201,19 @@ class _Server:
         except BaseExceptionGroup as group:
             return self._failure(group)
         body = [r for r in results if r is not None]
-        return _json(body[0] if single else body)
+        payload = body[0] if single else body
+        if any(_heavy(item) for item in items):
+            encoded = await anyio.to_thread.run_sync(w.encoder.encode, payload)
+            return web.Response(body=encoded, content_type=_JSON)
+        return _json(payload)
+
+    def _plan(self, body: bytes) -> tuple[w.WireGenerateReq, list[Item], bool]:
+        with w.gc_paused():
+            req = decode_generate(body)
+        check_request_size(req, self.limits)
+        items, single = plan_generate(req, self.facts)
+        check_logprob_entries(items, self.limits, self.facts.max_context)
+        return req, items, single
 
     def _failure(self, group: BaseExceptionGroup) -> web.Response:
         exc: BaseException = group
@@ -192,7 +222,7 @@ class _Server:
         if isinstance(exc, Exception):
             self.counters.failed += 1
         if isinstance(exc, SessionError):
-            return _error(400, str(exc), "session_params")
+            return _error(400, str(exc), exc.field)
         if isinstance(exc, BadRequest):
             return _error(400, str(exc), exc.field)
         self.model_health.forget()  # the model may be what failed: the next /health probes it
@@ -273,7 +303,18 @@ class _Server:
         elapsed = time.perf_counter() - started
         if result.token_ids and elapsed > 0:
             self.last_gen_throughput = len(result.token_ids) / elapsed
-        out[index] = render_result(item, context, result, self.facts, started)
+        out[index] = await self._render(item, context, result, started)
+
+    async def _render(
+        self, item: Item, context: list[int], result: GenerateResult, started: float
+    ) -> w.WireGenerateResp:
+        """``render_result``; in a thread when the sample asked for per-position lists beyond
+        its own tokens' logprobs (up to ``max_logprob_entries`` of them: seconds of work)."""
+        if _heavy(item):
+            return await anyio.to_thread.run_sync(
+                render_result, item, context, result, self.facts, started
+            )
+        return render_result(item, context, result, self.facts, started)
 
     # --- streaming /generate and /abort_request ------------------------------------------------
 
@@ -346,7 +387,7 @@ class _Server:
                     partial = GenerateResult(
                         list(live.ids), list(live.logprobs), "abort", prompt_tokens=0
                     )
-                    resp = render_result(item, live.context, partial, self.facts, started)
+                    resp = await self._render(item, live.context, partial, started)
                     resp.text = stable_text(resp.text)
                     resp.meta_info.finish_reason = None
                     resp.meta_info.e2e_latency = 0.0
@@ -393,7 +434,7 @@ class _Server:
         except msgspec.MsgspecError as exc:
             return _error(400, f"invalid /open_session request: {exc}", w.error_field(exc))
         except SessionError as exc:
-            return _error(400, str(exc), "session_id")
+            return _error(400, str(exc), exc.field)
         except AgentRLError as exc:
             return _error(400, str(exc))
         return _json(session_id)
@@ -402,7 +443,7 @@ class _Server:
         try:
             req = w.close_session_decoder.decode(await request.read())
         except msgspec.MsgspecError as exc:
-            return _error(400, f"invalid /close_session request: {exc}", "session_id")
+            return _error(400, f"invalid /close_session request: {exc}", w.error_field(exc))
         closed = await self.sessions.close(req.session_id)
         return _json({"success": closed, "message": "closed" if closed else "not open"})
 
@@ -414,6 +455,9 @@ class _Server:
         except msgspec.MsgspecError as exc:
             msg = f"invalid /update_weights_from_disk request: {exc}"
             return _error(400, msg, w.error_field(exc))
+        if req.load_format not in (None, "auto", "safetensors"):
+            msg = f"load_format {req.load_format!r} is not served: safetensors only (or auto)"
+            return _error(400, msg, "load_format")
         version = self.engine.weight_version
         if req.weight_version is not None:
             try:
@@ -421,13 +465,28 @@ class _Server:
             except ValueError:
                 msg = f"weight_version must be an integer string, got {req.weight_version!r}"
                 return _json(w.WireUpdateWeightsResp(False, msg), 400)
-        self.model_health.forget()
-        try:
-            await self.engine.update_weights(version, req.model_path)
-        except Exception as exc:  # as SGLang: any load failure is a JSON 400, old weights kept
-            reason = str(exc) if isinstance(exc, AgentRLError) else repr(exc)
-            message = f"failed to update weights: {reason}; the previous weights are still served"
-            return _json(w.WireUpdateWeightsResp(False, message), 400)
+        # a received update runs to its end even if its client leaves (as SGLang's does), and
+        # updates run one at a time (each holds a whole copy of the weights while it is checked)
+        task = asyncio.ensure_future(self._update_weights(req, version))
+        self._updates.add(task)
+        task.add_done_callback(self._updates.discard)
+        return await asyncio.shield(task)
+
+    async def _update_weights(
+        self, req: w.WireUpdateWeightsFromDiskReq, version: int
+    ) -> web.Response:
+        async with self._update_lock:
+            if req.abort_all_requests:  # SGLang: running and waiting requests end with "abort"
+                self.live.abort("", True)
+            self.model_health.forget()
+            try:
+                await self.engine.update_weights(version, req.model_path)
+            except Exception as exc:  # as SGLang: any load failure is a JSON 400, old weights kept
+                reason = str(exc) if isinstance(exc, AgentRLError) else repr(exc)
+                message = (
+                    f"failed to update weights: {reason}; the previous weights are still served"
+                )
+                return _json(w.WireUpdateWeightsResp(False, message), 400)
         message = f"Succeeded to update model weights. Weight version updated to {version}."
         return _json(w.WireUpdateWeightsResp(True, message))
 
@@ -683,6 +742,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="most sessions open at once; /open_session beyond it is a 400",
     )
     parser.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=DEFAULT_MAX_LOGPROB_ENTRIES,
+        help="most top-k and chosen-id logprob entries (positions x (top_logprobs_num + "
+        "token_ids_logprob ids)) one /generate request may ask for; more is a 400",
+    )
+    parser.add_argument(
         "--incremental-streaming-output",
         action="store_true",
         help="stream: true sends only the new text/output_ids in each chunk (default: cumulative)",
@@ -722,7 +788,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     try:
         limits = ServeLimits(
-            max_samples_per_request=args.max_samples_per_request, max_sessions=args.max_sessions
+            max_samples_per_request=args.max_samples_per_request,
+            max_sessions=args.max_sessions,
+            max_logprob_entries=args.max_logprob_entries,
         )
     except pydantic.ValidationError as exc:
         print(f"agentrl serve: {describe_errors(exc)}", file=sys.stderr)

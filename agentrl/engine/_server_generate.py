@@ -82,6 +82,8 @@ class Item:
     session: w.WireSessionParams | None
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
+    prompt_field: str = "input_ids"
+    """The request field the prompt came from (``input_ids``, or ``text`` once tokenized)."""
     max_new_tokens_given: bool = False
     """``sampling_params.max_new_tokens`` was sent (checked against the context length) rather
     than defaulted (capped to it)."""
@@ -133,6 +135,7 @@ def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item]
                     session=session,
                     top_logprobs_num=top_k,
                     token_ids_logprob=token_ids,
+                    prompt_field="text" if req.text is not None else "input_ids",
                     max_new_tokens_given=wire.max_new_tokens is not None,
                 )
             )
@@ -162,8 +165,11 @@ def _logprob_args(
     starts = per_prompt("logprob_start_len", -1)
     tops = per_prompt("top_logprobs_num", 0)
     for top in tops:
-        if top < 0:
-            raise BadRequest(f"top_logprobs_num must be >= 0, got {top}", "top_logprobs_num")
+        if not 0 <= top <= facts.vocab_size:
+            raise BadRequest(
+                f"top_logprobs_num must be in [0, {facts.vocab_size}] (the vocabulary), got {top}",
+                "top_logprobs_num",
+            )
     for start in starts:
         if start < -1:
             raise BadRequest(
@@ -181,7 +187,13 @@ def _logprob_args(
             f"token_ids_logprob must be a list of token ids, or one list per prompt ({count})",
             "token_ids_logprob",
         )
-    for group in chosen:
+    for group in {id(g): g for g in chosen}.values():  # a list shared by all: checked once
+        if group is not None and len(group) > facts.vocab_size:
+            raise BadRequest(
+                f"token_ids_logprob: {len(group)} ids, more than the vocabulary "
+                f"({facts.vocab_size})",
+                "token_ids_logprob",
+            )
         bad = next((t for t in group or () if not 0 <= t < facts.vocab_size), None)
         if bad is not None:
             raise BadRequest(
@@ -266,6 +278,9 @@ def _sampling(
     n = 1 if wire.n is None else wire.n
     if not 1 <= n <= MAX_N:
         raise bad("n", f"must be in [1, {MAX_N}]", n)
+    seed = wire.sampling_seed
+    if seed is not None and not -(2**63) <= seed <= 2**64 - n:  # sample i draws from seed + i
+        raise bad("sampling_seed", f"must be in [-2**63, 2**64 - n] (n={n})", seed)
     # SGLang: ignore_eos turns off EOS *and* stop_token_ids; otherwise both stop generation.
     stop_ids = [] if wire.ignore_eos else list(dict.fromkeys(stop_ids + list(facts.eos_token_ids)))
     sampling = SamplingParams(
@@ -295,7 +310,7 @@ def prepare_run(
         raise BadRequest(
             f"the input ({context_len} tokens) exceeds the maximum allowed length: the model's "
             f"context length is {limit} tokens",
-            "input_ids",
+            item.prompt_field,
         )
     wanted = sampling.max_new_tokens
     if item.max_new_tokens_given and len(item.input_ids) + wanted > limit:

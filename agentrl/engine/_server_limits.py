@@ -5,17 +5,28 @@ sampled ``n`` times, or a list of ``sampling_params`` with one ``n`` each) must 
 ``max_samples_per_request``, so a single body cannot queue tens of thousands of samples (or the
 memory to plan them). The session table holds at most ``max_sessions`` open sessions: a session
 opened without a ``timeout`` lives until it is closed, so without a cap a client that forgets to
-close them grows the server without bound.
+close them grows the server without bound. The logprobs one request asks for beyond the
+sampled tokens' own (``top_logprobs_num`` and ``token_ids_logprob`` at every scored position)
+must not exceed ``max_logprob_entries``, counted at the most positions each sample can score
+(its input from ``logprob_start_len`` plus ``max_new_tokens``), so a short body cannot ask for
+a reply of gigabytes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pydantic
 
 from . import _wire as w
 
+if TYPE_CHECKING:
+    from ._server_generate import Item
+
 DEFAULT_MAX_SAMPLES_PER_REQUEST = 4096
 DEFAULT_MAX_SESSIONS = 4096
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 23
 
 
 class ServeLimits(pydantic.BaseModel):
@@ -27,6 +38,9 @@ class ServeLimits(pydantic.BaseModel):
     """Most samples (prompts x ``n``) one ``/generate`` request may ask for; more is a 400."""
     max_sessions: int = pydantic.Field(DEFAULT_MAX_SESSIONS, ge=1)
     """Most sessions open at once; ``/open_session`` beyond it is a 400."""
+    max_logprob_entries: int = pydantic.Field(DEFAULT_MAX_LOGPROB_ENTRIES, ge=1)
+    """Most top-k and chosen-id logprob entries one ``/generate`` request may ask for (each
+    sample's positions x (``top_logprobs_num`` + ids in ``token_ids_logprob``)); more is a 400."""
 
 
 class RequestTooLarge(ValueError):
@@ -61,5 +75,31 @@ def check_request_size(req: w.WireGenerateReq, limits: ServeLimits) -> None:
         raise RequestTooLarge(
             f"the request asks for {samples} samples ({prompts} prompts x {n_text}), more than "
             f"max_samples_per_request={cap} (--max-samples-per-request): split it",
+            field,
+        )
+
+
+def check_logprob_entries(items: Sequence[Item], limits: ServeLimits, max_context: int) -> None:
+    """Raise ``RequestTooLarge`` when the top-k and chosen-id logprobs the samples ask for can
+    exceed ``max_logprob_entries`` (counted before anything runs, at the most positions each
+    sample can score)."""
+    total, field = 0, "top_logprobs_num"
+    for item in items:
+        width = item.top_logprobs_num + len(item.token_ids_logprob or ())
+        if not item.return_logprob or width == 0:
+            continue
+        if item.token_ids_logprob:
+            field = "token_ids_logprob"
+        inputs = 0
+        if item.logprob_start_len >= 0:  # a session's context is longer than its suffix
+            inputs = max_context if item.session else len(item.input_ids) - item.logprob_start_len
+        total += min(max_context, inputs + item.sampling.max_new_tokens) * width
+    cap = limits.max_logprob_entries
+    if total > cap:
+        raise RequestTooLarge(
+            f"the request can ask for {total} top-k and chosen-id logprob entries (positions x "
+            f"(top_logprobs_num + token_ids_logprob ids), over its samples), more than "
+            f"max_logprob_entries={cap} (--max-logprob-entries): ask for fewer ids, fewer "
+            "positions (logprob_start_len, max_new_tokens) or fewer samples",
             field,
         )

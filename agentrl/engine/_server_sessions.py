@@ -15,7 +15,8 @@ belongs to this server session, so the embedded engine reuses the KV it pinned.
   ``output_ids[:max_new_tokens]``. A request aborted by a ``replace`` stays in the tree without
   output; a failed one is removed (it can never become a parent).
 - ``timeout`` (seconds) closes a session that saw no request for that long. Closing a session
-  with a request in flight defers releasing its engine session until the request ends.
+  aborts the requests it still runs (classic and streaming alike: each answers ``abort`` with its
+  tokens so far) and releases its engine session when they have ended.
 - At most ``max_sessions`` sessions are open at once (``--max-sessions``); opening one more is
   refused with the cap named, since a session without a timeout lives until it is closed.
 
@@ -36,7 +37,12 @@ from ._wire import WireSessionParams
 
 
 class SessionError(EngineError):
-    """A session request SGLang would abort (bad session id, unknown parent, ...)."""
+    """A session request SGLang would abort (bad session id, unknown parent, ...); ``field``
+    names the request field at fault (``session_params`` unless another is given)."""
+
+    def __init__(self, message: str, field: str = "session_params") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(eq=False)
@@ -64,6 +70,8 @@ class ServerSession:
     inflight: int = 0
     engine_session_busy: bool = False
     closed: bool = False
+    running: _Node | None = None
+    """A streaming session's running turn (it joins ``nodes`` when it finishes)."""
 
 
 @dataclass(eq=False)
@@ -101,15 +109,16 @@ class SessionTable:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._sessions:
             raise SessionError(
-                f"session_id {session_id!r} is already open: failed to open the session"
+                f"session_id {session_id!r} is already open: failed to open the session",
+                "session_id",
             )
         if timeout is not None and not timeout > 0:
-            raise SessionError(f"timeout must be > 0 seconds, got {timeout}")
+            raise SessionError(f"timeout must be > 0 seconds, got {timeout}", "timeout")
         self._check_room()
         engine_session = await self._engine.open_session()
         if session_id in self._sessions:  # opened concurrently while we awaited
             await self._engine.close_session(engine_session)
-            raise SessionError(f"session_id {session_id!r} is already open")
+            raise SessionError(f"session_id {session_id!r} is already open", "session_id")
         try:
             self._check_room()  # others may have filled the table while we awaited
         except SessionError:
@@ -125,7 +134,8 @@ class SessionTable:
         if cap is not None and len(self._sessions) >= cap:
             raise SessionError(
                 f"the session table is full: {len(self._sessions)} sessions are open, "
-                f"max_sessions={cap} (--max-sessions); close sessions or open them with a timeout"
+                f"max_sessions={cap} (--max-sessions); close sessions or open them with a timeout",
+                "session_id",
             )
 
     async def close(self, session_id: str) -> bool:
@@ -134,7 +144,7 @@ class SessionTable:
         if session is None:
             return False
         session.closed = True
-        for node in session.nodes.values():
+        for node in [*session.nodes.values(), *filter(None, [session.running])]:
             _abort(node)
         if session.inflight == 0:
             await self._release(session)
@@ -160,10 +170,13 @@ class SessionTable:
         """Build the context of a new request in ``params.id`` and register it as running."""
         session = self._sessions.get(params.id or "")
         if session is None:
-            raise SessionError(f"session_params.id {params.id!r}: invalid session id (not open)")
+            raise SessionError(
+                f"session_params.id {params.id!r}: invalid session id (not open)",
+                "session_params.id",
+            )
         parent = self._parent(session, params)
         if rid in session.nodes:
-            raise SessionError(f"rid {rid!r} is already used in session {session.id!r}")
+            raise SessionError(f"rid {rid!r} is already used in session {session.id!r}", "rid")
         context = list(suffix)
         if parent is not None:
             if self._bos is not None and context and context[0] == self._bos:
@@ -173,12 +186,14 @@ class SessionTable:
                 base += (parent.output_ids or [])[: parent.max_new_tokens]
             context = base[: params.offset] + context if params.offset else base + context
         if not context:
-            raise SessionError("input_ids: the request's context is empty")
+            raise SessionError("input_ids: the request's context is empty", "input_ids")
         node = _Node(rid, context, max_new_tokens, parent=parent)
         if not session.streaming:
             if parent is not None:
                 parent.children.append(node)
             session.nodes[rid] = node
+        else:
+            session.running = node
         session.inflight += 1
         session.last_active = time.monotonic()
         engine_session = None
@@ -205,7 +220,10 @@ class SessionTable:
             return None
         parent = session.nodes.get(params.rid)
         if parent is None:
-            raise SessionError(f"session_params.rid {params.rid!r}: invalid request session id")
+            raise SessionError(
+                f"session_params.rid {params.rid!r}: invalid request session id",
+                "session_params.rid",
+            )
         if params.replace:
             _abort(parent)
             for child in list(parent.children):
@@ -224,6 +242,8 @@ class SessionTable:
         if turn.engine_session is not None:
             session.engine_session_busy = False
         node.cancel = None
+        if session.running is node:
+            session.running = None
         if output_ids is not None and not node.aborted:
             node.output_ids = list(output_ids)
             if session.streaming:

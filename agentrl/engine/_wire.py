@@ -8,7 +8,11 @@ keeps decoding when SGLang adds some. Encoders and decoders are built once, here
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -286,3 +290,30 @@ def parse_weight_version(value: str | int | None, default: int = 0) -> int:
         return int(value)
     except (TypeError, ValueError):
         return default
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic GC off while the block runs (any thread; nested and concurrent uses keep
+    it off until the last one leaves). Decoding a body of millions of small lists otherwise
+    runs the collector over the growing tree again and again: 15 s instead of 0.4 s for 2M
+    one-id prompts, all of it holding the GIL. Decoded JSON holds no reference cycles, so the
+    pause leaves nothing for the collector to find later."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()

@@ -48,6 +48,7 @@ from ._sampling import (
     check_logprob,
     draw_uniform,
     greedy_picks,
+    match_stop_string,
     read_back,
     sample_token,
     sampled_picks,
@@ -521,11 +522,8 @@ class Worker:
         output = request.output_ids
         if token in sampling.stop_token_ids:
             return self._finish(request, "stop", token)
-        if sampling.stop:
-            text = self.tokenizer.decode(output, skip_special_tokens=False)
-            found = [(text.find(s), i) for i, s in enumerate(sampling.stop) if s in text]
-            if found:
-                return self._finish(request, "stop", sampling.stop[min(found)[1]])
+        if sampling.stop and (hit := match_stop_string(self.tokenizer, output, sampling.stop)):
+            return self._finish(request, "stop", hit)
         if len(output) >= sampling.max_new_tokens or len(request.tokens) >= request.limit:
             return self._finish(request, "length", None)
         return False

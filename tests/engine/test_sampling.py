@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import random
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from numerics import LAMBDA, assert_within, emulated_std, unit_roundoff
 from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
 from agentrl.engine import sample_token
-from agentrl.engine._sampling import check_sampling, make_generator
+from agentrl.engine._sampling import check_sampling, make_generator, match_stop_string
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 LOGITS = PROBS.log() + 1.5  # an offset changes nothing
@@ -92,3 +93,43 @@ def test_invalid_params_are_rejected(sampling: SamplingParams) -> None:
 def test_seed_out_of_range() -> None:
     with pytest.raises(EngineError, match="seed"):
         make_generator(2**70)
+
+
+def _full_text_match(tokenizer, output: list[int], stop: list[str]) -> str | None:
+    """The reference: search the whole decoded output, the earliest-starting stop string."""
+    text = tokenizer.decode(output, skip_special_tokens=False)
+    found = [(text.find(s), i) for i, s in enumerate(stop) if s in text]
+    return stop[min(found)[1]] if found else None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_strings_match_on_the_tail_as_on_the_whole_text(tokenizer, seed: int) -> None:
+    """Checked after each token (as the worker does), the tail-only match stops at the same
+    token with the same string as searching the whole decoded output: byte tokens of 2-4 byte
+    characters, leading spaces, stop strings longer than a token, several at once."""
+    rng = random.Random(seed)
+    pieces = [
+        "The answer is",
+        " 42",
+        "\n",
+        "Observation:",
+        " ünïcødé",
+        " 数学题",
+        " 🙂🚀",
+        "```",
+        "x",
+    ]
+    text = "".join(rng.choice(pieces) for _ in range(60))
+    output = tokenizer.encode(text, add_special_tokens=False)
+    decoded = tokenizer.decode(output)
+    for _ in range(25):
+        stops = []
+        for _ in range(rng.randint(1, 4)):
+            start = rng.randrange(len(decoded) - 1)
+            stops.append(decoded[start : start + rng.randint(1, 12)])
+        stops = [s for s in stops if s.strip("\ufffd")] or ["\n"]
+        for end in range(1, len(output) + 1):
+            want = _full_text_match(tokenizer, output[:end], stops)
+            assert match_stop_string(tokenizer, output[:end], stops) == want, (stops, end)
+            if want is not None:
+                break

@@ -25,13 +25,15 @@ from serve_helpers import serving
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
 MAX_SAMPLES = 64
 MAX_SESSIONS = 4
+MAX_LOGPROB_ENTRIES = 4096
 BODY_ENDPOINTS = ("/generate", "/open_session", "/close_session", "/update_weights_from_disk")
 
 
 @pytest.fixture(scope="module")
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    limits = ["--max-samples-per-request", str(MAX_SAMPLES), "--max-sessions", str(MAX_SESSIONS)]
+    limits = ["--max-samples-per-request", str(MAX_SAMPLES), "--max-sessions", str(MAX_SESSIONS),
+              "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES)]  # fmt: skip
     with serving(tiny_dir, log, *limits) as base:
         yield base
 
@@ -290,6 +292,59 @@ def test_samples_per_request_are_capped_with_the_limit_named(client: httpx.Clien
     at_cap = {"input_ids": [PROMPT] * (MAX_SAMPLES // 4), "sampling_params": {**one_token, "n": 4}}
     response = client.post("/generate", json=at_cap)
     assert response.status_code == 200 and len(response.json()) == MAX_SAMPLES
+
+
+def test_logprob_lists_are_capped_with_the_limit_named(client: httpx.Client) -> None:
+    """Top-k and chosen-id lists at every position can make a reply of gigabytes from a short
+    body: counted before anything runs (positions x (top_logprobs_num + ids))."""
+    base = {"input_ids": PROMPT, "return_logprob": True}
+    over = {**base, "top_logprobs_num": 64, "sampling_params": {"max_new_tokens": 128}}
+    started = time.monotonic()
+    error = error_of(client.post("/generate", json=over))
+    assert time.monotonic() - started < 10  # refused before any work
+    assert error["field"] == "top_logprobs_num" and "8192" in error["message"]
+    assert f"max_logprob_entries={MAX_LOGPROB_ENTRIES}" in error["message"]
+    ids = {**base, "token_ids_logprob": [5] * 100, "sampling_params": {"max_new_tokens": 41}}
+    assert error_of(client.post("/generate", json=ids))["field"] == "token_ids_logprob"
+    inputs = {**base, "logprob_start_len": 0, "top_logprobs_num": 400}  # 10 input positions
+    inputs["sampling_params"] = {"max_new_tokens": 1}
+    assert error_of(client.post("/generate", json=inputs))["field"] == "top_logprobs_num"
+    batch = {**over, "input_ids": [PROMPT] * 2, "top_logprobs_num": 16}  # 2 x 128 x 16 = cap
+    batch["sampling_params"] = {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0}
+    answers = client.post("/generate", json=batch)
+    assert answers.status_code == 200, answers.text
+    for answer in answers.json():
+        tops = answer["meta_info"]["output_top_logprobs"]
+        assert len(tops) == 128 and all(len(row) == 16 for row in tops)
+    ignored = {"input_ids": PROMPT, "top_logprobs_num": 64}  # without return_logprob: unused
+    assert client.post("/generate", json=ignored).status_code == 200
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(client: httpx.Client) -> None:
+    """A body of millions of one-id prompts (refused by the sample cap) or a megabytes-long
+    text (refused as over the context) is decoded and tokenized off the event loop, and
+    decoding does not run the garbage collector over the growing tree (15 s -> 0.4 s here):
+    /health keeps answering meanwhile."""
+    bodies = {
+        "input_ids": {"input_ids": [[1000]] * 2_000_000, "sampling_params": {"max_new_tokens": 1}},
+        "text": {"text": "hello world " * 200_000, "sampling_params": {"max_new_tokens": 1}},
+    }
+    for field, body in bodies.items():
+        raw = json.dumps(body).encode()
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            refused = pool.submit(
+                client.post, "/generate", content=raw, headers={"content-type": "application/json"}
+            )
+            slowest = 0.0
+            while not refused.done():
+                asked = time.monotonic()
+                assert client.get("/health").status_code == 200
+                slowest = max(slowest, time.monotonic() - asked)
+                time.sleep(0.05)
+            assert error_of(refused.result())["field"] == field
+            assert time.monotonic() - started < 8, field
+            assert slowest < 2, (field, slowest)
 
 
 def test_session_table_is_capped_and_timed_out_sessions_make_room(client: httpx.Client) -> None:

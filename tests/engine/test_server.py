@@ -196,6 +196,15 @@ async def test_ignore_eos_turns_stop_ids_off_too(served: Served) -> None:
         ),
         ({"input_ids": [1, 2], "logprob_start_len": -2}, "logprob_start_len"),
         ({"input_ids": [1], "session_params": {"rid": "x"}}, "session_params.id"),
+        (
+            {"input_ids": [1], "return_logprob": True, "top_logprobs_num": 10**9},
+            "top_logprobs_num",
+        ),
+        ({"input_ids": [1], "token_ids_logprob": list(range(49153))}, "token_ids_logprob"),
+        (
+            {"input_ids": [1], "sampling_params": {"sampling_seed": 2**64 - 1, "n": 2}},
+            "sampling_params.sampling_seed",
+        ),
     ],
 )
 async def test_bad_requests_are_400_naming_the_field(
@@ -258,7 +267,7 @@ async def test_classic_session_prepends_the_parent(served: Served) -> None:
 
 async def test_session_errors(served: Served) -> None:
     unknown = await served.greedy(PROMPT, session_params={"id": "nope"}, status=400)
-    assert unknown["error"]["field"] == "session_params"
+    assert unknown["error"]["field"] == "session_params.id"
     sid = await served.post("/open_session", {"capacity_of_str_len": 10, "session_id": "fixed"})
     assert sid == "fixed"
     dup = await served.post("/open_session", {"session_id": "fixed"}, status=400)
@@ -272,7 +281,17 @@ async def test_session_errors(served: Served) -> None:
     assert (await served.post("/close_session", {"session_id": sid}))["success"] is False
     await served.greedy(PROMPT, session_params={"id": sid}, status=400)
     await served.post("/close_session", {}, status=400)
-    await served.post("/open_session", {"timeout": -1}, status=400)
+    extra = await served.post("/close_session", {"session_id": sid, "x": 1}, status=400)
+    assert extra["error"]["field"] == "x"
+    timeout = await served.post("/open_session", {"timeout": -1}, status=400)
+    assert timeout["error"]["field"] == "timeout" and "-1" in timeout["error"]["message"]
+    sid = await served.post("/open_session", {})
+    await served.greedy(PROMPT, session_params={"id": sid}, rid="t1")
+    reused = await served.greedy(
+        PROMPT, session_params={"id": sid, "rid": "t1"}, rid="t1", status=400
+    )
+    assert reused["error"]["field"] == "rid" and "already used" in reused["error"]["message"]
+    await served.post("/close_session", {"session_id": sid})
 
 
 async def test_streaming_session_is_append_only(served: Served) -> None:
@@ -324,6 +343,35 @@ async def test_replace_aborts_a_running_parent_and_busy_parents_refuse_children(
     await served.post("/close_session", {"session_id": sid})
 
 
+async def _wait_running(served: Served, count: int = 1) -> None:
+    with anyio.fail_after(30):
+        while True:
+            metrics = (await served.client.get("/metrics")).text
+            if _metric(metrics, "sglang:num_running_reqs") >= count:
+                return
+            await anyio.sleep(0.01)
+
+
+async def test_closing_a_streaming_session_aborts_its_running_turn(served: Served) -> None:
+    """As closing a classic session does: the turn ends with ``abort`` and frees its KV."""
+    sid = await served.post("/open_session", {"streaming": True})
+    result: dict[str, Any] = {}
+
+    async def long_turn() -> None:
+        sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": PROMPT, "sampling_params": sp, "session_params": {"id": sid}}
+        result["turn"] = await served.post("/generate", body)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_turn)
+            await _wait_running(served)
+            assert (await served.post("/close_session", {"session_id": sid}))["success"]
+    meta = result["turn"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
+    await served.greedy(PROMPT, session_params={"id": sid}, status=400)
+
+
 async def test_session_timeout_closes_it(served: Served) -> None:
     async def open_sessions() -> float:
         return _metric((await served.client.get("/metrics")).text, "agentrl:open_sessions")
@@ -359,6 +407,82 @@ async def test_update_weights_from_disk(tiny_dir: Path, tmp_path: Path) -> None:
         await served.post("/update_weights_from_disk", {"model_path": str(tiny_dir)})
         restored = await served.greedy(PROMPT, max_new_tokens=8)
         assert restored["output_ids"] == before and restored["meta_info"]["weight_version"] == "3"
+
+
+async def test_weight_update_abort_all_requests_ends_running_ones_first(served: Served) -> None:
+    """SGLang's ``abort_all_requests``: the running request ends with ``abort`` (its tokens so
+    far) and the update does not wait for it."""
+    version = (await served.client.get("/get_weight_version")).json()["weight_version"]
+    result: dict[str, Any] = {}
+
+    async def long_request() -> None:
+        sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        result["long"] = await served.generate(input_ids=PROMPT, sampling_params=sp)
+
+    model_path = (await served.client.get("/get_model_info")).json()["model_path"]
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_request)
+            await _wait_running(served)
+            body = {"model_path": model_path, "weight_version": version, "abort_all_requests": True}
+            assert (await served.post("/update_weights_from_disk", body))["success"] is True
+    meta = result["long"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
+
+
+async def test_weight_updates_run_one_at_a_time_and_finish_when_the_client_leaves(
+    tiny_dir: Path,
+) -> None:
+    """Each update holds a whole copy of the weights while it is read and checked: concurrent
+    ones wait their turn. An update whose client disconnects still runs to its end (its
+    version is then served), as SGLang's does."""
+    async with open_embedded_engine(tiny_dir, max_batch_size=8, num_threads=1) as engine:
+        active = peak = 0
+        update = engine.update_weights
+
+        async def counted(version: int, source: Any) -> None:
+            nonlocal active, peak
+            active += 1
+            peak = max(peak, active)
+            try:
+                await anyio.sleep(0.2)
+                await update(version, source)
+            finally:
+                active -= 1
+
+        engine.update_weights = counted  # type: ignore[method-assign]
+        tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+        app = create_app(engine, tokenizer, tiny_dir)
+        server = TestServer(app, host="127.0.0.1", port=0)
+        await server.start_server()
+        try:
+            base = str(server.make_url("")).rstrip("/")
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                bodies = [{"model_path": str(tiny_dir), "weight_version": str(v)} for v in (5, 6)]
+                replies: list[httpx.Response] = []
+
+                async def send(body: dict[str, str]) -> None:
+                    replies.append(await client.post("/update_weights_from_disk", json=body))
+
+                async with anyio.create_task_group() as tg:
+                    for body in bodies:
+                        tg.start_soon(send, body)
+                assert [r.status_code for r in replies] == [200, 200] and peak == 1
+                left = {"model_path": str(tiny_dir), "weight_version": "9"}
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/update_weights_from_disk", json=left, timeout=0.05)
+                with anyio.fail_after(30):
+                    while (await client.get("/get_weight_version")).json() != {
+                        "weight_version": "9"
+                    }:
+                        await anyio.sleep(0.05)
+                formats = {"model_path": str(tiny_dir), "load_format": "pt"}
+                refused = await client.post("/update_weights_from_disk", json=formats)
+                assert (
+                    refused.status_code == 400 and refused.json()["error"]["field"] == "load_format"
+                )
+        finally:
+            await server.close()
 
 
 async def test_flush_cache_drops_cached_prefixes(served: Served) -> None:
