@@ -173,6 +173,7 @@ class _Server:
         self.counters = Counters()
         self.model_health = ModelHealth(engine)
         self.logprob_queries = "logprobs" in inspect.signature(engine.generate).parameters
+        self.created = int(time.time())
         self._update_lock = asyncio.Lock()
         self._updates: set[asyncio.Future[web.Response]] = set()
         """The engine computes input-token, top-k and chosen-id logprobs (``LogprobQuery``)."""
@@ -524,7 +525,10 @@ class _Server:
 
     async def models(self, request: web.Request) -> web.Response:
         card = w.WireModelCard(
-            self.served_name, root=self.model_path, max_model_len=self.engine.max_context
+            self.served_name,
+            created=self.created,
+            root=self.model_path,
+            max_model_len=self.engine.max_context,
         )
         return _json(w.WireModelList([card]))
 

@@ -358,7 +358,9 @@ def render_result(
     if result.finish_reason == "stop":
         finish = w.WireFinishReason("stop", matched=matched)
     elif result.finish_reason == "length":
-        finish = w.WireFinishReason("length", length=item.sampling.max_new_tokens)
+        # the limit that ended it: a defaulted max_new_tokens is capped to the room left
+        limit = min(item.sampling.max_new_tokens, len(result.token_ids))
+        finish = w.WireFinishReason("length", length=limit)
     else:
         finish = w.WireFinishReason("abort", message="request aborted")
     meta = w.WireMetaInfo(

@@ -8,6 +8,9 @@ An aiohttp middleware in front of every endpoint:
   so the guard turns a ``UnicodeDecodeError`` from any handler that decodes its body into the 400.
   An endpoint that ignores its body (``/flush_cache``) ignores a bad one too, as SGLang's do.
 - A body nested deeper than the JSON decoder's recursion limit is a 400.
+- aiohttp's own refusals (an unknown path, a method the endpoint does not take, a body over
+  the size limit) are answered in the same JSON shape with their status (SGLang's FastAPI
+  answers them in JSON too), not as aiohttp's plain-text pages.
 - Any other unexpected exception becomes a JSON 500 in the server's error shape (aiohttp's default
   is a plain-text page a JSON client cannot parse); the server keeps serving. A handler that had
   already started its answer (a stream) is left to aiohttp, which closes the connection: a second
@@ -65,8 +68,17 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
     path = request.path
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise  # aiohttp's own answers (404, 405, 413): already well-formed
+    except web.HTTPException as exc:
+        if exc.status < 400 or request.get(_STARTED):
+            raise
+        # aiohttp's own refusals (404, 405, 413...) in the JSON shape clients parse; headers
+        # such as 405's Allow are kept
+        message = f"{path}: {exc.text or exc.reason}".removesuffix("\n")
+        answer = error_response(exc.status, message)
+        for name, value in exc.headers.items():
+            if name.lower() not in ("content-type", "content-length"):
+                answer.headers[name] = value
+        return answer
     except RecursionError:
         if request.get(_STARTED):
             raise

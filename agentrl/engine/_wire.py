@@ -234,6 +234,8 @@ class WireModelInfo(msgspec.Struct):
 class WireModelCard(msgspec.Struct):
     id: str
     object: str = "model"
+    created: int = 0
+    """When the server started (Unix seconds), as OpenAI's and SGLang's model cards say."""
     owned_by: str = "agentrl"
     root: str | None = None
     max_model_len: int | None = None

@@ -108,6 +108,17 @@ def test_malformed_bodies_are_json_400s_on_every_endpoint(client: httpx.Client, 
     greedy(client, 1)
 
 
+def test_unknown_paths_and_methods_are_json_answers(client: httpx.Client) -> None:
+    """aiohttp's own refusals in the server's JSON error shape (405 keeps its Allow header)."""
+    missing = error_of(client.get("/no/such/endpoint"), 404)
+    assert "/no/such/endpoint" in missing["message"]
+    wrong = client.get("/generate")
+    assert "Not Allowed" in error_of(wrong, 405)["message"]
+    assert set(wrong.headers["allow"].replace(" ", "").split(",")) >= {"POST", "PUT"}
+    cards = client.get("/v1/models").json()["data"]
+    assert isinstance(cards[0]["created"], int) and cards[0]["created"] > 1_600_000_000
+
+
 def test_an_endpoint_that_ignores_its_body_ignores_a_bad_one(client: httpx.Client) -> None:
     """As SGLang's: ``/flush_cache`` reads no body, so bytes that are not UTF-8 do not matter."""
     assert client.post("/flush_cache", content=b"\xff\xfe").status_code == 200

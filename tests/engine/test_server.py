@@ -224,6 +224,17 @@ async def test_bad_bodies_never_stop_the_server(served: Served) -> None:
     await served.greedy(PROMPT, max_new_tokens=1)
 
 
+async def test_a_defaulted_max_new_tokens_capped_by_the_context_reports_the_cap(
+    served: Served,
+) -> None:
+    context = (await served.client.get("/get_model_info")).json()["agentrl"]["max_context_length"]
+    sp = {"temperature": 0, "ignore_eos": True}  # max_new_tokens defaults to 128
+    out = await served.generate(input_ids=[5] * (context - 8), sampling_params=sp)
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 8
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+
+
 async def test_context_beyond_the_window_is_a_400(served: Served) -> None:
     out = await served.post("/generate", {"input_ids": [5] * 2048}, 400)
     message = out["error"]["message"]
