@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,23 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 
 
+@pytest.fixture(scope="module")
+def models_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``--work`` for the runs that build model folders: the later run reuses them."""
+    return tmp_path_factory.mktemp("gpu-check-work")
+
+
 def _run(
-    tmp_path: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+    tmp_path: Path,
+    *args: str,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    work: Path | None = None,
 ) -> tuple[int, dict, str]:
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--python", sys.executable, "--out", str(out),
-         "--work", str(tmp_path / "work"), *args],
+         "--work", str(work or tmp_path / "work"), *args],
         capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
     report = json.loads((out / "gpu-check.json").read_text())
@@ -29,8 +40,8 @@ def _run(
 
 
 @pytest.mark.slow
-def test_dry_run_runs_every_section(tmp_path: Path) -> None:
-    rc, report, log = _run(tmp_path, "--budget", "900")
+def test_dry_run_runs_every_section(tmp_path: Path, models_work: Path) -> None:
+    rc, report, log = _run(tmp_path, "--budget", "900", work=models_work)
     sections = report["sections"]
     assert list(sections) == [  # no --sglang bundle: no SGLang section
         "staging", "environment", "ceilings", "models", "kernels", "engine", "train", "serve",
@@ -40,7 +51,7 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert statuses == {name: "ok" for name in sections}, log[-3000:]
     assert rc == 0
     # the staged checkout, not another agentrl, is what every section imported
-    assert report["machine"]["agentrl"].startswith(str(tmp_path / "work" / "site"))
+    assert report["machine"]["agentrl"].startswith(str(models_work / "site"))
     kernels = sections["kernels"]["results"]["rows"]
     assert {r["path"] for r in kernels} == {"naive", "chunked"}
     assert all(r["dlp"] < 1e-3 for r in kernels)
@@ -81,14 +92,53 @@ def test_a_short_budget_skips_what_does_not_fit_and_fails(tmp_path: Path) -> Non
     assert rc == 1
 
 
-def test_a_missing_sglang_bundle_fails_that_section_only(tmp_path: Path) -> None:
+def test_a_missing_sglang_bundle_fails_that_section_only(tmp_path: Path, models_work: Path) -> None:
     missing = tmp_path / "no-bundle"
-    rc, report, _ = _run(tmp_path, "--sections", "sglang", "--sglang", str(missing))
+    built = {p.parent.name for p in (models_work / "models").glob("*/gpu-check-model.json")}
+    rc, report, _ = _run(
+        tmp_path, "--sections", "sglang", "--sglang", str(missing), work=models_work
+    )
     sglang = report["sections"]["sglang"]
     assert sglang["status"] == "failed"
     assert str(missing) in sglang["detail"] and "site.tar.xz.part_" in sglang["detail"]
-    assert report["sections"]["models"]["status"] == "ok"
+    models = report["sections"]["models"]
+    assert models["status"] == "ok"
+    # folders an earlier run in this --work built from the same config and tokenizer are reused
+    entries = dict(re.findall(r"([\w.-]+) \(([^)]*)\)", models["detail"]))
+    assert "smollm2-135m" in entries, models["detail"]  # what the SGLang section serves
+    for name, detail in entries.items():
+        assert ("reused" in detail) == (name in built), (name, built, models["detail"])
     assert rc == 1
+
+
+def test_a_model_folder_is_rebuilt_unless_it_was_built_from_the_same_spec(tmp_path: Path) -> None:
+    """``model_spec``: a changed config, a changed tokenizer file or a half-written folder
+    (no spec file) is not reused."""
+    gpu_check = _load_script()
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 576}))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    spec = gpu_check.model_spec(config, True, tokenizer)
+    assert spec["config"]["hidden_size"] == 64 and set(spec["tokenizer"]) == {"tokenizer.json"}
+    assert gpu_check.model_spec(config, True, tokenizer) == spec
+    (tokenizer / "tokenizer.json").write_text('{"changed": 1}')
+    assert gpu_check.model_spec(config, True, tokenizer) != spec
+    assert gpu_check.model_spec(config, False, tokenizer)["config"]["hidden_size"] == 576
+    assert gpu_check._built_from(tmp_path / "no-such-folder") is None
+
+
+def _load_script():  # noqa: ANN202
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("gpu_check_script", str(SCRIPT))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[loader.name] = module  # its dataclasses look their module up there
+    loader.exec_module(module)
+    return module
 
 
 def test_a_missing_sglang_bundle_fails_the_conformance_and_router_sections(tmp_path: Path) -> None:
