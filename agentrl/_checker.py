@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 
+from ._config import short_repr
 from ._env import Episode, Reward
 from ._errors import EnvError
 from ._registry import EnvSpec, spec
@@ -71,7 +72,7 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
     value = await env.reward(episode)
     total = value.total if isinstance(value, Reward) else value
     if not isinstance(total, int | float) or total != total:
-        raise fail(f"reward() must return a float or Reward, got {value!r}")
+        raise fail(f"reward() must return a float or Reward, got {short_repr(value)}")
     respond = getattr(env, "respond", None)
     if respond is not None:
         reply = await respond(Message("assistant", "I am not sure."))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import pydantic
@@ -79,15 +80,33 @@ class RolloutConfig(pydantic.BaseModel):
         return self
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = 6
+SHORT_REPR_CHARS = 120
+"""The longest value an error message shows (a value past it is cut, its elision marked)."""
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` for an error message: long strings, deep or long containers and huge
+    numbers shortened (``'aaa...aaa'``, ``[1, 2, ...]``) without building the whole repr."""
+    text = _REPR.repr(value)
+    if len(text) > SHORT_REPR_CHARS:
+        half = SHORT_REPR_CHARS // 2 - 2
+        text = f"{text[:half]}...{text[-half:]}"
+    return text
+
+
 def describe_errors(exc: pydantic.ValidationError, where: str = "") -> str:
-    """Each error of ``exc`` as ``dotted.field: message (got value)``, ``where`` prefixed."""
+    """Each error of ``exc`` as ``dotted.field: message (got value)``, ``where`` prefixed; values
+    shown shortened (``short_repr``)."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in (*([where] if where else []), *err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
-        shown = isinstance(value, dict) or repr(value) in message
-        got = "" if shown else f" (got {value!r})"
+        shown = isinstance(value, dict) or short_repr(value) in message
+        got = "" if shown else f" (got {short_repr(value)})"
         named = not loc or message.startswith(f"{loc} ")  # "device must be ...": named already
         parts.append(f"{message}{got}" if named else f"{loc}: {message}{got}")
     return "; ".join(parts)

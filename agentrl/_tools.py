@@ -35,6 +35,7 @@ from typing import Any, Literal, get_type_hints
 import anyio
 import pydantic
 
+from ._config import short_repr
 from ._errors import ToolError
 from ._threads import ThreadTimeout, TooManyAbandonedThreads, run_in_daemon_thread
 from ._tool_process import (
@@ -178,7 +179,7 @@ def _build_spec(
 def _check_isolation(fn: Callable[..., Any], name: str, isolation: Any, is_method: bool) -> None:
     if isolation not in ("thread", "process"):
         raise ToolError(
-            f"tool {name!r}: isolation must be 'thread' or 'process', got {isolation!r}"
+            f"tool {name!r}: isolation must be 'thread' or 'process', got {short_repr(isolation)}"
         )
     if isolation != "process":
         return
@@ -243,7 +244,9 @@ def env_tool_timeout(env: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ToolError(f"{type(env).__name__}.tool_timeout_s must be a number > 0, got {value!r}")
+        raise ToolError(
+            f"{type(env).__name__}.tool_timeout_s must be a number > 0, got {short_repr(value)}"
+        )
     return float(value)
 
 
@@ -265,7 +268,7 @@ def _validation_message(exc: pydantic.ValidationError) -> str:
         elif err["type"] == "missing":
             parts.append(f"missing required argument '{loc}'")
         else:
-            parts.append(f"argument '{loc}': {err['msg']} (got {err.get('input')!r})")
+            parts.append(f"argument '{loc}': {err['msg']} (got {short_repr(err.get('input'))})")
     return "; ".join(parts)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from agentrl._config import short_repr
 from agentrl._errors import ConfigError
 
 from ._config import AlgorithmConfig
@@ -40,7 +41,8 @@ def check_in_flight_objective(
     fields otherwise. Synchronous ``finish``/``abort`` training accepts every objective."""
     if in_flight not in IN_FLIGHT_RULES:
         raise ConfigError(
-            f"engine.in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, got {in_flight!r}"
+            f"engine.in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, "
+            f"got {short_repr(in_flight)}"
         )
     if max_version_lag < 0:
         raise ConfigError(f"max_version_lag must be >= 0, got {max_version_lag}")

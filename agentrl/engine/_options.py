@@ -11,7 +11,7 @@ import msgspec
 import pydantic
 import torch
 
-from agentrl._config import describe_errors, validate_config
+from agentrl._config import describe_errors, short_repr, validate_config
 from agentrl._errors import ConfigError, EngineError
 
 from ._radix import RadixStatistics
@@ -156,7 +156,7 @@ def _parse_device(value: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {short_repr(value)}")
     return device
 
 
@@ -190,7 +190,9 @@ def engine_options(section: Mapping[str, Any] | EngineOptions | None = None) -> 
     if isinstance(section, EngineOptions):
         return section
     if section is not None and not isinstance(section, Mapping):
-        raise ConfigError(f"engine: expected a mapping of engine options, got {section!r}")
+        raise ConfigError(
+            f"engine: expected a mapping of engine options, got {short_repr(section)}"
+        )
     return validate_config(EngineOptions, dict(section or {}), where="engine")
 
 

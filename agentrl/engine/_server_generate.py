@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl._config import short_repr
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 
@@ -252,7 +253,7 @@ def _sampling(
     wire: w.WireSamplingParams, facts: ModelFacts, field: str
 ) -> tuple[SamplingParams, int, bool, bool]:
     def bad(name: str, why: str, value: object) -> BadRequest:
-        return BadRequest(f"{field}.{name} {why}, got {value!r}", f"{field}.{name}")
+        return BadRequest(f"{field}.{name} {why}, got {short_repr(value)}", f"{field}.{name}")
 
     max_new = 128 if wire.max_new_tokens is None else wire.max_new_tokens
     if max_new < 0:

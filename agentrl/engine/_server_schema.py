@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from agentrl._config import short_repr
+
 from . import _wire as w
 
 
@@ -127,7 +129,10 @@ def unsupported(req: w.WireGenerateReq) -> tuple[str, str] | None:
     for name, (neutral, expected) in _REQUEST.items():
         value = getattr(req, name)
         if not neutral(value):
-            return f"{name}={value!r} is not supported by agentrl serve (only {expected})", name
+            return (
+                f"{name}={short_repr(value)} is not supported by agentrl serve (only {expected})",
+                name,
+            )
     params = req.sampling_params
     listed = isinstance(params, list)
     for index, wire in enumerate(params if isinstance(params, list) else [params]):
@@ -137,6 +142,6 @@ def unsupported(req: w.WireGenerateReq) -> tuple[str, str] | None:
         for name, (neutral, expected) in _SAMPLING.items():
             value = getattr(wire, name)
             if not neutral(value):
-                message = f"{where}.{name}={value!r} is not supported by agentrl serve"
+                message = f"{where}.{name}={short_repr(value)} is not supported by agentrl serve"
                 return f"{message} (only {expected})", f"{where}.{name}"
     return None

@@ -46,6 +46,7 @@ import anyio
 import httpx
 import msgspec
 
+from agentrl._config import short_repr
 from agentrl._errors import EngineError
 from agentrl._types import GenerateResult, SamplingParams
 
@@ -121,7 +122,8 @@ class SGLangEngine:
             raise EngineError("SGLangEngine needs at least one server URL")
         if in_flight not in IN_FLIGHT_RULES:
             raise EngineError(
-                f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, got {in_flight!r}"
+                f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, "
+                f"got {short_repr(in_flight)}"
             )
         self.in_flight = in_flight
         self._entry = [Upstream(u.rstrip("/")) for u in urls]
