@@ -12,6 +12,7 @@ API. Re-exports use ``from ._x import y as y``, the form type checkers treat as 
 from ._checker import acheck_env as acheck_env
 from ._checker import check_env as check_env
 from ._config import RolloutConfig as RolloutConfig
+from ._config_file import read_config_file as read_config_file
 from ._env import Env as Env
 from ._env import Episode as Episode
 from ._env import Reward as Reward
@@ -83,6 +84,7 @@ __all__ = [
     "check_env",
     "env",
     "make",
+    "read_config_file",
     "read_trajectories",
     "register",
     "registered",

@@ -119,21 +119,26 @@ def _console():
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
+    from ._config_file import read_config_file
     from ._errors import ConfigError
 
-    text = Path(path).read_text()
-    try:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:
-        raise ConfigError(f"{path}: cannot parse: {exc}") from exc
+    data = read_config_file(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
+
+
+def _section(loaded: dict[str, Any], name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A copy of the mapping ``loaded[name]`` (empty when absent); ConfigError otherwise."""
+    from ._config import short_repr
+    from ._errors import ConfigError
+
+    section = loaded.get(name)
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{args.config}: {name}: expected a mapping, got {short_repr(section)}")
+    return dict(section)
 
 
 def _refuse_moved_settings(loaded: dict[str, Any], path: str) -> None:
@@ -159,6 +164,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     import anyio
 
     from ._config import RolloutConfig, validate_config
+    from ._config_file import load_json
     from ._errors import ConfigError
     from ._interrupt import run_until_interrupted
     from ._runner import check_run_dir
@@ -174,8 +180,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     if args.config:
         loaded = _load_config_file(args.config)
         _refuse_moved_settings(loaded, args.config)
-        data = dict(loaded.get("rollout", {}))
-        engine_data = dict(loaded.get("engine", {}))
+        data, engine_data = _section(loaded, "rollout", args), _section(loaded, "engine", args)
         if args.sandbox is None and loaded.get("sandbox") is not None:
             args.sandbox, args.sandbox_where = loaded["sandbox"], f"{args.config}: sandbox"
     overrides = {
@@ -190,10 +195,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     if args.env_kwargs:
-        try:
-            data["env_kwargs"] = json.loads(args.env_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+        data["env_kwargs"] = load_json(args.env_kwargs, "--env-kwargs")
     cfg = validate_config(RolloutConfig, data)
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
@@ -485,17 +487,18 @@ def _check_envs(args: argparse.Namespace, console) -> int:
     """``agentrl envs check``: the contract checker on each id, one line per id; exit 1 if any
     fails (the others are still checked)."""
     from ._checker import check_env
+    from ._config import short_repr
+    from ._config_file import load_json
     from ._errors import ConfigError
     from ._registry import load_entry_points, registered
 
     kwargs: dict[str, Any] = {}
     if args.env_kwargs:
-        try:
-            kwargs = json.loads(args.env_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+        kwargs = load_json(args.env_kwargs, "--env-kwargs")
         if not isinstance(kwargs, dict):
-            raise ConfigError(f"--env-kwargs must be a JSON object, got {args.env_kwargs}")
+            raise ConfigError(
+                f"--env-kwargs must be a JSON object, got {short_repr(args.env_kwargs)}"
+            )
     ids = list(args.env_ids)
     failed = passed = 0
     if args.all:

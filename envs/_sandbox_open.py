@@ -19,8 +19,8 @@ under ``sandbox/…`` (``take_interval`` per runner, ``interval_metrics`` over t
 
 from __future__ import annotations
 
-import json
 import os
+import reprlib
 import statistics
 import time
 import urllib.parse
@@ -32,7 +32,7 @@ from typing import Any
 
 import pydantic
 
-from agentrl import ConfigError
+from agentrl import ConfigError, read_config_file
 from agentrl.sandboxes import (
     PoolBusy,
     PoolConfig,
@@ -59,6 +59,14 @@ EXPECTED = (
 SandboxSpec = str | PoolConfig
 """A checked spec: a backend name, service URLs or a file path (``str``), or pool options."""
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` shortened for an error message (long strings and containers cut)."""
+    return _REPR.repr(value)
+
 
 def sandbox_spec(value: Any, where: str = "sandbox") -> SandboxSpec:
     """Check a spec (see the module docs); a mapping becomes a ``PoolConfig``. Raises
@@ -68,14 +76,14 @@ def sandbox_spec(value: Any, where: str = "sandbox") -> SandboxSpec:
     if isinstance(value, Mapping):
         return _pool_options(dict(value), where)
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{_at(where)}{EXPECTED}, got {value!r}")
+        raise ConfigError(f"{_at(where)}{EXPECTED}, got {_short(value)}")
     value = value.strip()
     if value in BACKENDS or value.endswith(POOL_FILES):
         return value
     if value.startswith(("http://", "https://")):
         service_urls(value, where)  # refuse a malformed address now
         return value
-    raise ConfigError(f"{_at(where)}unknown sandbox {value!r}: {EXPECTED}")
+    raise ConfigError(f"{_at(where)}unknown sandbox {_short(value)}: {EXPECTED}")
 
 
 def _at(where: str) -> str:
@@ -113,7 +121,7 @@ def _pool_options(data: dict[str, Any], where: str) -> PoolConfig:
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(x) for x in (where, *err['loc']) if x)}: {err['msg']}"
-            + ("" if isinstance(err.get("input"), dict) else f" (got {err.get('input')!r})")
+            + ("" if isinstance(err.get("input"), dict) else f" (got {_short(err.get('input'))})")
             for err in exc.errors()
         )
         raise ConfigError(f"invalid sandbox options: {problems}") from None
@@ -123,13 +131,10 @@ def _pool_file(path: str, where: str) -> PoolConfig:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{where}: no such sandbox pool file: {path}")
-    import yaml
-
     try:
-        text = file.read_text()
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"sandbox config {path}: {exc}") from exc
+        data = read_config_file(file)
+    except ConfigError as exc:
+        raise ConfigError(f"sandbox config {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"sandbox config {path}: expected a mapping of the pool's options")
     return _pool_options(data, f"{where} ({path})")
@@ -344,7 +349,9 @@ def check_env_sandbox(spec: Any, env_id: str, factory: Any, where: str = "sandbo
             "pool's options), or pass --sandbox"
         )
     if spec is not None and not wants:
-        raise ConfigError(f"{where}: {env_id} takes no sandbox: remove `sandbox:` (got {spec!r})")
+        raise ConfigError(
+            f"{where}: {env_id} takes no sandbox: remove `sandbox:` (got {_short(spec)})"
+        )
     if spec is not None:
         sandbox_spec(spec, where)
     return wants

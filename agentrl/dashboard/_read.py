@@ -118,11 +118,11 @@ def read_step_rewards(path: Path) -> tuple[dict[int, StepRewards], int]:
 
 
 def _config(run: Path) -> dict[str, Any]:
-    import yaml
+    from .._config_file import read_config_file
 
     try:
-        config = yaml.safe_load((run / "config.yaml").read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        config = read_config_file(run / "config.yaml")
+    except ConfigError:
         return {}
     return config if isinstance(config, dict) else {}
 

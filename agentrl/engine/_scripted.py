@@ -26,7 +26,6 @@ is the fallback); or JSONL, one turn per line (a JSON string or ``{"text": ...}`
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import pydantic
 import torch
 
 from agentrl._config import describe_errors
+from agentrl._config_file import decode_utf8, load_json, read_config_file
 from agentrl._errors import ConfigError, EngineError
 from agentrl._types import GenerateResult, SamplingParams
 
@@ -70,16 +70,12 @@ def read_script(path: str | Path) -> ScriptFile:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"no such script file: {file}")
-    text = file.read_text()
     if file.suffix == ".jsonl":
         turns: list[Any] = []
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(decode_utf8(file.read_bytes(), str(file)).splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{file}:{lineno}: not JSON: {exc}") from None
+            item = load_json(line, f"{file}:{lineno}")
             if isinstance(item, dict) and set(item) == {"text"}:
                 item = item["text"]
             if not isinstance(item, str):
@@ -90,12 +86,7 @@ def read_script(path: str | Path) -> ScriptFile:
             turns.append(item)
         data: Any = {"scripts": [{"turns": turns}]}
     else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{file}: cannot parse: {exc}") from None
+        data = read_config_file(file, what="script file")
         if isinstance(data, list):
             data = {"scripts": [{"turns": data}]}
         elif isinstance(data, dict) and "turns" in data:

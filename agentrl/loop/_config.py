@@ -20,7 +20,10 @@ from typing import Any, Literal
 import pydantic
 import pydantic_core
 
-from agentrl._config import RolloutConfig, validate_config
+from agentrl._config import RolloutConfig, short_repr, validate_config
+from agentrl._config_file import ConfigSyntaxError, load_yaml
+from agentrl._config_file import read_config_file as read_any_config_file
+from agentrl._env import Split
 from agentrl._errors import ConfigError
 from agentrl.engine import EngineOptions
 from agentrl.envs import SandboxSpec, sandbox_spec
@@ -432,17 +435,16 @@ def _fill(rollout: Any, field: str, value: Any) -> Any:
 
 
 def parse_overrides(sets: list[str]) -> list[tuple[list[str], Any]]:
-    """``["a.b=1", ...]`` → ``[(["a", "b"], 1), ...]``; values are YAML scalars/flow."""
-    import yaml
-
+    """``["a.b=1", ...]`` → ``[(["a", "b"], 1), ...]``; values are YAML scalars/flow (text that
+    is not YAML stays a string; a repeated key or an alias bomb is refused like in a file)."""
     out = []
     for item in sets:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
-            raise ConfigError(f"--set expects dotted.key=value, got {item!r}")
+            raise ConfigError(f"--set expects dotted.key=value, got {short_repr(item)}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+            value = load_yaml(raw, f"--set {key.strip()}") if raw.strip() else ""
+        except ConfigSyntaxError:
             value = raw
         out.append((key.strip().split("."), value))
     return out
@@ -466,16 +468,10 @@ def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML (or JSON) file into a mapping; errors name the file."""
-    import yaml
-
+    """Parse a YAML (or JSON) file into a mapping (``agentrl.read_config_file``: strict UTF-8,
+    no repeated keys, bounded aliases); errors name the file."""
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"no such config file: {file}")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: cannot parse: {exc}") from None
+    data = read_any_config_file(file)
     if data is None:
         return {}
     if not isinstance(data, dict):

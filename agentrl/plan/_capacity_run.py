@@ -42,11 +42,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _config(run: Path) -> dict[str, Any]:
-    import yaml
+    from .._config_file import read_config_file
 
     try:
-        config = yaml.safe_load((run / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        config = read_config_file(run / "config.yaml")
+    except ConfigError as exc:
         raise ConfigError(f"--from-run {run}: cannot read config.yaml: {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"--from-run {run}: config.yaml is not a mapping")

@@ -116,7 +116,7 @@ def test_script_files_yaml_and_jsonl(tmp_path):
         "d.yaml": ("scripts: [{turns: []}]", "scripts.0.turns"),
         "e.yaml": ("scripts: [{turn: [a]}]", "scripts.0.turn"),
         "f.jsonl": ('"one"\n[1, 2]\n', "f.jsonl:2"),
-        "g.jsonl": ('"one"\n{oops\n', "g.jsonl:2: not JSON"),
+        "g.jsonl": ('"one"\n{oops\n', "g.jsonl:2 is not valid JSON"),
         "h.yaml": ("turns: [a\n", "cannot parse"),
     }
     for name, (content, needle) in bad.items():
