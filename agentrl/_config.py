@@ -13,7 +13,9 @@ from ._errors import ConfigError
 class RolloutConfig(pydantic.BaseModel):
     """How trajectories are generated. ``None`` means "the environment's default"."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = pydantic.ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     max_turns: int | None = pydantic.Field(None, ge=1)
     """Assistant turns per trajectory (default: the env spec's ``max_turns``)."""

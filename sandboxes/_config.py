@@ -34,7 +34,7 @@ def check_docker_socket(host: str) -> None:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _ContainerConfig(_Model):

@@ -7,7 +7,7 @@ algorithm's row of the table in ``_algorithms``, so the learner reads plain valu
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 
@@ -15,7 +15,13 @@ from ._algorithms import AlgorithmSpec, algorithm_spec
 from ._kl import KLEstimator
 from ._losses import Aggregation, Surrogate
 
-_DOCS = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+_DOCS = pydantic.ConfigDict(
+    extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+)
+
+
+_Beta = Annotated[float, pydantic.Field(ge=0, lt=1)]
+"""An Adam moment decay: torch's AdamW refuses anything outside [0, 1)."""
 
 
 class AlgorithmConfig(pydantic.BaseModel):
@@ -123,8 +129,8 @@ class OptimizerConfig(pydantic.BaseModel):
 
     lr: float = pydantic.Field(1e-6, gt=0)
     """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam's β1, β2."""
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
+    """Adam's β1, β2, each in [0, 1)."""
     eps: float = pydantic.Field(1e-8, gt=0)
     """Adam's ε."""
     weight_decay: float = pydantic.Field(0.0, ge=0)

@@ -30,7 +30,9 @@ class EngineOptions(pydantic.BaseModel):
     unknown fields are refused by name). Where the device and dtype exist on this machine is
     checked when the engine starts."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = pydantic.ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     max_batch_size: int = pydantic.Field(32, ge=1)
     """Most requests running at once (decoding or prefilling)."""
@@ -78,8 +80,8 @@ class EngineOptions(pydantic.BaseModel):
     same operations, so a seed means the same on every device. (A row that feeds a logprob
     query is copied back whole and sampled on the CPU.)"""
     dtype: str = "float32"
-    """Model and KV dtype (a ``torch`` dtype name): ``"float32"``, or ``"bfloat16"``, the natural
-    choice on a GPU (logits are float32 either way)."""
+    """Model and KV dtype: ``"float32"``, ``"bfloat16"`` (the natural choice on a GPU),
+    ``"float16"`` or ``"float64"`` (logits are float32 either way)."""
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
     """What runs the decode rows' attention over the paged KV cache. ``"sdpa"``: torch SDPA
     over blocks gathered with ``index_select``. ``"triton"``: the Triton paged-decode kernel
@@ -127,8 +129,7 @@ class EngineOptions(pydantic.BaseModel):
     @pydantic.field_validator("dtype")
     @classmethod
     def _dtype_name(cls, value: str) -> str:
-        if not isinstance(getattr(torch, value, None), torch.dtype):
-            raise ValueError(f"unknown dtype {value!r} (a torch dtype name, e.g. 'bfloat16')")
+        resolve_dtype(value, error=ValueError)
         return value
 
     def replace(self, **changes: Any) -> EngineOptions:
@@ -141,12 +142,18 @@ class EngineOptions(pydantic.BaseModel):
             raise EngineError(describe_errors(exc)) from None
 
 
-def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
-    """``EngineOptions.dtype`` as a ``torch.dtype`` (``EngineError`` for an unknown name)."""
+ENGINE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""``EngineOptions.dtype``'s values (torch's aliases of them, ``float``, ``half``, ``double``,
+are accepted too): the floating dtypes the model, the KV pool and the samplers run in."""
+
+
+def resolve_dtype(value: str | torch.dtype, *, error: type[Exception] = EngineError) -> torch.dtype:
+    """``EngineOptions.dtype`` as a ``torch.dtype``; ``error`` (``EngineError``) naming the field
+    for a name that is not one of ``ENGINE_DTYPES``."""
     dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value), None)
-    if not isinstance(dtype, torch.dtype):
-        raise EngineError(f"unknown dtype {value!r}")
-    return dtype
+    if dtype not in {getattr(torch, name) for name in ENGINE_DTYPES}:
+        raise error(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {short_repr(value)}")
+    return dtype  # type: ignore[return-value]
 
 
 def _parse_device(value: str | torch.device) -> torch.device:

@@ -723,7 +723,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", default=None, help="cpu (default), cuda or cuda:N: where the model and KV live"
     )
     parser.add_argument(
-        "--dtype", default=None, help="model and KV dtype: float32 (default) or bfloat16"
+        "--dtype",
+        default=None,
+        help="model and KV dtype: float32 (default), bfloat16, float16 or float64",
     )
     parser.add_argument(
         "--in-flight",

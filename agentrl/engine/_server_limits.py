@@ -32,7 +32,9 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 23
 class ServeLimits(pydantic.BaseModel):
     """Caps of one ``agentrl serve`` process (the ``--max-*`` flags)."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = pydantic.ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     max_samples_per_request: int = pydantic.Field(DEFAULT_MAX_SAMPLES_PER_REQUEST, ge=1)
     """Most samples (prompts x ``n``) one ``/generate`` request may ask for; more is a 400."""

@@ -43,8 +43,15 @@ MOVED_SETTINGS: dict[tuple[str, ...], str] = {
 """Settings that used to live in two places, at their old path → their one home."""
 
 
+_YEAR_S = 365 * 24 * 3600
+"""The longest collective timeout (``datetime.timedelta``, which torch takes, ends near 3e6
+years; a year is already no limit)."""
+
+
 class _Section(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = pydantic.ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 class TrainSection(_Section):
@@ -83,11 +90,11 @@ class TrainSection(_Section):
     """A trajectory with reward >= this counts as passed (pass rate)."""
     num_threads: int | None = pydantic.Field(None, ge=1)
     """Torch CPU threads of the learner (default: cores / local ranks)."""
-    collective_timeout_s: float | None = pydantic.Field(None, gt=0)
+    collective_timeout_s: float | None = pydantic.Field(None, gt=0, le=_YEAR_S)
     """Several ranks: the longest one collective operation may wait for the other ranks, so a
     hung or lost node ends the run after this long (an error, not a hang). It must exceed the
-    ranks' largest difference in a step's rollout time. None: PyTorch's default (30 min for
-    gloo, 10 min for NCCL)."""
+    ranks' largest difference in a step's rollout time (at most a year). None: PyTorch's
+    default (30 min for gloo, 10 min for NCCL)."""
     max_steps_without_update: int = pydantic.Field(3, ge=0)
     """Stop the run (non-zero exit, ``stop_reason`` in the ledger) after this many consecutive
     steps that trained on nothing: every trajectory failed (e.g. the env's ``reward()`` raises)
@@ -224,8 +231,9 @@ class EvalSection(_Section):
     """Evaluate the initial policy before step 1."""
     num_tasks: int = pydantic.Field(32, ge=1)
     """The first N tasks of the split, one sample each."""
-    split: str = "eval"
-    """The env's held-out split."""
+    split: Split = "eval"
+    """The split evaluated: ``eval`` (the env's held-out tasks) or ``train``, the two every
+    environment's ``tasks(split)`` serves."""
     temperature: float = pydantic.Field(0.0, ge=0.0)
     """Sampling temperature for evaluation (0: greedy)."""
 

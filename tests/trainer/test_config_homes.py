@@ -147,7 +147,7 @@ def test_hash_sees_resolved_algorithm_values():
         (["engine.max_batch=4"], "engine.max_batch: Extra inputs are not permitted (got 4)"),
         (["engine.max_batch_size=0"], "engine.max_batch_size: Input should be greater than or"),
         (["engine.device=tpu"], "engine.device: device must be 'cpu', 'cuda' or 'cuda:N'"),
-        (["engine.dtype=float33"], "engine.dtype: unknown dtype 'float33'"),
+        (["engine.dtype=float33"], "engine.dtype: dtype must be one of float32, bfloat16"),
         (
             ["engine.in_flight=later"],
             "engine.in_flight: Input should be 'finish', 'abort' or 'partial'",
