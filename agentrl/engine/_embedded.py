@@ -77,7 +77,7 @@ from agentrl.kernels._fused_ops import unsupported as fused_ops_unsupported
 
 from ._decode import AttentionKernelChooser, check_attention
 from ._graphs import DecodeGraphs
-from ._kv import KVPool
+from ._kv import KVPool, device_memory_bytes
 from ._logprobs import LogprobCollector
 from ._model import CausalLM, ModelConfig, read_safetensors
 from ._options import (
@@ -194,21 +194,41 @@ class EmbeddedEngine:
         tokens = opts.kv_cache_tokens or min(
             opts.kv_cache_bytes // bytes_per_token, opts.max_batch_size * context
         )
+        if opts.block_size > context:
+            raise EngineError(
+                f"block_size={opts.block_size} is larger than the context ({context} tokens): "
+                "one KV block would hold more than any request; use a smaller block_size"
+            )
+        num_blocks = max(1, tokens // opts.block_size)
+        pool_bytes = (num_blocks + (replay is not None)) * opts.block_size * bytes_per_token
+        sized_by = (
+            f"kv_cache_tokens={opts.kv_cache_tokens}"
+            if opts.kv_cache_tokens
+            else f"kv_cache_bytes={opts.kv_cache_bytes}"
+        )
+        asked = (
+            f"a KV pool of {num_blocks} blocks x block_size={opts.block_size} tokens "
+            f"({sized_by}) asks for {pool_bytes} bytes"
+        )
+        lower = "lower kv_cache_tokens, kv_cache_bytes or block_size"
+        total = device_memory_bytes(device)
+        if total is not None and pool_bytes > total:
+            raise EngineError(f"{asked}, more than {device} has ({total} bytes): {lower}")
         try:
             pool = KVPool(
                 num_layers=config.num_layers,
                 num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim,
-                num_blocks=max(1, tokens // opts.block_size),
+                num_blocks=num_blocks,
                 block_size=opts.block_size,
                 dtype=model.dtype,
                 device=device,
                 pad_block=replay is not None,
             )
-        except torch.OutOfMemoryError:
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise EngineError(
-                f"a KV pool of {tokens} tokens ({tokens * bytes_per_token} bytes) does not fit "
-                f"on {device}: lower kv_cache_bytes or kv_cache_tokens"
+                f"{asked}, which {device} cannot allocate ({reason}): {lower}"
             ) from None
         tree = (
             RadixCache(opts.block_size, pool.free, opts.radix_token_budget)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import os
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -49,6 +50,17 @@ def lower_right_causal(q_len: int, n: int, device: torch.device) -> torch.Tensor
     if device.type == "cpu":
         return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
     return causal_bias_module().causal_lower_right(q_len, n)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """All the memory ``device`` has (a CUDA device's, or this machine's RAM for the CPU), or
+    ``None`` when unknown: a KV pool larger than this can never be allocated there."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 class KVPool:

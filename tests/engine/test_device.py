@@ -294,6 +294,37 @@ def test_cuda_without_cuda_is_refused_before_loading(tiny_dir: Path, device: str
         EmbeddedEngine.from_pretrained(tiny_dir, device=device)
 
 
+@pytest.mark.usefixtures("no_weight_loading")
+@pytest.mark.parametrize("dtype", ["int64", "bool", "complex64", "float8_e4m3fn", "finfo"])
+def test_a_dtype_the_engine_cannot_run_is_refused_before_loading(tiny_dir: Path, dtype: str):
+    with pytest.raises(
+        EngineError, match="dtype must be one of float32, bfloat16, float16, float64"
+    ):
+        EmbeddedEngine.from_pretrained(tiny_dir, dtype=dtype)
+
+
+def test_a_kv_pool_larger_than_the_device_names_its_options(tiny_dir: Path) -> None:
+    """A pool no machine could hold, or blocks longer than any request, are refused naming the
+    option and the bytes asked for (they were the allocator's raw error)."""
+    with pytest.raises(EngineError, match=r"kv_cache_tokens=100000000000\) asks for \d+ bytes, "
+                       r"more than cpu has \(\d+ bytes\): lower kv_cache_tokens"):  # fmt: skip
+        EmbeddedEngine.from_pretrained(tiny_dir, kv_cache_tokens=10**11, num_threads=1)
+    with pytest.raises(EngineError, match=r"block_size=100000000 is larger than the context"):
+        EmbeddedEngine.from_pretrained(tiny_dir, block_size=10**8, num_threads=1)
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+    reason="this kernel grants any allocation (vm.overcommit_memory=1)",
+)
+def test_a_kv_pool_the_allocator_refuses_is_an_engine_error(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_embedded, "device_memory_bytes", lambda device: None)  # size unknown
+    with pytest.raises(EngineError, match=r"asks for \d+ bytes, which cpu cannot allocate"):
+        EmbeddedEngine.from_pretrained(tiny_dir, kv_cache_tokens=10**11, num_threads=1)
+
+
 @pytest.mark.usefixtures("no_weight_loading", "fake_cuda")
 def test_missing_cuda_index_is_refused_before_loading(tiny_dir: Path) -> None:
     with pytest.raises(EngineError, match=r"device='cuda:2': no such CUDA device.* has 2"):
