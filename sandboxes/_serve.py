@@ -18,12 +18,15 @@ import asyncio
 import ipaddress
 import json
 import logging
+import math
 import os
+import reprlib
 import resource
 import signal
 import sys
 from typing import Any
 
+import pydantic
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -65,41 +68,127 @@ _SERVICE_FLAGS = {  # flag attribute → ServiceConfig field (and the unit it is
 }
 
 
+_POOL_FLAGS = ("size", "max_queue", "queue_timeout_s", "recycle_after")
+"""Flag attributes that set the ``PoolConfig`` field of the same name."""
+
+
+def _flag(attribute: str) -> str:
+    return "--" + attribute.replace("_", "-")
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` for an error message, long values cut."""
+    text = repr(value) if isinstance(value, int | float | bool | None) else _REPR.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def _describe(exc: pydantic.ValidationError, flags: dict[str, str], where: str = "") -> str:
+    """The errors of ``exc`` on one line: a field a flag set is named by the flag and the value
+    given (``--size -1: ...``), any other by its dotted path in ``--config`` (``where``)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if loc in flags:
+            parts.append(
+                f"{flags[loc]}: {message}"
+                + (f" ({loc})" if loc.replace("_", "-") not in flags[loc] else "")
+            )
+        elif loc:
+            value = "" if isinstance(err.get("input"), dict) else f" (got {_short(err['input'])})"
+            parts.append(f"{'.'.join(x for x in (where, loc) if x)}: {message}{value}")
+        else:
+            parts.append(message)
+    return "; ".join(parts)
+
+
 def _read_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--config``: a JSON object (strict UTF-8, no key twice in one object)."""
     if not args.config:
         return {}
-    with open(args.config) as f:
-        data = json.load(f)
+    with open(args.config, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{args.config}: line {line}: not UTF-8 text") from None
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                raise ValueError(f"{args.config}: key {_short(key)} appears twice in one object")
+            seen[key] = value
+        return seen
+
+    try:
+        data = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{args.config} is not valid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    except RecursionError:
+        raise ValueError(f"{args.config}: nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"{args.config}: must hold a JSON object")
     return data
 
 
+def _section(data: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    section = data.get(name)
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{where}: {name}: expected an object, got {_short(section)}")
+    return dict(section)
+
+
 def _service_config(args: argparse.Namespace, data: dict[str, Any]) -> ServiceConfig:
-    service = dict(data.get("service") or {})
-    for flag, (field, unit) in _SERVICE_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            service[field] = int(value * unit) if unit != 1 else value
-    return ServiceConfig.model_validate(service)
+    service = _section(data, "service", args.config)
+    flags = {}
+    for attribute, (field, unit) in _SERVICE_FLAGS.items():
+        value = getattr(args, attribute, None)
+        if value is None:
+            continue
+        given = f"{_flag(attribute)} {value}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{given}: must be a finite number")
+        service[field] = int(value * unit) if unit != 1 else value
+        flags[field] = given
+    try:
+        return ServiceConfig.model_validate(service)
+    except pydantic.ValidationError as exc:
+        raise ValueError(_describe(exc, flags, "service")) from None
 
 
 def _pool_config(args: argparse.Namespace, data: dict[str, Any] | None = None) -> PoolConfig:
     data = {k: v for k, v in (data or {}).items() if k != "service"}
-    backend = dict(data.get("backend") or {})
+    backend = _section(data, "backend", args.config)
+    flags = {}
     if args.backend:
         if backend.get("type") not in (None, args.backend):
             backend = {}
         backend["type"] = args.backend
+        flags["backend.type"] = f"--backend {args.backend}"
     backend.setdefault("type", "docker")
     if args.image:
         backend["image"] = args.image
+        flags[f"backend.{backend['type']}.image"] = f"--image {_short(args.image)}"
     data["backend"] = backend
-    for key in ("size", "max_queue", "queue_timeout_s", "recycle_after"):
+    for key in _POOL_FLAGS:
         value = getattr(args, key)
         if value is not None:
             data[key] = value
-    return PoolConfig.model_validate(data)
+            flags[key] = f"{_flag(key)} {value}"
+    try:
+        return PoolConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ValueError(_describe(exc, flags)) from None
 
 
 class _OneLineClientErrors(logging.Filter):
@@ -275,10 +364,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("error: the bearer token must be printable ASCII without spaces", file=sys.stderr)
         return 2
     try:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port {args.port}: must be 0 to 65535 (0 picks a free port)")
         data = _read_config(args)
         config = _pool_config(args, data)
         service = _service_config(args, data)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        print(
+            f"error: invalid configuration: {exc.strerror or exc}: {args.config}", file=sys.stderr
+        )
+        return 2
+    except ValueError as exc:
         print(f"error: invalid configuration: {exc}", file=sys.stderr)
         return 2
     try:

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sandbox_service import SERVE_CMD, running_service, scratch_root
 
 from agentrl.sandboxes._config import ServiceConfig
-from agentrl.sandboxes._serve import is_loopback
+from agentrl.sandboxes._serve import build_parser, is_loopback, run_from_args
 from agentrl.sandboxes._service import make_app
 from agentrl.sandboxes._validate import validation_field
 
@@ -357,3 +357,55 @@ def test_service_limits_come_from_config_and_flags_and_are_checked(tmp_path):
             assert (limits["max_batch"], limits["header_timeout_s"]) == (5, 3.0)  # flags win
             assert limits["max_connections"] == 16 and limits["size"] == 1
             assert svc.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-request-mb", "inf"], "--max-request-mb inf: must be a finite number"),
+        (["--max-request-mb", "nan"], "--max-request-mb nan: must be a finite number"),
+        (["--max-answer-mb=-inf"], "--max-answer-mb -inf: must be a finite number"),
+        (["--idle-timeout-s", "nan"], "--idle-timeout-s nan: must be a finite number"),
+        (["--max-request-mb", "0.01"],
+         "--max-request-mb 0.01: Input should be greater than or equal to 65536 "
+         "(max_request_bytes)"),
+        (["--size", "-1"], "--size -1: Input should be greater than or equal to 1"),
+        (["--max-queue", "-1"], "--max-queue -1: Input should be greater than or equal to 0"),
+        (["--queue-timeout-s", "inf"], "--queue-timeout-s inf: Input should be a finite number"),
+        (["--recycle-after", "0"], "--recycle-after 0: Input should be greater than or equal"),
+        (["--max-batch", "0"], "--max-batch 0: Input should be greater than or equal to 1"),
+        (["--max-connections", "1"], "--max-connections 1: Input should be greater than or"),
+        (["--image", "x"], "--image 'x': Extra inputs are not permitted (backend.local.image)"),
+        (["--port", "70000"], "--port 70000: must be 0 to 65535"),
+        (["--port", "-1"], "--port -1: must be 0 to 65535"),
+    ],
+)  # fmt: skip
+def test_every_bad_flag_is_one_line_naming_the_flag(args, needle, capsys):
+    """Each flag's bad value: exit 2 before anything starts, one line naming the flag and the
+    value given (non-finite numbers were a traceback, pydantic's errors a multi-line dump)."""
+    argv = ["--backend", "local", "--port", "0", *args]
+    assert run_from_args(build_parser().parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: invalid configuration: "), err
+    assert needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b'{"size": 2, "size": 3}', "key 'size' appears twice in one object"),
+        (b'{"service": {"idle_timeout_s": 1e999}}', "service.idle_timeout_s: Input should be a "
+         "finite number (got inf)"),
+        (b'{"size": NaN}', "size: Input should be a finite number"),
+        (b'\xff{"size": 2}', "line 1: not UTF-8 text"),
+        (b'{"backend": [1]}', "backend: expected an object, got [1]"),
+        (b'{"service": 3}', "service: expected an object, got 3"),
+        (b"{oops", "is not valid JSON: line 1, column 2"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_file_is_one_line(tmp_path, content, needle, capsys):
+    config = tmp_path / "pool.json"
+    config.write_bytes(content)
+    assert run_from_args(build_parser().parse_args(["--config", str(config), "--port", "0"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
