@@ -237,7 +237,7 @@ class SandboxClient:
         total = sum(r.timeout_s for r in requests)
         response = await self._send("POST", "/v1/run_batch", body, total)
         if response.status_code in (400, 413):
-            parts = _split(requests, _error_of(response))
+            parts = _split(requests, _error_of(response), response.status_code)
             if parts is not None:
                 return [result for part in parts for result in await self._batch(part)]
         _raise_for_status(response)
@@ -271,13 +271,27 @@ def _retry_after(response: httpx.Response) -> float:
         return 1.0
 
 
-def _split(requests: list[RunRequest], error: _Error) -> list[list[RunRequest]] | None:
+def _split(
+    requests: list[RunRequest], error: _Error, status_code: int
+) -> list[list[RunRequest]] | None:
     """Parts of a batch the service refused for its size (nothing ran), each within the limit
-    it named; ``None`` when the refusal is of another kind or one item alone is too large."""
+    it named and each smaller than the batch (so splitting ends); ``None`` when the refusal is
+    of another kind or one item alone is too large. A limit of items that cannot split the
+    batch (below 1, or not below its length) is a ``SandboxHTTPError``: re-sending would be
+    refused the same way."""
     if error.limit is None or len(requests) < 2:
         return None
     if error.type == "invalid_request" and error.field == "requests":  # too many items
-        n = max(1, error.limit)
+        n = error.limit
+        if not 1 <= n < len(requests):
+            raise SandboxHTTPError(
+                status_code,
+                error.type,
+                f"the service refused a batch of {len(requests)} items for its size but named "
+                f"a limit of {n} items per batch, which does not split it: not re-sent "
+                f"({error.message[:200]})",
+                error.field,
+            )
         return [requests[i : i + n] for i in range(0, len(requests), n)]
     if error.type == "answer_too_large":
         sizes = [2 * r.output_limit_bytes for r in requests]

@@ -165,6 +165,67 @@ async def test_server_errors_are_not_retried(anyio_backend):
     assert caught.value.status_code == 500 and hits == ["/v1/run"]
 
 
+@pytest.mark.parametrize("limit", [10, 3, 0, -1])
+async def test_a_too_many_items_answer_that_cannot_split_the_batch_is_not_retried(
+    anyio_backend, limit
+):
+    """A (tiny, real) server that refuses every batch for having too many items, naming a
+    limit that does not make the batch smaller: one request, then a clear error (the client
+    re-sent the same batch until RecursionError, 185 requests later)."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the stand-in server is aiohttp (asyncio only)")
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    hits = []
+
+    async def refuse(request):
+        hits.append(len((await request.json())["requests"]))
+        error = {"type": "invalid_request", "message": "too many items", "field": "requests",
+                 "limit": limit}  # fmt: skip
+        return web.json_response({"error": error}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/v1/run_batch", refuse)
+    async with TestServer(app) as server:
+        async with SandboxClient(str(server.make_url("/"))) as client:
+            with pytest.raises(SandboxHTTPError) as caught:
+                await client.run_batch([py("print(1)"), py("print(2)"), py("print(3)")])
+    assert hits == [3]
+    assert caught.value.status_code == 400 and caught.value.field == "requests"
+    assert f"a batch of 3 items for its size but named a limit of {limit} items" in str(
+        caught.value
+    )
+
+
+async def test_a_smaller_items_limit_splits_the_batch(anyio_backend):
+    """The same server honest about its limit: parts of at most 2 items, each answered."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the stand-in server is aiohttp (asyncio only)")
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    hits = []
+
+    async def run_batch(request):
+        items = (await request.json())["requests"]
+        hits.append(len(items))
+        if len(items) > 2:
+            error = {"type": "invalid_request", "message": "too many items", "field": "requests",
+                     "limit": 2}  # fmt: skip
+            return web.json_response({"error": error}, status=400)
+        results = [{"status": "ok", "stdout": item["code"]} for item in items]
+        return web.json_response({"results": results})
+
+    app = web.Application()
+    app.router.add_post("/v1/run_batch", run_batch)
+    async with TestServer(app) as server:
+        async with SandboxClient(str(server.make_url("/"))) as client:
+            results = await client.run_batch([py(f"print({i})") for i in range(5)])
+    assert [r.stdout for r in results] == [f"print({i})" for i in range(5)]
+    assert hits == [5, 2, 2, 1]
+
+
 async def test_invalid_requests_raise_before_sending_and_batches_keep_going(local_service):
     unreachable = SandboxClient(f"http://127.0.0.1:{_free_port()}", connect_retries=0)
     async with unreachable:  # refused here, by the same validation as the pool: nothing sent
