@@ -41,6 +41,10 @@ class CapacitySettings:
     steps: int = 40
 
     def check(self) -> None:
+        for name in ("actor_tokens_per_s", "learner_tokens_per_s", "gen_tokens", "learner_tokens",
+                     "publish_s"):  # fmt: skip
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} {getattr(self, name)}: must be a finite number")
         for name in ("actor_tokens_per_s", "learner_tokens_per_s", "gen_tokens", "learner_tokens"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} {getattr(self, name)}: must be > 0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -48,6 +49,8 @@ def _algorithm_models(name: str, kl_coef: float | None) -> tuple[bool, bool]:
 
     if name not in algorithm_names():
         raise ConfigError(f"--algorithm {name!r}: one of {', '.join(algorithm_names())}")
+    if kl_coef is not None and not (math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ConfigError(f"--kl-coef {kl_coef}: must be a finite number >= 0")
     spec = algorithm_spec(name)
     beta = spec.kl_coef if kl_coef is None else kl_coef
     return beta > 0, spec.needs_critic

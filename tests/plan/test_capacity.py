@@ -82,11 +82,23 @@ def test_the_command_prints_the_plan_as_json(capsys):
     assert out["evaluated"]["step_s"] == pytest.approx(LEARN_S, rel=1e-9)
 
 
+RATES = ["--actor-tokens-per-s", "100", "--learner-tokens-per-s", "100", "--gen-tokens", "10",
+         "--learner-tokens", "20", "--group-size", "2", "--tasks-per-step", "2"]  # fmt: skip
+
+
+def test_a_run_config_that_is_not_utf8_is_named(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_bytes(b"train: {}\nmodel: \xff\n")
+    assert main(["plan", "capacity", "--from-run", str(tmp_path)]) == 2
+    assert "config.yaml: line 2: not UTF-8 text" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--gen-tokens", "10"], "needs --actor-tokens-per-s, --learner-tokens-per-s"),
         (["--from-run", "/nonexistent/run"], "cannot read config.yaml"),
+        ([*RATES[:1], "inf", *RATES[2:]], "actor_tokens_per_s inf: must be a finite number"),
+        ([*RATES, "--publish-s", "nan"], "publish_s nan: must be a finite number"),
     ],
 )
 def test_missing_rates_and_bad_runs_are_named(capsys, argv, message):

@@ -207,6 +207,7 @@ def test_the_table_and_the_exit_code_say_whether_it_fits(capsys):
         (["--model", "0B"], "must be positive"),
         (["--model", "no-such-model"], "not a parameter count"),
         (["--model", "7B", "--gpus", "0"], "--gpus 0: at least 1"),
+        (["--model", "7B", "--kl-coef", "nan"], "--kl-coef nan: must be a finite number >= 0"),
     ],
 )
 def test_bad_options_are_named(capsys, argv, message):
