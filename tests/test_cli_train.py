@@ -144,6 +144,32 @@ def test_export_and_eval_commands(runs, tmp_path):
     assert bad.returncode == 2 and "train.max_step" in bad.stderr
 
 
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    """A config file that is not UTF-8 (``--config``, or the run's own config.yaml on
+    ``--resume``), an eval split no environment serves (in ``train``, with evaluation off, and
+    in ``eval``): one line naming the file or the field, exit 2, and no run folder (each was a
+    traceback)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"model: tiny-random\n\xff\xfe: 1\n")
+    run = tmp_path / "old-run"
+    run.mkdir()
+    (run / "config.yaml").write_bytes(b"env: calc-v0\nmodel: \xe9\n")
+    out = tmp_path / "out"
+    cases = [
+        (["train", "--config", str(bad), "--out", str(out)], f"{bad}: line 2: not UTF-8 text"),
+        (["train", "--resume", str(run)], f"{run / 'config.yaml'}: line 2: not UTF-8 text"),
+        (["train", "--model", "tiny-random", "--set", "eval.split=validation", "--out", str(out)],
+         "eval.split: Input should be 'train' or 'eval' (got 'validation')"),
+        (["eval", "--checkpoint", "tiny-random", "--set", "eval.split=validation", "--out",
+          str(out)], "eval.split: Input should be 'train' or 'eval'"),
+    ]  # fmt: skip
+    for args, needle in cases:
+        proc = _agentrl(*args, check=False)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert proc.stderr.count("\n") == 1 and needle in proc.stderr, (args, proc.stderr)
+        assert not out.exists() and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
 def test_the_example_config_runs(tmp_path):
     """examples/train_calc_grpo.yaml as-is, shrunk to one step of tiny-random."""
     _agentrl(

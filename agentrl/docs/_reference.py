@@ -16,6 +16,7 @@ REFRESH = "python -m agentrl.docs"
 def config_reference() -> str:
     """``docs/reference/config.md``: the training config and every section, the algorithm
     table, the sandbox pool config and the scripted engine's file format."""
+    from agentrl._config_file import MAX_VALUES
     from agentrl.engine import ScriptFile
     from agentrl.loop import TrainConfig
     from agentrl.loop._config import MOVED_SETTINGS
@@ -44,9 +45,12 @@ def config_reference() -> str:
         "",
         HEADER,
         "",
-        "Every config model refuses unknown fields; an error names the field (dotted) and the "
-        "value. Defaults are shown as YAML/JSON values; `(section)` is a nested section with "
-        "its own defaults.",
+        "Every config model refuses unknown fields and numbers that are not finite (NaN, "
+        "infinities); an error names the field (dotted) and the value (shortened when long). "
+        "Files are read as UTF-8 (JSON for `.json`, YAML otherwise, `--set` values too); a key "
+        "written twice in one mapping is refused, and so is a document holding more than "
+        f"{MAX_VALUES:,} values once its YAML aliases (`*name`) are expanded. Defaults are "
+        "shown as YAML/JSON values; `(section)` is a nested section with its own defaults.",
         "",
         "- [Training config](#train) (`agentrl train --config FILE`; its `rollout` and `engine` "
         "sections are also what `agentrl rollout --config FILE` reads)",
