@@ -27,6 +27,7 @@ from ._errors import EnvError as EnvError
 from ._errors import FormatError as FormatError
 from ._errors import ModelError as ModelError
 from ._errors import NameNotFound as NameNotFound
+from ._errors import OutputError as OutputError
 from ._errors import SandboxError as SandboxError
 from ._errors import ToolError as ToolError
 from ._errors import UnregisteredEnv as UnregisteredEnv
@@ -67,6 +68,7 @@ __all__ = [
     "Message",
     "ModelError",
     "NameNotFound",
+    "OutputError",
     "Reward",
     "RolloutConfig",
     "RolloutResult",

@@ -73,5 +73,11 @@ class SandboxError(AgentRLError):
     comes from ``agentrl.sandboxes`` that package's exception is the ``__cause__``."""
 
 
+class OutputError(AgentRLError):
+    """agentrl refuses to write an output path: a symlink or a non-regular file under a file's
+    name, or an existing file or folder it did not write and would replace; the message names
+    the path and leaves it as it is."""
+
+
 class ModelError(AgentRLError):
     """A model cannot be found, fetched or converted."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from ._outfiles import GENERATOR, replace_page
 from ._report_term import (
     NEWLINE_MARK,
     SOURCES,
@@ -183,7 +184,7 @@ def write_html_report(
             totals[source] += count
     masked = sum(sum(t.loss_mask) for t in trajectories)
     doc = [
-        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">',
+        f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">{GENERATOR}',
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{_esc(title)}</h1>",
         f'<p class="legend">{len(trajectories)} trajectories. {_chips(totals, masked)}'
@@ -193,5 +194,4 @@ def write_html_report(
         *(_section(t, tokenizer) for t in trajectories),
         f"<script>{_JS}</script></body></html>\n",
     ]
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(doc))
+    replace_page(path, "\n".join(doc))

@@ -20,6 +20,7 @@ import anyio
 
 from ._config import RolloutConfig
 from ._errors import ConfigError
+from ._outfiles import write_file
 from ._registry import spec as env_spec
 from ._rollout import RolloutContext, derive_seed, run_trajectory
 from ._tool_process import open_tool_processes
@@ -243,7 +244,7 @@ def prepare_run_dir(
         call = {k: resolved[k] for k in ("n", "task_offset", "rollout")}
         config = {**old, "appended": [*old.get("appended", []), call]}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_file(out / "config.json", json.dumps(config, indent=2))
     return first_sample, len(previous)
 
 

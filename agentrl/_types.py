@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from ._outfiles import open_append
+
 Role = Literal["system", "user", "assistant", "tool"]
 SpanSource = Literal["prompt", "model", "tool", "template"]
 TrajectoryStatus = Literal["done", "truncated", "error"]
@@ -370,7 +372,7 @@ class TrajectoryWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fh = open(path, "ab")
+        self._fh = open_append(path, "ab")
         self.count = 0
 
     def write(self, trajectory: Trajectory) -> None:

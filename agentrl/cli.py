@@ -355,7 +355,9 @@ def _present(
     if out is not None:
         import msgspec
 
-        (out / "summary.json").write_bytes(msgspec.json.encode(summary))
+        from ._outfiles import write_file
+
+        write_file(out / "summary.json", msgspec.json.encode(summary))
     html_path = html or (str(out / "report.html") if (dry_run and out is not None) else None)
     if html_path:
         write_html_report(trajectories, tokenizer, html_path)

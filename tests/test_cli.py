@@ -80,6 +80,16 @@ def test_inspect_rerenders_and_checks(tiny_run, tmp_path):
     assert html.is_file() and "boundary check: all 4" in proc.stdout
 
 
+def test_inspect_html_never_replaces_a_file_it_did_not_write(tiny_run, tmp_path):
+    _, out = tiny_run
+    copy = tmp_path / "trajectories.jsonl"
+    copy.write_bytes((out / "trajectories.jsonl").read_bytes())
+    proc = agentrl("inspect", str(copy), "--html", str(copy))
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    assert f"{copy} exists and is not a page agentrl wrote" in proc.stderr
+    assert copy.read_bytes() == (out / "trajectories.jsonl").read_bytes()
+
+
 def test_inspect_check_fails_on_a_tampered_trajectory(tiny_run, tmp_path):
     _, out = tiny_run
     lines = (out / "trajectories.jsonl").read_text().splitlines()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import html
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import GENERATOR, replace_page
 
 from ._panels import Panel, build_panels
 from ._read import RunData, load_run
@@ -132,6 +132,7 @@ def render(runs: list[RunData]) -> str:
 <html lang="en">
 <head>
 <meta charset="utf-8">
+{GENERATOR}
 <title>agentrl dashboard: {html.escape(title)}</title>
 <style>{_STYLE}</style>
 <script>/* plotly.js v{html.escape(version)}, MIT license */
@@ -160,7 +161,8 @@ def write_dashboard(
     out: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Read ``run`` (and the ``compare`` runs), write the page to ``out`` (default
-    RUN/dashboard.html) and return its path."""
+    RUN/dashboard.html) and return its path. An existing file there is replaced only when it
+    is a page agentrl wrote (``OutputError`` otherwise; a symlink is refused)."""
     runs = [load_run(run)]
     for other in compare or []:
         runs.append(load_run(other))
@@ -169,15 +171,4 @@ def write_dashboard(
         if names.count(r.name) > 1:
             r.name = f"{r.name} ({index + 1})"
     target = Path(out) if out is not None else runs[0].path / "dashboard.html"
-    page = render(runs)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".dashboard-", suffix=".html")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(page)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return replace_page(target, render(runs), option="--out" if out is not None else "")

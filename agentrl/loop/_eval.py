@@ -13,8 +13,9 @@ from typing import Any
 import anyio
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import write_file
 from agentrl._rollout import RolloutContext
-from agentrl._runner import run_groups
+from agentrl._runner import describe_run_dir, run_groups
 from agentrl._types import TrajectoryWriter
 from agentrl.envs import check_env_sandbox, open_env_sandbox
 from agentrl.trainer import (
@@ -69,6 +70,9 @@ async def aevaluate(
     from agentrl.engine import engine_options, open_embedded_engine
     from agentrl.formats import get_format
 
+    out_dir = Path(out) if out is not None else None
+    if out_dir is not None:
+        _check_eval_out(out_dir)
     spec = env_spec(cfg.env)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     model_path, version, weights, source = await _policy(checkpoint)
@@ -76,7 +80,6 @@ async def aevaluate(
     env = spec.make(**cfg.rollout.env_kwargs)
     tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
     rollout = eval_rollout(cfg)
-    out_dir = Path(out) if out is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     options = engine_options(cfg.engine)
@@ -109,8 +112,21 @@ async def aevaluate(
         metrics.update(sandbox_metrics(resources))
     metrics.update(checkpoint=source, policy_version=version, num_tasks=len(tasks))
     if out_dir is not None:
-        (out_dir / "eval_summary.json").write_text(json.dumps(metrics, indent=2))
+        write_file(out_dir / "eval_summary.json", json.dumps(metrics, indent=2))
     return metrics
+
+
+def _check_eval_out(out: Path) -> None:
+    """Refuse an ``--out`` that is a file or holds a training run (its
+    ``eval_trajectories.jsonl`` is the run's, cut back on resume)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    training, _ = describe_run_dir(out)
+    if training:
+        raise ConfigError(
+            f"--out {out} holds a training run ({', '.join(training)}); an evaluation never "
+            "writes into one: choose another directory"
+        )
 
 
 def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]):

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import open_append
 from agentrl._types import Trajectory, TrajectoryWriter
 
 from ._ledger import Ledger, StepProgress, interval_scalars
@@ -33,7 +34,7 @@ class RunFiles:
         self.eval_trajectories = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
         self.ledger = Ledger(out, trackers)
         self.progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
-        self.runtime = open(out / "runtime.jsonl", "a")
+        self.runtime = open_append(out / "runtime.jsonl")
 
     def trajectory(self, traj: Trajectory) -> None:
         if self.keep_trajectories:

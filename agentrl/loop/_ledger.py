@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentrl._outfiles import open_append
 from agentrl._types import Trajectory
 
 from ._trackers import TensorBoardTracker, Trackers
@@ -142,7 +143,7 @@ class Ledger:
         default TensorBoard tracker): TensorBoard discards the earlier run's events at steps >=
         it (``ledger.jsonl`` itself is truncated by the resume)."""
         self.path = Path(out) / "ledger.jsonl"
-        self._fh = open(self.path, "a")
+        self._fh = open_append(self.path)
         if trackers is None:
             trackers = Trackers([TensorBoardTracker(Path(out) / "tensorboard", purge_step)])
         self.trackers = trackers

@@ -9,6 +9,7 @@ engines now hold.
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -16,6 +17,10 @@ from typing import Any
 
 import anyio
 import torch
+
+from agentrl._outfiles import write_via
+
+_SNAPSHOT = re.compile(r"v\d{8,}")
 
 
 class EngineWeightSink:
@@ -45,17 +50,26 @@ class EngineWeightSink:
             self._prune()
 
     def _prune(self) -> None:
-        snapshots = sorted(Path(self.snapshot_dir or ".").glob("v[0-9]*"), reverse=True)
+        """Remove the older snapshot folders: only folders named as this sink names them
+        (``v`` and at least 8 digits), never a link or anything else in ``snapshot_dir``."""
+        root = Path(self.snapshot_dir or ".")
+        snapshots = sorted(
+            (p for p in root.glob("v[0-9]*") if _SNAPSHOT.fullmatch(p.name)),
+            reverse=True,
+        )
         for old in snapshots[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
 
     def _write_snapshot(self, version: int, weights: dict[str, torch.Tensor]) -> str:
         from safetensors.torch import save_file
 
         folder = Path(self.snapshot_dir or ".") / f"v{version:08d}"
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(unique_tensors(weights), str(folder / "model.safetensors"))
-        shutil.copy2(Path(self.model_path) / "config.json", folder / "config.json")
+        tensors = unique_tensors(weights)
+        write_via(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp))
+        config = Path(self.model_path) / "config.json"
+        write_via(folder / "config.json", lambda tmp: shutil.copyfile(config, tmp))
         return str(folder)
 
 

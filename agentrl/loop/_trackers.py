@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import write_file
 
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """The module each tracker imports (its extra: ``_extras.missing_dependency_message``)."""
@@ -135,7 +136,7 @@ def open_trackers(
     except BaseException:
         Trackers(opened).close()
         raise
-    ids_path.write_text(json.dumps(ids, indent=2) + "\n")
+    write_file(ids_path, json.dumps(ids, indent=2) + "\n")
     return Trackers(opened)
 
 

@@ -173,3 +173,21 @@ def test_without_plotly_the_command_names_the_extra(tmp_path, rng, monkeypatch, 
     monkeypatch.setitem(sys.modules, "plotly", None)  # import of plotly fails
     assert main(["dashboard", str(run)]) == 2
     assert "pip install 'agentrl[dashboard]'" in capsys.readouterr().err
+
+
+def test_the_page_never_replaces_a_file_it_did_not_write(tmp_path, rng, capsys):
+    run, _ = make_run(tmp_path, rng)
+    ledger = (run / "ledger.jsonl").read_bytes()
+    assert main(["dashboard", str(run), "--out", str(run / "ledger.jsonl")]) == 2
+    assert "exists and is not a page agentrl wrote" in capsys.readouterr().err
+    assert (run / "ledger.jsonl").read_bytes() == ledger
+    assert main(["dashboard", str(run), "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run / "dashboard.html").symlink_to(victim)  # the default page's name
+    assert main(["dashboard", str(run)]) == 2
+    assert "dashboard.html is a symlink" in capsys.readouterr().err
+    assert victim.read_text() == "precious\n"
+    (run / "dashboard.html").unlink()
+    assert main(["dashboard", str(run)]) == main(["dashboard", str(run)]) == 0  # its own page

@@ -1,0 +1,124 @@
+"""Files agentrl writes into folders people name (a run folder, ``--out``, ``--html``).
+
+Every such file is written by name into its folder, never through a link: a symlink under the
+name (``RUN/config.json -> /home/me/notes.txt``) would make agentrl write to whatever it
+points at. ``write_file`` and ``open_append`` refuse a symlink, a folder or any other
+non-regular file under the file's name with an ``OutputError`` naming the path; the folder
+itself may be a link (people put runs on other disks that way).
+
+``write_file`` replaces a file whole: the bytes go to a new file beside it, which is then
+renamed over the name, so a reader sees the old contents or the new ones, never a mix.
+``open_append`` opens with ``O_NOFOLLOW``: the check and the open are one system call.
+``replace_page`` guards the HTML outputs a user names (``--out FILE``, ``--html FILE``):
+an existing file there is replaced only when it is a page agentrl wrote (``GENERATOR``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Literal
+
+from ._errors import OutputError
+
+GENERATOR = '<meta name="generator" content="agentrl">'
+"""The tag every HTML page agentrl writes carries in its head."""
+_PAGE_HEAD = 4096
+
+
+def check_writable(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` exists as a regular file, False when nothing has its name; a
+    symlink, a folder or any other non-regular file is refused (``OutputError``)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputError(
+            f"{path} is a symlink (to {os.readlink(path)}); agentrl writes its files by name, "
+            "never through a link: remove the link (or replace it with a copy of its target)"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(
+            f"{path} is not a regular file (a folder or a special file has its name); move it "
+            "away: agentrl writes a file under this name"
+        )
+    return True
+
+
+def write_file(path: str | os.PathLike[str], data: str | bytes, *, mode: int = 0o644) -> None:
+    """Write ``data`` as the whole contents of ``path`` (created, or replaced atomically);
+    refuses a symlink or non-regular file under the name (``check_writable``)."""
+    payload = data.encode() if isinstance(data, str) else data
+
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+
+    write_via(path, fill, mode=mode)
+
+
+def write_via(
+    path: str | os.PathLike[str], fill: Callable[[str], None], *, mode: int = 0o644
+) -> None:
+    """Have ``fill(tmp)`` write a new file ``tmp`` beside ``path`` (created empty for it), then
+    rename it over ``path``; refuses a symlink or non-regular file under the name
+    (``check_writable``). For writers that take a file name (``safetensors.save_file``)."""
+    path = Path(path)
+    check_writable(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fill(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)  # replaces the name itself: a link made meanwhile is not followed
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_append(path: str | os.PathLike[str], mode: Literal["a", "ab"] = "a") -> IO:
+    """``open(path, mode)`` for appending, created when missing; refuses a symlink or
+    non-regular file under the name (``OutputError``)."""
+    check_writable(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:  # a link or a folder put there since the check
+        raise OutputError(f"{path}: cannot append to it ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        check_writable(path)
+        raise OutputError(f"{path} is not a regular file")
+    return os.fdopen(fd, mode)
+
+
+def is_agentrl_page(path: str | os.PathLike[str]) -> bool:
+    """Does the regular file ``path`` hold an HTML page agentrl wrote (``GENERATOR`` in its
+    head, or an ``agentrl`` title as pages had before the tag)?"""
+    with open(path, "rb") as fh:
+        head = fh.read(_PAGE_HEAD).decode("utf-8", "replace")
+    return head.lstrip().lower().startswith("<!doctype html") and (
+        GENERATOR in head or "<title>agentrl " in head
+    )
+
+
+def replace_page(path: str | os.PathLike[str], page: str, *, option: str = "") -> Path:
+    """Write the HTML ``page`` to ``path`` (the value of ``option``, e.g. ``--out``, when a
+    user named it): a new file, or a page agentrl wrote before; anything else there is refused
+    (``OutputError``) and left as it is. Returns the path."""
+    path = Path(path)
+    named = f"{option} {path}" if option else str(path)
+    if path.is_dir() and not path.is_symlink():
+        raise OutputError(f"{named} is a folder; give the page's file name")
+    if check_writable(path) and not is_agentrl_page(path):
+        raise OutputError(
+            f"{named} exists and is not a page agentrl wrote; it is left as it is: choose "
+            "a new file name"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, page)
+    return path
