@@ -20,19 +20,23 @@ from typing import Any
 import pydantic
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import check_writable, write_file
 from agentrl._runner import config_diff
 from agentrl.trainer import (
     LoopState,
     find_intact_checkpoint,
     latest_checkpoint,
+    list_checkpoints,
     save_checkpoint,
     verify_state,
 )
 
 from ._config import TrainConfig, dump_config
 from ._runfiles import record_lengths, restore_run_files
+from ._trackers import IDS_FILE
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl", "runtime.jsonl")
+CONFIG_FILES = ("config.yaml", "config.json")
 IN_FLIGHT_RULE = "requeue"
 """What a checkpoint does with unsettled groups: their task slots are sampled again."""
 
@@ -92,17 +96,48 @@ def restore_files(out: Path, lengths: dict[str, int], *, accept_lost: bool = Fal
             )
 
 
-def check_out(out: Path, *, resume: bool) -> None:
-    if not resume and (out / "ledger.jsonl").exists():
+def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
+    """Refuse ``out`` before anything is written: a symlink or folder under a run file's
+    name (``OutputError``), and for a new run (``resume=False``) a folder or checkpoint root
+    that holds a run's progress (a ledger record or a checkpoint: continue it with
+    ``--resume``). A folder where a run stopped before its first record (a configuration
+    error, a kill during the first step) is started again."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    for name in (*CONFIG_FILES, *RUN_FILES, IDS_FILE):
+        check_writable(out / name)
+    if resume:
+        return
+    if _has_records(out / "ledger.jsonl"):
         raise ConfigError(f"{out} already holds a run; resume it with --resume {out}")
+    root = checkpoint_root(cfg, out)
+    done = list_checkpoints(root)
+    if done:
+        raise ConfigError(
+            f"{root} already holds checkpoints ({done[-1].name} is the newest); resume that run "
+            "with --resume, or start this one with another --out or checkpoint.dir"
+        )
 
 
-def prepare_out(cfg: TrainConfig, out: Path, model_path: str) -> None:
+def _has_records(ledger: Path) -> bool:
+    """Does the ledger hold a record (any non-blank line)?"""
+    try:
+        with open(ledger, "rb") as fh:
+            return any(line.strip() for line in fh)
+    except FileNotFoundError:
+        return False
+
+
+def prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, fresh: bool) -> None:
+    """Write the run's configuration files into ``out``; ``fresh`` (a new run): also empty
+    the run files an earlier attempt that never recorded a step may have left."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_config(cfg))
+    if fresh:
+        restore_files(out, {})
+    write_file(out / "config.yaml", dump_config(cfg))
     info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
     info["rollout"] = cfg.rollout.model_dump(mode="json")
-    (out / "config.json").write_text(json.dumps(info, indent=2))
+    write_file(out / "config.json", json.dumps(info, indent=2))
 
 
 def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:

@@ -20,15 +20,20 @@ from ._ledger import Ledger, StepProgress, interval_scalars
 from ._trackers import Trackers
 
 
+def check_dashboard(logging: Any) -> None:
+    """``logging.dashboard_every_steps`` needs plotly (``ConfigError`` when it is missing)."""
+    if logging.dashboard_every_steps and importlib.util.find_spec("plotly") is None:
+        raise ConfigError(
+            "logging.dashboard_every_steps needs plotly, which is not installed: "
+            "pip install 'agentrl[dashboard]'"
+        )
+
+
 class RunFiles:
     def __init__(self, cfg: Any, out: Path, step: int, trackers: Trackers) -> None:
         self.out = out
+        check_dashboard(cfg.logging)
         self.dashboard_every = cfg.logging.dashboard_every_steps
-        if self.dashboard_every and importlib.util.find_spec("plotly") is None:
-            raise ConfigError(
-                "logging.dashboard_every_steps needs plotly, which is not installed: "
-                "pip install 'agentrl[dashboard]'"
-            )
         self.keep_trajectories = cfg.logging.trajectories
         self.trajectories = TrajectoryWriter(str(out / "trajectories.jsonl"))
         self.eval_trajectories = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))

@@ -59,7 +59,7 @@ from ._checkpointer import (
 )
 from ._config import TrainConfig, dump_config
 from ._evaluator import Evaluator, sandbox_metrics
-from ._files import RunFiles
+from ._files import RunFiles, check_dashboard
 from ._learner import LearnerRole
 from ._publisher import EngineWeightSink, Publisher
 from ._rank_publish import wrap_for_ranks
@@ -112,6 +112,10 @@ class _Setup:
     accept_lost: bool = False
     trackers: Trackers | None = None
     """The run's trackers (rank 0)."""
+    train_tasks: list[Any] = field(default_factory=list)
+    """The env's train split (``train.seed``)."""
+    eval_tasks: list[Any] = field(default_factory=list)
+    """The first ``eval.num_tasks`` tasks of ``eval.split``."""
 
 
 async def atrain(
@@ -142,21 +146,26 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     from agentrl.envs import check_env_sandbox
     from agentrl.trainer import init_distributed
 
+    # everything the configuration decides is checked before the run folder is written
     spec = env_spec(cfg.env)
     check_trackers(cfg.logging.trackers)  # a missing package stops the run before the model
+    check_dashboard(cfg.logging)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
+    env = spec.make(**cfg.rollout.env_kwargs)  # the env's arguments, its splits
+    train_tasks = list(env.tasks("train", seed=cfg.train.seed))
+    eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
     model_path = str(resolve_model(cfg.model))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = check_resume(cfg, out, fingerprint) if resume else None
-    check_out(out, resume=resume)
+    check_out(cfg, out, resume=resume)
     dist = init_distributed(
         num_threads=cfg.train.num_threads, timeout_s=cfg.train.collective_timeout_s
     )
     _check_world(cfg, dist.world_size)
     lead = dist.rank == 0  # writes the run files
     if lead:
-        prepare_out(cfg, out, model_path)
+        prepare_out(cfg, out, model_path, fresh=not resume)
     barrier()
     check_shared_out(out, dump_config(cfg))
     options = cfg.engine
@@ -165,6 +174,7 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
         options = options.replace(num_threads=max(1, (os.cpu_count() or 1) // local))
     learner = _make_learner(cfg, spec, model_path, tokenizer)
     setup = _Setup(cfg, out, spec, model_path, tokenizer, fingerprint, learner, lead)
+    setup.train_tasks, setup.eval_tasks = train_tasks, eval_tasks
     setup.engine_options = options
     setup.accept_lost = accept_lost
     _restore(setup, resume_from, resume)
@@ -308,9 +318,7 @@ class _Runtime:
         cfg = setup.cfg
         self.setup, self.cfg, self.files = setup, cfg, files
         self.learner = setup.learner
-        env = setup.spec.make(**cfg.rollout.env_kwargs)
-        self.stream = TaskStream(list(env.tasks("train", seed=cfg.train.seed)), cfg.train.seed)
-        eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+        self.stream = TaskStream(setup.train_tasks, cfg.train.seed)
         self.tasks = TaskLedger.from_state(setup.tasks_state, setup.cursor)
         self.buffer = TrajectoryBuffer()
         ctx = actor_context(base, cfg.rollout.seed)
@@ -319,7 +327,7 @@ class _Runtime:
         self.publisher = Publisher(sink, self.actor)
         self.role = LearnerRole(cfg, self.learner, self.actor, self.buffer, self.tasks)
         self.checkpointer = Checkpointer(cfg, setup.out, setup.fingerprint, setup.model_path)
-        self.evaluate = Evaluator(cfg, base, eval_tasks, files)
+        self.evaluate = Evaluator(cfg, base, setup.eval_tasks, files)
         self.resources = base.env_resources
         self.clock = Clock(self.actor, self.role)
         self.step = setup.step
