@@ -170,6 +170,21 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
         assert not out.exists() and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
 
 
+def test_export_never_replaces_the_run_or_a_folder_holding_it(runs):
+    _, _, killed, _, _ = runs
+    before = sorted(p.relative_to(killed.parent) for p in killed.parent.rglob("*"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "export", ".", "--out", ".."],
+        cwd=killed, env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr == (
+        f"agentrl: error: --out {killed.parent} holds the run folder {killed}; export would "
+        "replace it\n"
+    )
+    assert sorted(p.relative_to(killed.parent) for p in killed.parent.rglob("*")) == before
+
+
 def test_the_example_config_runs(tmp_path):
     """examples/train_calc_grpo.yaml as-is, shrunk to one step of tiny-random."""
     _agentrl(

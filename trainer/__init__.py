@@ -40,7 +40,6 @@ from ._batch import pack_trajectories as pack_trajectories
 from ._batch import pad_trajectories as pad_trajectories
 from ._batch import turn_advantages as turn_advantages
 from ._checkpoint import consolidated_state_dict as consolidated_state_dict
-from ._checkpoint import export_checkpoint as export_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._checkpoint import step_dir as step_dir
@@ -60,6 +59,7 @@ from ._engine import open_critic as open_critic
 from ._engine import open_policy as open_policy
 from ._engine import open_reference as open_reference
 from ._in_flight import IN_FLIGHT_RULES as IN_FLIGHT_RULES
+from ._export import export_checkpoint as export_checkpoint
 from ._in_flight import check_in_flight_objective as check_in_flight_objective
 from ._kl import KLEstimator as KLEstimator
 from ._kl import kl_estimate as kl_estimate

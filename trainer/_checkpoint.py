@@ -1,4 +1,4 @@
-"""Loop checkpoints, written atomically, and export to an HF safetensors folder.
+"""Loop checkpoints, written atomically.
 
 A checkpoint is a folder ``ROOT/step-00000012`` holding the DeepSpeed checkpoints of the trained
 engines (``policy/``, ``critic/``: model, optimizer and LR-schedule state, ZeRO partitions per
@@ -204,40 +204,3 @@ def consolidated_state_dict(path: str | os.PathLike[str], tag: str = "policy"):
             f"reading the {tag!r} weights of checkpoint {path} failed ({type(exc).__name__}: {exc})"
         ) from exc
     return {k.removeprefix("lm."): v for k, v in state.items()}
-
-
-def _is_weights_file(name: str) -> bool:
-    # weights and the model cache's manifest (its checksums describe the original weights)
-    return name.endswith((".safetensors", ".bin", ".index.json")) or name == "agentrl_model.json"
-
-
-def export_checkpoint(
-    path: str | os.PathLike[str], out: str | os.PathLike[str], *, model_path: str | None = None
-) -> Path:
-    """Write the checkpoint's policy as an HF folder ``out`` (``model.safetensors`` in fp32,
-    config and tokenizer copied from the run's model folder); loadable by
-    ``AutoModelForCausalLM.from_pretrained`` and by the embedded engine."""
-    from safetensors.torch import save_file
-
-    state = verify_checkpoint(path)
-    source = Path(model_path or state.model_path)
-    weights = consolidated_state_dict(path)
-    config = json.loads((source / "config.json").read_text())
-    if config.get("tie_word_embeddings", False):
-        weights.pop("lm_head.weight", None)
-    out = Path(out)
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {k: v.detach().contiguous().clone() for k, v in weights.items()},
-        str(tmp / "model.safetensors"),
-        metadata={"format": "pt", "policy_version": str(state.policy_version)},
-    )
-    for file in source.iterdir():
-        if file.is_file() and not _is_weights_file(file.name):
-            shutil.copy2(file, tmp / file.name)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out

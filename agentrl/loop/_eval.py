@@ -131,7 +131,8 @@ def _check_eval_out(out: Path) -> None:
 
 def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]):
     """``agentrl export RUN --step N --out DIR``: the checkpoint of step N (default: newest)
-    of a run as an HF folder."""
+    of a run as an HF folder. ``DIR`` must be new, empty or an earlier export; the run folder
+    and any folder holding it are refused (``agentrl.trainer.export_checkpoint``)."""
     run = Path(run_dir)
     root = run / "checkpoints"
     config_file = run / "config.yaml"
@@ -142,4 +143,4 @@ def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.
     path = step_dir(root, step) if step is not None else latest_checkpoint(root)
     if path is None or not (path / "state.json").is_file():
         raise ConfigError(f"no complete checkpoint for step {step} under {root}")
-    return export_checkpoint(path, out)
+    return export_checkpoint(path, out, run_dir=run)
