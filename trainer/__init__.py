@@ -12,7 +12,8 @@ surrogate, defaults). On top: ``_config`` (algorithm and optimizer settings), ``
 ``_learner`` (one training step), ``_in_flight`` (which objectives off-policy samples
 need), ``_manifest`` (a checkpoint's file sizes and hashes),
 ``_lookup`` (the loop state, the newest intact checkpoint), ``_reshard`` (another world size),
-``_diskfull`` (a failed save), ``_checkpoint`` (atomic, verified loop checkpoints, export) and
+``_diskfull`` (a failed save), ``_rng`` (the RNG states, read without unpickling code),
+``_checkpoint`` (atomic, verified loop checkpoints), ``_export`` (a checkpoint as an HF folder) and
 ``_sink`` (the ``WeightSink`` protocol the loop implements).
 """
 
@@ -58,8 +59,8 @@ from ._engine import init_distributed as init_distributed
 from ._engine import open_critic as open_critic
 from ._engine import open_policy as open_policy
 from ._engine import open_reference as open_reference
-from ._in_flight import IN_FLIGHT_RULES as IN_FLIGHT_RULES
 from ._export import export_checkpoint as export_checkpoint
+from ._in_flight import IN_FLIGHT_RULES as IN_FLIGHT_RULES
 from ._in_flight import check_in_flight_objective as check_in_flight_objective
 from ._kl import KLEstimator as KLEstimator
 from ._kl import kl_estimate as kl_estimate

@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``ROOT/step-00000012`` holding the DeepSpeed checkpoints of the trained
 engines (``policy/``, ``critic/``: model, optimizer and LR-schedule state, ZeRO partitions per
-rank), ``rng-rank{r}.pt`` (python, numpy, torch and CUDA generator states of each rank) and
+rank), ``rng-rank{r}.pt`` (python, numpy, torch and CUDA generator states of each rank, read
+with ``weights_only=True``: ``_rng``) and
 ``state.json`` (``LoopState``: step, policy version, data cursor, tokenizer fingerprint, config
 hash, the in-flight rule and the run files' lengths).
 
@@ -12,8 +13,12 @@ A crash at any moment leaves either the previous checkpoints alone or the new on
 ``latest_checkpoint`` ignores ``.tmp-*`` leftovers (the next save removes them).
 
 Verification and lookup (``_lookup``): the save ends with ``manifest.json`` (``_manifest``);
-``load_checkpoint`` and ``export_checkpoint`` verify a checkpoint before using it, and a failure
-while loading is a ``CheckpointError`` naming the checkpoint, never a raw traceback.
+``load_checkpoint`` and ``export_checkpoint`` (``_export``) verify a checkpoint before using it,
+and a failure while loading is a ``CheckpointError`` naming the checkpoint, never a raw
+traceback. The manifest detects damage, not tampering: whoever can write the checkpoint can
+rewrite its manifest too. DeepSpeed loads its own files (``policy/``, ``critic/``) with
+``torch.load(weights_only=False)``, which runs code a pickle names: a checkpoint is to be
+trusted like any pickle.
 
 Another world size: a checkpoint saved by N ranks loads at M ≠ N through DeepSpeed's universal
 checkpoint, converted at load time (``_reshard``); rank ``r`` takes saved rank ``r mod N``'s RNG
@@ -29,44 +34,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from ._diskfull import save_failed
 from ._dist import barrier, rank_world
 from ._lookup import CHECKPOINT_FORMAT, LoopState, list_checkpoints, read_state, verify_checkpoint
 from ._manifest import CheckpointError, fsync_dir, write_manifest
 from ._reshard import saved_world_size, to_universal
+from ._rng import load_rng_state, save_rng_state, set_rng_state
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState, *, keep: int):
@@ -87,7 +70,7 @@ def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState
             tmp.mkdir()
         barrier()
         learner.save(str(tmp))
-        torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+        save_rng_state(tmp / f"rng-rank{rank}.pt")
         barrier()
         if rank == 0:
             state.created = time.time()
@@ -144,7 +127,7 @@ def load_checkpoint(
             learner.load(str(path), state.policy_version)
         else:
             _load_resharded(path, learner, state.policy_version)
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_state(rng_file))
     except CheckpointError:
         raise
     except Exception as exc:  # DeepSpeed, torch and pickle errors of a damaged file

@@ -1,10 +1,12 @@
 """Loop checkpoints: a resumed learner equals the checkpoint exactly (weights, ZeRO-3 fp32
 partitions, Adam moments, LR schedule, RNG states); a foreign tokenizer or configuration is
 refused; a crash (SIGKILL) mid-write leaves the previous checkpoint usable; ``keep`` prunes;
-export writes a loadable HF folder."""
+RNG files load with ``weights_only=True`` (older ones too; one that names code is refused);
+export writes a loadable HF folder and replaces nothing but an earlier export."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from agentrl import OutputError
 from agentrl.trainer import (
     CheckpointError,
     LoopState,
@@ -27,6 +30,8 @@ from agentrl.trainer import (
     read_state,
     save_checkpoint,
 )
+from agentrl.trainer._export import EXPORT_MARKER
+from agentrl.trainer._manifest import write_manifest
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`:FutureWarning"
@@ -201,3 +206,118 @@ def test_export_writes_a_loadable_hf_folder(make_learner, make_groups, tmp_path,
     assert all(torch.equal(weights[k], got[k].detach()) for k in weights)
     AutoTokenizer.from_pretrained(str(out))
     assert not (out / "agentrl_model.json").exists()  # the cache manifest's checksums are stale
+
+
+# -- RNG files load without running code ----------------------------------------------------------
+
+
+def _old_rng_file(path) -> None:
+    """The RNG file as agentrl wrote it before it was readable with ``weights_only=True``."""
+    old = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    torch.save(old, path)
+
+
+def test_rng_files_load_with_weights_only_and_resume_exactly(tmp_path):
+    path = save_checkpoint(tmp_path / "new", _FakeLearner(), _state(1), keep=1)
+    rng_file = path / "rng-rank0.pt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(rng_file) == []
+    torch.load(rng_file, weights_only=True)
+    draws = _draws()
+    older = save_checkpoint(tmp_path / "old", _FakeLearner(), _state(1), keep=1)
+    _old_rng_file(older / "rng-rank0.pt")
+    write_manifest(older)
+    older_draws = _draws()
+    for checkpoint, expected in ((path, draws), (older, older_draws)):
+        _draws()  # move every generator on
+        load_checkpoint(
+            checkpoint, _FakeLearner(), tokenizer_fingerprint=FINGERPRINT, config_hash=CONFIG_HASH
+        )
+        assert _same(_draws(), expected), f"{checkpoint}: RNG streams differ after resume"
+
+
+class _Opens:
+    """Unpickling it calls ``open(path, "w")``: code named by the file."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_an_rng_file_that_would_run_code_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, _FakeLearner(), _state(1), keep=1)
+    ran = tmp_path / "ran"
+    old = {"python": random.getstate(), "numpy": np.random.get_state(), "hook": _Opens(ran)}
+    torch.save(old, path / "rng-rank0.pt")
+    write_manifest(path)  # intact as far as the manifest can tell
+    with pytest.raises(CheckpointError, match=r"rng-rank0\.pt is not an RNG state file") as info:
+        load_checkpoint(
+            path, _FakeLearner(), tokenizer_fingerprint=FINGERPRINT, config_hash=CONFIG_HASH
+        )
+    assert not ran.exists(), "loading the checkpoint ran code from its RNG file"
+    assert "it names io.open; it is not loaded" in str(info.value)
+
+
+# -- export replaces nothing it did not write --------------------------------------------------
+
+
+def test_export_replaces_only_an_earlier_export(
+    make_learner, make_groups, tmp_path, rng, monkeypatch
+):
+    learner = make_learner()
+    learner.train_step(make_groups(rng.randrange(2**31)))
+    run = tmp_path / "run"
+    path = save_checkpoint(
+        run / "checkpoints", learner, _state(1, learner.settings.model_path), keep=1
+    )
+    (run / "ledger.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+    def export(out):
+        return export_checkpoint(path, out, run_dir=run)
+
+    for out, message in (
+        (run, "is the run folder"),
+        (tmp_path, "holds the run folder"),
+        (run / "checkpoints", "holds the checkpoint"),
+        (path / "hf", "is inside the checkpoint"),
+        (run / "ledger.jsonl", "exists and is not a folder"),
+    ):
+        with pytest.raises(OutputError, match=f"--out {out} {message}"):
+            export(out)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+    out = export(tmp_path / "exports" / "hf")  # a new folder, its parent too
+    files = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in files and EXPORT_MARKER in files
+    marker = json.loads((out / EXPORT_MARKER).read_text())
+    assert marker["files"] == sorted(set(files) - {EXPORT_MARKER}) and marker["step"] == 1
+    (out / "config.json").write_text("{}")  # an earlier export is replaced whole
+    assert export(out) == out and json.loads((out / "config.json").read_text()) != {}
+    assert sorted(p.name for p in out.iterdir()) == files
+
+    (out / "notes.txt").write_text("mine\n")  # an export holding a file of the user's
+    with pytest.raises(OutputError, match="it holds notes.txt, which no export wrote"):
+        export(out)
+    assert (out / "notes.txt").read_text() == "mine\n"
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    with pytest.raises(OutputError, match=f"--out {link} is a symlink"):
+        export(link)
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    monkeypatch.chdir(mine)  # --out . in a folder of the user's: refused, not a crash
+    with pytest.raises(OutputError, match=f"--out {mine} is not empty and is not an earlier"):
+        export(".")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)  # --out . in an empty folder: written there
+    assert export(".") == empty and (empty / "model.safetensors").is_file()
