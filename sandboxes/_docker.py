@@ -240,6 +240,10 @@ class ContainerBackend:
         kwargs: dict[str, Any] = dict(
             command=["python3", "-c", INIT_SOURCE, str(c.init_uid)],
             detach=True,
+            # a pipe for the init's stdin, not the host's /dev/null: runsc hands its stdio
+            # files to the sandbox user and chowned the host's /dev/null to nobody (65534)
+            # with every gVisor container it started
+            stdin_open=True,
             user="0:0",
             network_mode="none",
             read_only=True,

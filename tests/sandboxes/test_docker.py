@@ -75,6 +75,22 @@ async def test_container_is_locked_down(container_backend, client):
             assert names[gap] is not gvisor, gap
 
 
+async def test_starting_containers_leaves_the_hosts_dev_null_alone(container_backend):
+    """runsc hands a container's stdio files to its sandbox user: started with the host's
+    /dev/null as stdin it chowned that to nobody (65534) on every start, and a host whose
+    /dev/null changes breaks every other program there (the local backend's included)."""
+    before = os.stat("/dev/null")
+    async with container_backend.open(size=2) as pool:
+        assert (await pool.run(py("print('hi')"))).status == "ok"
+    after = os.stat("/dev/null")
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before.st_uid,
+        before.st_gid,
+        before.st_mode,
+    ), "the host's /dev/null changed"
+    assert container_backend.name != "gvisor" or after.st_uid != 65534
+
+
 async def test_program_identity_and_environment(container_backend):
     code = (
         "import os\n"
