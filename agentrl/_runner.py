@@ -186,17 +186,24 @@ def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
     return training, rollout
 
 
-def check_run_dir(out: Path, if_exists: IfExists) -> list[str]:
-    """Refuse ``out`` early (before a model is loaded) when it holds a training run, or a
-    rollout and ``if_exists="error"``; return the rollout files it holds."""
+def refuse_training_run(out: Path, writer: str) -> list[str]:
+    """Refuse an ``--out`` that is a file or holds a training run (``writer``, e.g. "a
+    rollout", names what never writes into one); return the rollout files it holds."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     training, held = describe_run_dir(out)
     if training:
         raise ConfigError(
-            f"--out {out} holds a training run ({', '.join(training)}); a rollout never writes "
+            f"--out {out} holds a training run ({', '.join(training)}); {writer} never writes "
             "into one: choose another directory"
         )
+    return held
+
+
+def check_run_dir(out: Path, if_exists: IfExists) -> list[str]:
+    """Refuse ``out`` early (before a model is loaded) when it holds a training run, or a
+    rollout and ``if_exists="error"``; return the rollout files it holds."""
+    held = refuse_training_run(out, "a rollout")
     if held and if_exists == "error":
         count = _count_lines(out / "trajectories.jsonl")
         raise ConfigError(

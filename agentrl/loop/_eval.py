@@ -15,7 +15,7 @@ import anyio
 from agentrl._errors import ConfigError
 from agentrl._outfiles import write_file
 from agentrl._rollout import RolloutContext
-from agentrl._runner import describe_run_dir, run_groups
+from agentrl._runner import refuse_training_run, run_groups
 from agentrl._types import TrajectoryWriter
 from agentrl.envs import check_env_sandbox, open_env_sandbox
 from agentrl.trainer import (
@@ -119,14 +119,7 @@ async def aevaluate(
 def _check_eval_out(out: Path) -> None:
     """Refuse an ``--out`` that is a file or holds a training run (its
     ``eval_trajectories.jsonl`` is the run's, cut back on resume)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: exists and is not a directory")
-    training, _ = describe_run_dir(out)
-    if training:
-        raise ConfigError(
-            f"--out {out} holds a training run ({', '.join(training)}); an evaluation never "
-            "writes into one: choose another directory"
-        )
+    refuse_training_run(out, "an evaluation")
 
 
 def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]):
