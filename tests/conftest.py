@@ -6,6 +6,9 @@
 - ``gpu``-marked tests are skipped where CUDA is not available, so a plain run needs no GPU and
   ``pytest -m gpu`` on a GPU machine runs them.
 - The real SmolLM2 tokenizer (via the tiny-random model folder), a seeded ``rng``.
+- Every test leaves the host's ``/dev/null`` as it found it (owner and mode): a test that changes
+  it fails by name and, run as root, puts it back, so that the tests after it are not broken too
+  (runsc hands the stdio files of every process it starts to its sandbox user).
 
 Helper modules beside this file (``fakes``, ``trajectories``, ``serve_helpers``, …) are
 importable by name: pyproject's pytest ``pythonpath`` puts ``tests/`` on the path.
@@ -17,6 +20,7 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -90,6 +94,29 @@ def chatml(tokenizer):
     from agentrl.formats import get_format
 
     return get_format("chatml-hermes", tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def _dev_null_unchanged() -> Iterator[None]:
+    """Fail the test that changed the host's ``/dev/null``, and restore it where allowed."""
+    before = os.stat("/dev/null")
+    yield
+    after = os.stat("/dev/null")
+    was = (before.st_uid, before.st_gid, before.st_mode)
+    now = (after.st_uid, after.st_gid, after.st_mode)
+    if now == was:
+        return
+    restored = ""
+    try:
+        os.chown("/dev/null", before.st_uid, before.st_gid)
+        os.chmod("/dev/null", before.st_mode & 0o7777)
+        restored = " (put back)"
+    except OSError as exc:
+        restored = f" (could not put it back: {exc})"
+    pytest.fail(
+        f"this test changed the host's /dev/null from uid/gid/mode {was[0]}/{was[1]}/"
+        f"{was[2] & 0o7777:o} to {now[0]}/{now[1]}/{now[2] & 0o7777:o}{restored}"
+    )
 
 
 @pytest.fixture

@@ -251,6 +251,7 @@ async def _serve_tool(client, container_id: str, action: str, data: str = "") ->
             ["python3", "-c", _SERVE_TOOL, "find", action, data],
             user="0",
             privileged=action == "write",  # gVisor: CAP_SYS_PTRACE for /proc/PID/fd
+            stdin=True,  # a pipe: without one runsc gets (and chowns) the host's /dev/null
         )
         return code, output.decode(errors="replace")
 
