@@ -19,14 +19,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from importlib import import_module
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from ._names import Aggregation, Surrogate
 
-from ._advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
-from ._losses import Aggregation, Surrogate
+if TYPE_CHECKING:
+    import torch
 
-GroupEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+GroupEstimator = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 """``(rewards [S] float64, group_index [S] int64) -> advantages [S]``: one advantage per
 trajectory, broadcast onto its sampled tokens."""
 
@@ -78,6 +79,25 @@ class AlgorithmSpec:
 
 
 _SURROGATES: tuple[Surrogate, ...] = ("clip", "gspo", "cispo")
+
+
+class _BuiltinEstimator:
+    """A group estimator of ``_advantages`` by name, imported at its first call: the table (and
+    with it the config's check of ``algorithm.name``) loads without torch."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+    def __call__(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        return getattr(import_module("._advantages", __package__), self.__name__)(rewards, groups)
+
+    def __repr__(self) -> str:
+        return f"<group estimator {self.__name__}>"
+
+
+_GRPO = _BuiltinEstimator("grpo_advantages")
+_DR_GRPO = _BuiltinEstimator("dr_grpo_advantages")
+_RLOO = _BuiltinEstimator("rloo_advantages")
 _lock = threading.Lock()
 _table: dict[str, AlgorithmSpec] = {}
 
@@ -131,7 +151,7 @@ for _spec in (
         name="grpo",
         summary="Group-relative advantages scaled by the group's std; clipped ratio "
         "(Shao et al. 2024, DeepSeekMath, eq. 3).",
-        advantages=grpo_advantages,
+        advantages=_GRPO,
         surrogate="clip",
         clip_low=0.2,
         clip_high=0.2,
@@ -141,7 +161,7 @@ for _spec in (
         name="dr_grpo",
         summary="GRPO without the std division and without length normalization "
         "(Liu et al. 2025, Dr.GRPO).",
-        advantages=dr_grpo_advantages,
+        advantages=_DR_GRPO,
         surrogate="clip",
         clip_low=0.2,
         clip_high=0.2,
@@ -151,7 +171,7 @@ for _spec in (
         name="dapo",
         summary="GRPO advantages with clip-higher, token-mean, dynamic sampling and the overlong "
         "filter (Yu et al. 2025, DAPO).",
-        advantages=grpo_advantages,
+        advantages=_GRPO,
         surrogate="clip",
         clip_low=0.2,
         clip_high=0.28,
@@ -163,7 +183,7 @@ for _spec in (
         name="gspo",
         summary="GRPO advantages with the sequence-level importance ratio "
         "(Zheng et al. 2025, GSPO).",
-        advantages=grpo_advantages,
+        advantages=_GRPO,
         surrogate="gspo",
         clip_low=3e-4,
         clip_high=4e-4,
@@ -173,7 +193,7 @@ for _spec in (
         name="cispo",
         summary="REINFORCE with a clipped, stop-gradient IS weight; no lower bound "
         "(MiniMax-M1 2025, CISPO).",
-        advantages=grpo_advantages,
+        advantages=_GRPO,
         surrogate="cispo",
         clip_low=1.0,
         clip_high=0.28,
@@ -183,7 +203,7 @@ for _spec in (
         name="rloo",
         summary="REINFORCE with a leave-one-out baseline: the clipped surrogate at ratio 1 "
         "(Ahmadian et al. 2024).",
-        advantages=rloo_advantages,
+        advantages=_RLOO,
         surrogate="clip",
         clip_low=0.2,
         clip_high=0.2,

@@ -12,8 +12,7 @@ from typing import Annotated, Literal
 import pydantic
 
 from ._algorithms import AlgorithmSpec, algorithm_spec
-from ._kl import KLEstimator
-from ._losses import Aggregation, Surrogate
+from ._names import Aggregation, KLEstimator, Surrogate
 
 _DOCS = pydantic.ConfigDict(
     extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False

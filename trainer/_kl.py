@@ -16,11 +16,9 @@ estimation for RL"); k1 is the usual choice *in the reward* (PPO-RLHF, Ouyang et
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from ._names import KLEstimator
 
 
 def kl_estimate(

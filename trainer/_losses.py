@@ -14,20 +14,16 @@ surrogate, estimator and defaults is the table in ``_algorithms`` (printed in
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from agentrl.kernels import MAX_LOG_RATIO as _KERNEL_MAX_LOG_RATIO
 from agentrl.kernels import fused_policy_loss, sequence_segments, use_triton
 
-from ._kl import KLEstimator, kl_estimate
+from ._kl import kl_estimate
+from ._names import Aggregation, KLEstimator, Surrogate
 
-Surrogate = Literal["clip", "gspo", "cispo"]
-"""The loss families ``policy_loss`` computes (see its docstring)."""
-Aggregation = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
 MAX_LOG_RATIO = _KERNEL_MAX_LOG_RATIO
 """Log importance ratios are clamped to ±20 before ``exp`` (e^20 ≈ 5e8): an overflow would turn
 one bad token into an inf loss; inside the clamp nothing changes."""

@@ -8,23 +8,48 @@ process; ``open_embedded_engine`` owns one for a block. ``ScriptedEngine`` repla
 assistant turns through the same protocol (``_scripted``), to exercise environments' tools.
 ``GenerateResult`` (what ``generate`` returns) and ``SamplingParams`` are the protocol's types,
 re-exported here for engine authors.
+
+The options (``EngineOptions``), the counters and the protocol import without torch, so that a
+config is checked before torch loads; the engines load torch (and transformers) on first use.
 """
+
+from typing import TYPE_CHECKING
 
 from agentrl._types import GenerateResult as GenerateResult
 from agentrl._types import SamplingParams as SamplingParams
 
-from ._embedded import EmbeddedEngine as EmbeddedEngine
-from ._embedded import EngineOptions as EngineOptions
-from ._embedded import EngineStatistics as EngineStatistics
-from ._embedded import open_embedded_engine as open_embedded_engine
+from ._options import EngineOptions as EngineOptions
+from ._options import EngineStatistics as EngineStatistics
 from ._options import engine_options as engine_options
 from ._protocol import Engine as Engine
 from ._radix import RadixStatistics as RadixStatistics
-from ._sampling import sample_token as sample_token
-from ._scripted import Script as Script
-from ._scripted import ScriptedEngine as ScriptedEngine
-from ._scripted import ScriptFile as ScriptFile
-from ._scripted import read_script as read_script
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from ._embedded import EmbeddedEngine as EmbeddedEngine
+    from ._embedded import open_embedded_engine as open_embedded_engine
+    from ._sampling import sample_token as sample_token
+    from ._scripted import Script as Script
+    from ._scripted import ScriptedEngine as ScriptedEngine
+    from ._scripted import ScriptFile as ScriptFile
+    from ._scripted import read_script as read_script
+    from ._sglang import SGLangEngine as SGLangEngine
+    from ._sglang import SGLangHTTPError as SGLangHTTPError
+    from ._sglang import SGLangStatistics as SGLangStatistics
+
+_LAZY = {
+    "EmbeddedEngine": "_embedded",
+    "open_embedded_engine": "_embedded",
+    "sample_token": "_sampling",
+    "Script": "_scripted",
+    "ScriptedEngine": "_scripted",
+    "ScriptFile": "_scripted",
+    "read_script": "_scripted",
+    # the SGLang HTTP client (speaks to SGLang 0.5.17 and to ``agentrl serve``, whose aiohttp app
+    # lives in ``_server`` and is imported only by the ``serve`` command: aiohttp stays optional)
+    "SGLangEngine": "_sglang",
+    "SGLangHTTPError": "_sglang",
+    "SGLangStatistics": "_sglang",
+}
 
 __all__ = [
     "EmbeddedEngine",
@@ -33,6 +58,9 @@ __all__ = [
     "EngineStatistics",
     "GenerateResult",
     "RadixStatistics",
+    "SGLangEngine",
+    "SGLangHTTPError",
+    "SGLangStatistics",
     "SamplingParams",
     "Script",
     "ScriptFile",
@@ -43,10 +71,21 @@ __all__ = [
     "sample_token",
 ]
 
-# The SGLang HTTP client (speaks to SGLang 0.5.17 and to ``agentrl serve``, whose aiohttp app
-# lives in ``_server`` and is imported only by the ``serve`` command: aiohttp stays optional).
-from ._sglang import SGLangEngine as SGLangEngine
-from ._sglang import SGLangHTTPError as SGLangHTTPError
-from ._sglang import SGLangStatistics as SGLangStatistics
 
-__all__ += ["SGLangEngine", "SGLangHTTPError", "SGLangStatistics"]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name is an error there
+
+    def __getattr__(name: str) -> object:
+        if name not in _LAZY:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # the next lookup does not come here
+        return value
+
+
+del TYPE_CHECKING

@@ -76,17 +76,12 @@ from agentrl.kernels._fused_ops import probe as fused_ops_probe
 from agentrl.kernels._fused_ops import unsupported as fused_ops_unsupported
 
 from ._decode import AttentionKernelChooser, check_attention
+from ._device import resolve_device, resolve_dtype
 from ._graphs import DecodeGraphs
 from ._kv import KVPool, device_memory_bytes
 from ._logprobs import LogprobCollector
 from ._model import CausalLM, ModelConfig, read_safetensors
-from ._options import (
-    STEP_TOKENS,
-    EngineOptions,
-    EngineStatistics,
-    resolve_device,
-    resolve_dtype,
-)
+from ._options import STEP_TOKENS, EngineOptions, EngineStatistics
 from ._protocol import PartialOutput
 from ._radix import RadixCache
 from ._sampling import check_sampling

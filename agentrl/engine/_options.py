@@ -1,15 +1,15 @@
 """The embedded engine's knobs (``EngineOptions``, a pydantic model: the ``engine`` section people
-write), their checks against this machine (``resolve_device``, ``resolve_dtype``) and its
-counters (``EngineStatistics``)."""
+write) and its counters (``EngineStatistics``). Torch-free, so that a config is checked before
+torch loads; the checks against this machine are ``_device``'s."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
 import pydantic
-import torch
 
 from agentrl._config import describe_errors, short_repr, validate_config
 from agentrl._errors import ConfigError, EngineError
@@ -123,13 +123,13 @@ class EngineOptions(pydantic.BaseModel):
     @pydantic.field_validator("device")
     @classmethod
     def _device_syntax(cls, value: str) -> str:
-        _parse_device(value)  # whether it exists here is checked when the engine starts
+        parse_device(value)  # whether it exists here is checked when the engine starts
         return value
 
     @pydantic.field_validator("dtype")
     @classmethod
     def _dtype_name(cls, value: str) -> str:
-        resolve_dtype(value, error=ValueError)
+        dtype_name(value, error=ValueError)
         return value
 
     def replace(self, **changes: Any) -> EngineOptions:
@@ -146,49 +146,35 @@ ENGINE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 """``EngineOptions.dtype``'s values (torch's aliases of them, ``float``, ``half``, ``double``,
 are accepted too): the floating dtypes the model, the KV pool and the samplers run in."""
 
+DTYPE_NAMES: dict[str, str] = {
+    **{name: name for name in ENGINE_DTYPES},
+    "float": "float32",
+    "half": "float16",
+    "double": "float64",
+}
+"""Every name ``EngineOptions.dtype`` accepts → the ``ENGINE_DTYPES`` entry it means."""
 
-def resolve_dtype(value: str | torch.dtype, *, error: type[Exception] = EngineError) -> torch.dtype:
-    """``EngineOptions.dtype`` as a ``torch.dtype``; ``error`` (``EngineError``) naming the field
-    for a name that is not one of ``ENGINE_DTYPES``."""
-    dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value), None)
-    if dtype not in {getattr(torch, name) for name in ENGINE_DTYPES}:
+_DEVICE = re.compile(r"(cpu|cuda)(?::(0|[1-9][0-9]{0,2}))?", re.ASCII)
+_MAX_DEVICE_INDEX = 127
+"""torch keeps a device index in 8 bits (``torch.device("cuda:128")`` wraps to -128)."""
+
+
+def dtype_name(value: object, *, error: type[Exception] = EngineError) -> str:
+    """``value`` as one of ``ENGINE_DTYPES`` (aliases resolved); ``error`` naming the field for
+    anything else."""
+    if not isinstance(value, str) or value not in DTYPE_NAMES:
         raise error(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {short_repr(value)}")
-    return dtype  # type: ignore[return-value]
+    return DTYPE_NAMES[value]
 
 
-def _parse_device(value: str | torch.device) -> torch.device:
-    """``value`` as a cpu or cuda ``torch.device`` (``ValueError`` otherwise)."""
-    try:
-        device = torch.device(value)
-    except (RuntimeError, TypeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+def parse_device(value: object) -> tuple[str, int | None]:
+    """``value`` (``"cpu"``, ``"cuda"`` or ``"cuda:N"``) as (type, index); ``ValueError``
+    otherwise. torch's syntax, checked without importing torch."""
+    match = _DEVICE.fullmatch(value) if isinstance(value, str) else None
+    index = None if match is None or match[2] is None else int(match[2])
+    if match is None or (index is not None and index > _MAX_DEVICE_INDEX):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {short_repr(value)}")
-    return device
-
-
-def resolve_device(value: str | torch.device) -> torch.device:
-    """``EngineOptions.device`` checked against this machine: ``cpu``, or a CUDA device that
-    exists (``"cuda"`` resolves to the current one); ``EngineError`` naming the field else."""
-    try:
-        device = _parse_device(value)
-    except ValueError as exc:
-        raise EngineError(str(exc)) from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise EngineError(
-            f"device={value!r}: CUDA is not available here (torch {torch.__version__}, CUDA "
-            f"build: {torch.version.cuda or 'none'}); use device='cpu'"
-        )
-    count = torch.cuda.device_count()
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= count:
-        raise EngineError(
-            f"device={value!r}: no such CUDA device, this machine has {count} "
-            f"(cuda:0 to cuda:{count - 1})"
-        )
-    return torch.device("cuda", index)
+    return match[1], index
 
 
 def engine_options(section: Mapping[str, Any] | EngineOptions | None = None) -> EngineOptions:

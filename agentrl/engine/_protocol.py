@@ -10,11 +10,12 @@ filtering (temperature 0 = greedy, logprob at temperature 1).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from agentrl._types import GenerateResult, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @runtime_checkable

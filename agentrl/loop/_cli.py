@@ -81,9 +81,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from agentrl._interrupt import run_until_interrupted
 
+    cfg, out = _train_config(args)  # before torch loads: a bad config is refused at once
+
     from ._runtime import atrain
 
-    cfg, out = _train_config(args)
     lead = os.environ.get("RANK", "0") == "0"  # one rank speaks
     if lead:
         print(
@@ -145,12 +146,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import anyio
 
     from ._config import load_train_config
-    from ._eval import aevaluate
 
     sets = list(args.set)
     if args.num_tasks is not None:
         sets.append(f"eval.num_tasks={args.num_tasks}")
-    cfg = load_train_config(args.config, sets)
+    cfg = load_train_config(args.config, sets)  # before torch loads
+
+    from ._eval import aevaluate
+
     metrics = anyio.run(lambda: aevaluate(cfg, args.checkpoint, out=args.out))
     print(json.dumps(metrics, indent=2))
     return 0

@@ -29,9 +29,10 @@ from agentrl._types import GenerateResult, SamplingParams
 from agentrl.engine import EmbeddedEngine, _embedded, _graphs, open_embedded_engine
 from agentrl.engine._batch import Row, build_forward_batch
 from agentrl.engine._decode import AttentionKernelChooser
+from agentrl.engine._device import resolve_device, resolve_dtype
 from agentrl.engine._kv import PREFILL_PAD, KVPool
 from agentrl.engine._model import CausalLM, ModelConfig, read_safetensors
-from agentrl.engine._options import resolve_device
+from agentrl.engine._options import dtype_name, parse_device
 from agentrl.engine._server import serve_main
 from agentrl.engine._worker import Worker
 from agentrl.kernels import triton_available
@@ -336,6 +337,47 @@ def test_cuda_means_the_current_device() -> None:
     assert resolve_device("cuda") == torch.device("cuda", 0)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
+_DEVICE_STRINGS = [
+    "cpu", "cuda", "cpu:0", "cuda:0", "cuda:7", "cuda:10", "cuda:127", "CUDA", "Cpu", " cuda",
+    "cuda ", "cuda:", "cuda:-1", "cuda:01", "cuda: 1", "cuda:+1", "cuda:1:2", "cuda:1e3",
+    "cuda:0x1", "cuda:\u0663", "cuda:99999999999999999999", "", "meta", "mps", "tpu", "cuda:x",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", _DEVICE_STRINGS)
+def test_the_torch_free_device_check_is_torchs_syntax(text: str) -> None:
+    """Configs are checked without torch: ``parse_device`` accepts exactly the cpu/cuda
+    strings ``torch.device`` parses, with the index torch would keep."""
+    try:
+        expected = torch.device(text)
+    except RuntimeError:
+        expected = None
+    if expected is not None and expected.type not in ("cpu", "cuda"):
+        expected = None
+    try:
+        got = parse_device(text)
+    except ValueError as exc:
+        assert expected is None, f"{text!r} is a torch device ({expected}) but refused: {exc}"
+    else:
+        assert expected is not None, f"{text!r} is not a torch device but accepted as {got}"
+        assert got == (expected.type, expected.index)
+
+
+@pytest.mark.parametrize("index", [128, 255, 1000])
+def test_a_device_index_torch_would_wrap_is_refused(index: int) -> None:
+    """torch keeps the index in 8 bits (``cuda:128`` is index -128 there): refused by name."""
+    with pytest.raises(EngineError, match=f"got 'cuda:{index}'"):
+        resolve_device(f"cuda:{index}")
+
+
+@pytest.mark.parametrize("name", ["float32", "float", "bfloat16", "float16", "half", "double"])
+def test_dtype_names_are_torchs(name: str) -> None:
+    assert resolve_dtype(name) is getattr(torch, name)
+    assert resolve_dtype(getattr(torch, name)) is getattr(torch, name)
+    assert dtype_name(name) == str(getattr(torch, name)).removeprefix("torch.")
 
 
 @pytest.mark.anyio
