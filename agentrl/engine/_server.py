@@ -80,10 +80,13 @@ from ._server_limits import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_SAMPLES_PER_REQUEST,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_STOP_STRING_LENGTH,
+    DEFAULT_MAX_STOP_STRINGS,
     RequestTooLarge,
     ServeLimits,
     check_logprob_entries,
     check_request_size,
+    check_stop_strings,
 )
 from ._server_metrics import (
     Counters,
@@ -212,6 +215,7 @@ class _Server:
         with w.gc_paused():
             req = decode_generate(body)
         check_request_size(req, self.limits)
+        check_stop_strings(req, self.limits)
         items, single = plan_generate(req, self.facts)
         check_logprob_entries(items, self.limits, self.facts.max_context)
         return req, items, single
@@ -755,6 +759,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "token_ids_logprob ids)) one /generate request may ask for; more is a 400",
     )
     parser.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=DEFAULT_MAX_STOP_STRINGS,
+        help="most strings one sampling_params.stop may hold; more is a 400",
+    )
+    parser.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=DEFAULT_MAX_STOP_STRING_LENGTH,
+        help="most characters of one stop string; a longer one is a 400",
+    )
+    parser.add_argument(
         "--incremental-streaming-output",
         action="store_true",
         help="stream: true sends only the new text/output_ids in each chunk (default: cumulative)",
@@ -797,6 +813,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
             max_samples_per_request=args.max_samples_per_request,
             max_sessions=args.max_sessions,
             max_logprob_entries=args.max_logprob_entries,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
         )
     except pydantic.ValidationError as exc:
         print(f"agentrl serve: {describe_errors(exc)}", file=sys.stderr)

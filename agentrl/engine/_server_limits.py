@@ -9,7 +9,10 @@ close them grows the server without bound. The logprobs one request asks for bey
 sampled tokens' own (``top_logprobs_num`` and ``token_ids_logprob`` at every scored position)
 must not exceed ``max_logprob_entries``, counted at the most positions each sample can score
 (its input from ``logprob_start_len`` plus ``max_new_tokens``), so a short body cannot ask for
-a reply of gigabytes.
+a reply of gigabytes. Stop strings are matched after every sampled token, against the text of
+the last tokens (as many as the longest string needs), in the engine's one worker thread: each
+``sampling_params`` may name at most ``max_stop_strings`` of at most ``max_stop_string_length``
+characters, so one request cannot make every step of every other request slow.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
 DEFAULT_MAX_SAMPLES_PER_REQUEST = 4096
 DEFAULT_MAX_SESSIONS = 4096
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 23
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_STRING_LENGTH = 256
 
 
 class ServeLimits(pydantic.BaseModel):
@@ -43,6 +48,10 @@ class ServeLimits(pydantic.BaseModel):
     max_logprob_entries: int = pydantic.Field(DEFAULT_MAX_LOGPROB_ENTRIES, ge=1)
     """Most top-k and chosen-id logprob entries one ``/generate`` request may ask for (each
     sample's positions x (``top_logprobs_num`` + ids in ``token_ids_logprob``)); more is a 400."""
+    max_stop_strings: int = pydantic.Field(DEFAULT_MAX_STOP_STRINGS, ge=1)
+    """Most strings in one ``sampling_params.stop``; more is a 400."""
+    max_stop_string_length: int = pydantic.Field(DEFAULT_MAX_STOP_STRING_LENGTH, ge=1)
+    """Most characters in one stop string; a longer one is a 400."""
 
 
 class RequestTooLarge(ValueError):
@@ -79,6 +88,32 @@ def check_request_size(req: w.WireGenerateReq, limits: ServeLimits) -> None:
             f"max_samples_per_request={cap} (--max-samples-per-request): split it",
             field,
         )
+
+
+def check_stop_strings(req: w.WireGenerateReq, limits: ServeLimits) -> None:
+    """Raise ``RequestTooLarge`` when a ``sampling_params`` names more stop strings than
+    ``max_stop_strings`` or one longer than ``max_stop_string_length`` characters."""
+    params = req.sampling_params
+    listed = isinstance(params, list)
+    for i, p in enumerate(params if listed else [params]):
+        if p is None or not p.stop or isinstance(p.stop, str) and len(p.stop) < 2:
+            continue
+        field = f"sampling_params{f'[{i}]' if listed else ''}.stop"
+        stop = [p.stop] if isinstance(p.stop, str) else p.stop
+        if len(stop) > limits.max_stop_strings:
+            raise RequestTooLarge(
+                f"{field} holds {len(stop)} strings, more than max_stop_strings="
+                f"{limits.max_stop_strings} (--max-stop-strings)",
+                field,
+            )
+        longest = max(stop, key=len)
+        if len(longest) > limits.max_stop_string_length:
+            raise RequestTooLarge(
+                f"{field} holds a string of {len(longest)} characters, more than "
+                f"max_stop_string_length={limits.max_stop_string_length} "
+                "(--max-stop-string-length)",
+                field,
+            )
 
 
 def check_logprob_entries(items: Sequence[Item], limits: ServeLimits, max_context: int) -> None:

@@ -305,6 +305,34 @@ def test_samples_per_request_are_capped_with_the_limit_named(client: httpx.Clien
     assert response.status_code == 200 and len(response.json()) == MAX_SAMPLES
 
 
+def test_stop_strings_are_capped_with_the_limit_named(client: httpx.Client) -> None:
+    """Stop strings are matched after every token in the engine's one worker thread (a body of
+    1M of them made a 64-token request take 16 s and a small one beside it 2.4 s): at most
+    ``--max-stop-strings`` (64) per ``sampling_params``, each at most
+    ``--max-stop-string-length`` (256) characters."""
+    one = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    flood = {"input_ids": PROMPT, "sampling_params": {**one, "stop": ["\u4e00"] * 1_000_000}}
+    started = time.monotonic()
+    error = error_of(client.post("/generate", json=flood))
+    assert time.monotonic() - started < 10  # refused before any work
+    assert error["field"] == "sampling_params.stop"
+    assert "1000000 strings" in error["message"] and "max_stop_strings=64" in error["message"]
+    long = {**one, "stop": ["x" * 257]}
+    listed = {"input_ids": [PROMPT, PROMPT], "sampling_params": [one, long]}
+    error = error_of(client.post("/generate", json=listed))
+    assert error["field"] == "sampling_params[1].stop"
+    assert "257 characters" in error["message"]
+    assert "max_stop_string_length=256" in error["message"]
+    single = {"input_ids": PROMPT, "sampling_params": {**one, "stop": "x" * 257}}
+    assert error_of(client.post("/generate", json=single))["field"] == "sampling_params.stop"
+    at_cap = [f"{i:03d}" + "\u4e00" * 253 for i in range(64)]  # 64 strings of 256 characters
+    response = client.post(
+        "/generate", json={"input_ids": PROMPT, "sampling_params": {**one, "stop": at_cap}}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_logprob_lists_are_capped_with_the_limit_named(client: httpx.Client) -> None:
     """Top-k and chosen-id lists at every position can make a reply of gigabytes from a short
     body: counted before anything runs (positions x (top_logprobs_num + ids))."""
