@@ -23,6 +23,8 @@ loads on first use.
 
 from typing import TYPE_CHECKING
 
+from agentrl import _lazy
+
 from ._algorithms import AlgorithmSpec as AlgorithmSpec
 from ._algorithms import GroupEstimator as GroupEstimator
 from ._algorithms import algorithm_names as algorithm_names
@@ -241,20 +243,8 @@ __all__ = [
 ]
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
-
+__dir__ = _lazy.lazy_dir(__name__, __all__)
 if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name is an error there
-
-    def __getattr__(name: str) -> object:
-        if name not in _LAZY:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value  # the next lookup does not come here
-        return value
-
+    __getattr__ = _lazy.lazy_getattr(__name__, _LAZY)
 
 del TYPE_CHECKING

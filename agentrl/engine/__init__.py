@@ -15,6 +15,7 @@ config is checked before torch loads; the engines load torch (and transformers) 
 
 from typing import TYPE_CHECKING
 
+from agentrl import _lazy
 from agentrl._types import GenerateResult as GenerateResult
 from agentrl._types import SamplingParams as SamplingParams
 
@@ -72,20 +73,8 @@ __all__ = [
 ]
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
-
+__dir__ = _lazy.lazy_dir(__name__, __all__)
 if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name is an error there
-
-    def __getattr__(name: str) -> object:
-        if name not in _LAZY:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value  # the next lookup does not come here
-        return value
-
+    __getattr__ = _lazy.lazy_getattr(__name__, _LAZY)
 
 del TYPE_CHECKING

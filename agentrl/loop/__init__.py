@@ -14,6 +14,8 @@ torch, DeepSpeed and transformers on first use.
 
 from typing import TYPE_CHECKING
 
+from agentrl import _lazy
+
 from ._cli import add_train_commands as add_train_commands
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
@@ -74,20 +76,8 @@ __all__ = [
 ]
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
-
+__dir__ = _lazy.lazy_dir(__name__, __all__)
 if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name is an error there
-
-    def __getattr__(name: str) -> object:
-        if name not in _LAZY:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value  # the next lookup does not come here
-        return value
-
+    __getattr__ = _lazy.lazy_getattr(__name__, _LAZY)
 
 del TYPE_CHECKING
