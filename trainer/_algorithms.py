@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from ._names import Aggregation, Surrogate
 
@@ -78,7 +78,7 @@ class AlgorithmSpec:
         return getattr(self.advantages, "__name__", repr(self.advantages))
 
 
-_SURROGATES: tuple[Surrogate, ...] = ("clip", "gspo", "cispo")
+_SURROGATES: tuple[Surrogate, ...] = get_args(Surrogate)
 
 
 class _BuiltinEstimator:

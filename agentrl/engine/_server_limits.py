@@ -96,7 +96,7 @@ def check_stop_strings(req: w.WireGenerateReq, limits: ServeLimits) -> None:
     params = req.sampling_params
     listed = isinstance(params, list)
     for i, p in enumerate(params if listed else [params]):
-        if p is None or not p.stop or isinstance(p.stop, str) and len(p.stop) < 2:
+        if p is None or not p.stop:
             continue
         field = f"sampling_params{f'[{i}]' if listed else ''}.stop"
         stop = [p.stop] if isinstance(p.stop, str) else p.stop
