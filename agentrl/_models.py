@@ -249,6 +249,51 @@ def list_models(cache_dir: Path | None = None) -> list[ModelInfo]:
     return out
 
 
+# Model types whose folders, when ``tokenizer_config.json`` names transformers' generic
+# ``TokenizersBackend``, get exactly that class from ``AutoTokenizer``: not on its list of hubs
+# with a wrong tokenizer class (Qwen2 is), nor a Mistral tokenizer.
+_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
+
+
+def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
+    """The tokenizer of an HF folder, as ``AutoTokenizer.from_pretrained(folder)`` loads it.
+
+    ``AutoTokenizer`` reads the model's configuration class first (for Llama that imports much of
+    transformers' modelling code, ~2 s of a process's start). Where the folder already names
+    transformers' generic ``TokenizersBackend`` in ``tokenizer_config.json``, has no remote-code
+    ``auto_map`` and its ``config.json`` is of a model type for which ``AutoTokenizer`` picks that
+    same class, that class is loaded directly; every other folder goes through ``AutoTokenizer``.
+    """
+    path = Path(folder)
+    if _names_the_generic_tokenizer(path):
+        try:
+            from transformers import TokenizersBackend  # transformers 5
+        except ImportError:
+            pass
+        else:
+            return TokenizersBackend.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _names_the_generic_tokenizer(path: Path) -> bool:
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):  # missing or unreadable: AutoTokenizer says what is wrong
+        return False
+    if not isinstance(tokenizer_config, dict) or not isinstance(config, dict):
+        return False
+    return (
+        tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in tokenizer_config
+        and "auto_map" not in config
+        and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
+        and (path / "tokenizer.json").is_file()
+    )
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """First 16 hex chars of a sha256 over what decides token ids and chat rendering.
 

@@ -288,21 +288,21 @@ async def arollout(
     holds a rollout is refused unless ``if_exists`` is ``"overwrite"`` or ``"append"``. Setting
     ``stop`` cancels the trajectories in flight and returns the finished ones
     (``interrupted=True``)."""
-    from ._models import resolve_model, tokenizer_fingerprint
+    cfg = config or RolloutConfig()
+    spec = env_spec(env)
+    resources = dict(env_resources or {})
+    # the env's arguments are checked before a model is fetched or torch is imported
+    tasks = list(spec.make(**cfg.env_kwargs, **resources).tasks(split, seed=cfg.seed))
+    tasks = tasks[task_offset : task_offset + n]
+
+    from ._models import load_tokenizer, resolve_model, tokenizer_fingerprint
     from .engine import open_embedded_engine
     from .formats import get_format
 
-    cfg = config or RolloutConfig()
-    spec = env_spec(env)
     model_path = str(resolve_model(model)) if engine is None or tokenizer is None else model
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
     fmt = get_format("chatml-hermes", tokenizer)
-    resources = dict(env_resources or {})
-    tasks = list(spec.make(**cfg.env_kwargs, **resources).tasks(split, seed=cfg.seed))
-    tasks = tasks[task_offset : task_offset + n]
     out_dir: Path | None = None
     writer: TrajectoryWriter | None = None
     first_sample: dict[str, int] = {}

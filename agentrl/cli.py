@@ -343,11 +343,10 @@ def _present(
     show: int,
     html: str | None = None,
 ) -> int:
-    from transformers import AutoTokenizer
-
+    from ._models import load_tokenizer
     from ._report import render_summary, render_terminal, summarize, write_html_report
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     if dry_run:
         render_terminal(trajectories, tokenizer, console, max_trajectories=show)
     summary = summarize(trajectories, elapsed_s=elapsed_s)

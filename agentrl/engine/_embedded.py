@@ -65,10 +65,9 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import torch
-from transformers import AutoTokenizer
 
 from agentrl._errors import EngineError
-from agentrl._models import resolve_model
+from agentrl._models import load_tokenizer, resolve_model
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.kernels import triton_available
 from agentrl.kernels._fused_ops import DTYPES as FUSED_OPS_DTYPES
@@ -304,7 +303,7 @@ class EmbeddedEngine:
         use_fused_ops(opts.fused_ops, device, dtype=dtype)
         try:
             model = CausalLM.from_folder(folder, dtype, device)
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer = load_tokenizer(folder)
         except (OSError, ValueError, KeyError, torch.OutOfMemoryError) as exc:
             raise EngineError(f"cannot load a causal LM from {folder}: {exc}") from exc
         return cls(model, tokenizer, opts, model_path=str(folder))

@@ -631,9 +631,9 @@ async def run_server(
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled (the caller owns the engine)."""
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from agentrl._models import load_tokenizer
 
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
+        tokenizer = await asyncio.to_thread(load_tokenizer, str(model_path))
     app = create_app(
         engine,
         tokenizer,

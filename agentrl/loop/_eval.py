@@ -63,9 +63,7 @@ async def aevaluate(
     """Evaluate a checkpoint (or, when ``checkpoint`` is not one, a model name or HF folder)
     on ``eval.num_tasks`` tasks of ``eval.split``; returns the metrics (also written to
     ``out/eval_summary.json`` with the trajectories)."""
-    from transformers import AutoTokenizer
-
-    from agentrl._models import tokenizer_fingerprint
+    from agentrl._models import load_tokenizer, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
     from agentrl.engine import engine_options, open_embedded_engine
     from agentrl.formats import get_format
@@ -76,7 +74,7 @@ async def aevaluate(
     spec = env_spec(cfg.env)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     model_path, version, weights, source = await _policy(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     env = spec.make(**cfg.rollout.env_kwargs)
     tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
     rollout = eval_rollout(cfg)

@@ -139,9 +139,7 @@ async def atrain(
 
 
 def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = False) -> _Setup:
-    from transformers import AutoTokenizer
-
-    from agentrl._models import resolve_model, tokenizer_fingerprint
+    from agentrl._models import load_tokenizer, resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
     from agentrl.envs import check_env_sandbox
     from agentrl.trainer import init_distributed
@@ -155,7 +153,7 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     train_tasks = list(env.tasks("train", seed=cfg.train.seed))
     eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
     model_path = str(resolve_model(cfg.model))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     fingerprint = tokenizer_fingerprint(tokenizer)
     resume_from = check_resume(cfg, out, fingerprint) if resume else None
     check_out(cfg, out, resume=resume)

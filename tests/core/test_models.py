@@ -24,6 +24,7 @@ from agentrl._models import (
     build_tiny_random,
     cache_root,
     list_models,
+    load_tokenizer,
     resolve_model,
     tokenizer_fingerprint,
 )
@@ -169,6 +170,79 @@ def test_tokenizer_fingerprint(smollm2_dir: Path, tiny_dir: Path) -> None:
 
     tokenizer.chat_template = tokenizer.chat_template + "{# changed #}"
     assert tokenizer_fingerprint(tokenizer) != fingerprint
+
+
+def _copy_folder(src: Path, dest: Path, *, config: dict | None = None, tokenizer_config=None):
+    """``src``'s config and tokenizer files in ``dest`` (no weights), with fields replaced."""
+    dest.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (dest / name).write_bytes((src / name).read_bytes())
+    for name, changes in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        if changes:
+            data = json.loads((dest / name).read_text())
+            (dest / name).write_text(json.dumps({**data, **changes}))
+    return dest
+
+
+def test_load_tokenizer_loads_what_auto_tokenizer_loads(
+    smollm2_dir: Path, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Direct where AutoTokenizer would pick the generic class anyway, AutoTokenizer elsewhere;
+    either way the same class, vocabulary, special tokens, chat rendering and ids."""
+    from transformers.models.auto import tokenization_auto
+
+    import agentrl._models as models
+
+    # the model types taken directly are ones AutoTokenizer gives the folder's own class
+    for model_type in models._GENERIC_TOKENIZER_MODEL_TYPES:
+        assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        registered = tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) or ""
+        assert "Mistral" not in registered, (model_type, registered)
+    direct = [smollm2_dir, tiny_dir]
+    through_auto = [
+        _copy_folder(tiny_dir, tmp_path / "qwen", config={"model_type": "qwen2"}),
+        _copy_folder(tiny_dir, tmp_path / "mistral", config={"model_type": "mistral"}),
+        _copy_folder(tiny_dir, tmp_path / "fast", tokenizer_config={
+            "tokenizer_class": "PreTrainedTokenizerFast"}),
+        _copy_folder(tiny_dir, tmp_path / "remote", tokenizer_config={
+            "auto_map": {"AutoTokenizer": [None, "x.Y"]}}),
+    ]  # fmt: skip
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "ünïcode, 2 + 2 =\n\t<|im_end|>?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    for folder in direct + through_auto:
+        assert models._names_the_generic_tokenizer(folder) == (folder in direct), folder
+        if folder.name == "remote":  # AutoTokenizer needs trust_remote_code; not taken directly
+            continue
+        ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+        assert type(ours) is type(auto), folder
+        assert tokenizer_fingerprint(ours) == tokenizer_fingerprint(auto), folder
+        for tokenize in (False, True):
+            rendered = [
+                t.apply_chat_template(conversation, tokenize=tokenize, add_generation_prompt=True)
+                for t in (ours, auto)
+            ]
+            assert rendered[0] == rendered[1], folder
+        text = conversation[1]["content"]
+        assert ours.encode(text) == auto.encode(text)
+        assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+        assert ours.model_max_length == auto.model_max_length
+
+
+def test_load_tokenizer_skips_the_model_configuration_code(tiny_dir: Path) -> None:
+    """The reason load_tokenizer exists: AutoTokenizer imports Llama's configuration (and much
+    of transformers' modelling code with it) only to learn the tokenizer class."""
+    script = (
+        "import sys\nfrom agentrl._models import load_tokenizer\n"
+        f"load_tokenizer({str(tiny_dir)!r})\n"
+        "print('transformers.models.llama.configuration_llama' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )  # fmt: skip
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
 
 
 def test_concurrent_builds_agree(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
