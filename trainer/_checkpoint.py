@@ -176,6 +176,9 @@ def verify_state(
 def consolidated_state_dict(path: str | os.PathLike[str], tag: str = "policy"):
     """The policy's full fp32 weights under HF names from a checkpoint folder, without
     starting DeepSpeed (``get_fp32_state_dict_from_zero_checkpoint``; ``lm.`` stripped)."""
+    from ._deepspeed_import import import_deepspeed
+
+    import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if not (Path(path) / tag).is_dir():

@@ -128,7 +128,10 @@ def deepspeed_errors(overrides: dict[str, Any]) -> list[Any]:
     """What DeepSpeed's own parser refuses in ``overrides`` merged over the generated config, as
     pydantic line errors located at the offending key. Empty when DeepSpeed is not installed
     (the learner then cannot start, and says so)."""
+    from ._deepspeed_import import import_deepspeed
+
     try:
+        import_deepspeed()
         from deepspeed.runtime.config import DeepSpeedConfig
     except ImportError:
         return []

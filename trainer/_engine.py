@@ -31,6 +31,7 @@ import torch
 from ._attention import use_varlen_attention, varlen_kwargs
 from ._batch import PackedBatch, model_inputs
 from ._config import OptimizerConfig
+from ._deepspeed_import import import_deepspeed
 from ._logprob import TokenLogprobs, token_logprobs_and_entropy
 from ._schedule import LRSchedule, lr_multiplier
 
@@ -74,7 +75,7 @@ def init_distributed(*, num_threads: int | None = None, timeout_s: float | None 
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
     _quiet_torch_distributed()
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     cuda = torch.cuda.is_available()
@@ -149,7 +150,7 @@ class TokenScorer(torch.nn.Module):
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
         else:
-            import deepspeed
+            deepspeed = import_deepspeed()
 
             head = lm.get_output_embeddings()  # type: ignore[operator]
             deepspeed.zero.register_external_parameter(self, head.weight)
@@ -283,7 +284,7 @@ class ModelEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32/bf16 weights under HF names (``lm.`` stripped; tied heads once), gathered
         layer by layer on every rank, as CPU tensors."""
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         lm = self.scorer.lm
         out: dict[str, torch.Tensor] = {}
@@ -355,7 +356,7 @@ def _trained_engine(
     scorer: TokenScorer, optimizer: OptimizerConfig, config: dict[str, Any], total_updates: int
 ) -> ModelEngine:
     """DeepSpeed around a trained ``scorer``: its trainable parameters, the LR schedule."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     scorer.train()
     multiplier = lr_multiplier(optimizer, total_updates)
@@ -379,7 +380,7 @@ def open_reference(
 ) -> ModelEngine:
     """The frozen reference: every parameter ``requires_grad=False``, no optimizer section in
     its DeepSpeed config (ZeRO-3 inference), eval mode, scored under ``torch.no_grad``."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     lm = _load_lm(model_path, gradient_checkpointing=False)
     lm.requires_grad_(False)
