@@ -1,4 +1,5 @@
-"""Host processes by uid, read from /proc: the leak checks of the sandbox tests."""
+"""Host processes read from /proc: by uid (the leak checks of the sandbox tests), or by a
+marker in their command line (a test waits until a program it sent is running)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,20 @@ def host_processes(uid_lo: int, uid_hi: int) -> list[str]:
         if uid_lo <= uid < uid_hi:
             found.append(f"{name}:{uid}:{fields['Name'].strip()}:{fields['State'].strip()[:1]}")
     return found
+
+
+def running_with(marker: str) -> bool:
+    """Whether a live (not zombie) host process has ``marker`` in its command line: a program
+    whose code carries a unique comment is then running (``-c CODE``), so the request that
+    sent it is being served."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            return True
+    return False

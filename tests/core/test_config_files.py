@@ -78,9 +78,9 @@ def test_json_files_refuse_repeated_keys_too(tmp_path):
 def test_an_alias_bomb_is_refused_without_expanding_it(tmp_path):
     """Seven lines expand to 10**7 values (a 58-million-character error message before): the
     size is counted per distinct node, so the refusal is immediate and short."""
-    started = time.perf_counter()
+    started = time.thread_time()  # CPU time: a stall of a loaded machine is not counted
     message = refused(tmp_path, "bomb.yaml", alias_chain(7))
-    assert time.perf_counter() - started < 1.0
+    assert time.thread_time() - started < 1.0
     assert f"more than {MAX_VALUES} values once its aliases (*name) are expanded" in message
     assert len(message) < 300
     nested = "rollout:\n  env_kwargs:\n" + "".join(
@@ -118,9 +118,9 @@ def test_missing_and_empty_files(tmp_path):
 
 def test_short_repr_never_builds_the_whole_repr():
     huge = [[["x"] * 1000] * 1000] * 1000  # 10**9 elements by reference
-    started = time.perf_counter()
+    started = time.thread_time()
     text = short_repr(huge)
-    assert time.perf_counter() - started < 0.1 and len(text) <= 120
+    assert time.thread_time() - started < 0.1 and len(text) <= 120
     assert short_repr("y" * 10_000).count("y") < 120
     assert short_repr(2) == "2" and short_repr("eval") == "'eval'"
 
@@ -129,9 +129,9 @@ def test_validation_errors_show_a_huge_value_shortened():
     huge = [["x"] * 1000] * 1000
     with pytest.raises(pydantic.ValidationError) as info:
         RolloutConfig.model_validate({"top_p": huge, "surprise": "z" * 100_000})
-    started = time.perf_counter()
+    started = time.thread_time()
     message = describe_errors(info.value)
-    assert time.perf_counter() - started < 0.1
+    assert time.thread_time() - started < 0.1
     assert "top_p: " in message and "surprise: Extra inputs are not permitted" in message
     assert len(message) < 500, message
 

@@ -437,9 +437,20 @@ async def test_stop_cancels_what_is_in_flight_and_returns_what_finished(chatml, 
     assert await run_groups(ctx, tasks, stop=stop) == []  # already stopped: nothing starts
 
 
+class _ScoringTogether:
+    """Rewards that each wait until all four have started (a verifier slow enough to overlap)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.all_started = anyio.Event()
+
+
+_SCORING: list[_ScoringTogether] = []
+
+
 @agentrl.env("slow-score-v0", max_turns=1, max_new_tokens=16, tags=("test",))
 class _SlowScore:
-    """One turn; scoring takes 0.4 s (a slow verifier)."""
+    """One turn; each reward waits until the four of the batch are being scored at once."""
 
     def tasks(self, split: str = "train", *, seed: int = 0) -> list[agentrl.Task]:
         return [agentrl.Task(id=f"s{i}", prompt="Say 5.") for i in range(4)]
@@ -448,7 +459,12 @@ class _SlowScore:
         return [agentrl.Message("user", task.prompt)]
 
     async def reward(self, episode: agentrl.Episode) -> float:
-        await anyio.sleep(0.4)
+        scoring = _SCORING[-1]
+        scoring.started += 1
+        if scoring.started == 4:
+            scoring.all_started.set()
+        with anyio.fail_after(10):
+            await scoring.all_started.wait()
         return 1.0
 
     async def close(self) -> None:
@@ -456,17 +472,16 @@ class _SlowScore:
 
 
 async def test_a_slow_verifier_does_not_hold_a_generation_slot(chatml, tokenizer):
-    """concurrency=1 bounds trajectories generating, not trajectories being scored: four slow
-    rewards overlap (≈ 0.4 s) instead of queueing behind one slot (≥ 1.6 s)."""
+    """concurrency=1 bounds trajectories generating, not trajectories being scored: the four
+    rewards are in progress at once. Were scoring inside the generation slot, the first reward
+    would wait for the others, which could not start (each reward then fails at its 10 s)."""
     import dataclasses
-    import time
 
+    _SCORING.append(_ScoringTogether())
     engine = ScriptedEngine(tokenizer, [ANSWER])
     ctx = dataclasses.replace(
         _ctx(chatml, engine, concurrency=1), spec=agentrl.spec("slow-score-v0")
     )
-    started = time.perf_counter()
     trajs = await run_groups(ctx, ctx.spec.make().tasks("train"))
-    elapsed = time.perf_counter() - started
+    assert [t.error for t in trajs] == [None] * 4, [t.error for t in trajs]
     assert [t.reward for t in trajs] == [1.0] * 4
-    assert elapsed < 1.2, f"scoring held the generation slot: {elapsed:.2f} s for 4 × 0.4 s"

@@ -263,7 +263,7 @@ def test_health_of_a_busy_server_does_not_wait_in_its_queue(tiny_dir: Path, tmp_
                 for path in ("/health_generate", "/health"):
                     started = time.monotonic()
                     assert busy.get(path).status_code == 200
-                    assert time.monotonic() - started < 3, path
+                    assert time.monotonic() - started < 6, path  # ~10 s behind the queue
                 assert all(f.result().status_code == 200 for f in running)
 
 

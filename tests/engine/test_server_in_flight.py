@@ -28,7 +28,7 @@ from agentrl.engine._sglang_http import to_result
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
-LONG = 600
+LONG = 1500  # long enough that the weights land mid-request on a loaded machine
 
 
 @asynccontextmanager

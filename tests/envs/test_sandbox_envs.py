@@ -193,7 +193,7 @@ async def test_python_math_trajectory(tmp_path, chatml, tokenizer):
             f"So the answer is \\boxed{{{int(task.answer):,}}}.<|im_end|>",
         ]
         traj = await trajectory(
-            chatml, tokenizer, "python-math-v0", task, replies, pool, program_timeout_s=1.0
+            chatml, tokenizer, "python-math-v0", task, replies, pool, program_timeout_s=3.0
         )
         assert traj.status == "done", traj.error
         assert traj.reward == 1.0 and traj.reward_breakdown == {"correct": 1.0, "format": 1.0}

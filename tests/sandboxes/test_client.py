@@ -5,11 +5,13 @@ a request that may have run."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
 import anyio
 import pytest
+from sandbox_procs import running_with
 from sandbox_service import running_service, scratch_root
 
 from agentrl.sandboxes import (
@@ -76,10 +78,22 @@ async def test_connect_errors_retry_with_a_bound():
     assert time.monotonic() - started < 5
 
 
+async def _until_pool(client: SandboxClient, in_use: int, queued: int) -> None:
+    """Wait until the service's pool has ``in_use`` sandboxes busy and ``queued`` waiting."""
+    with anyio.fail_after(30):
+        while True:
+            stats = (await client.health())["statistics"]
+            if (stats["in_use"], stats["queued"]) == (in_use, queued):
+                return
+            await anyio.sleep(0.02)
+
+
 async def test_busy_raises_or_waits(local_service):
     """Size 1, queue 1: a third concurrent request is refused with 429 (nothing ran)."""
     async with SandboxClient(local_service.url) as client:
-        slow = py("import time; time.sleep(1.2); print('slow')")
+        # long enough that the first still runs when the third request arrives, even after a
+        # stall of a loaded machine
+        slow = py("import time; time.sleep(2.5); print('slow')")
         done: list[str] = []
 
         async def run_slow() -> None:
@@ -87,8 +101,9 @@ async def test_busy_raises_or_waits(local_service):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_slow)
+            await _until_pool(client, 1, 0)
             tg.start_soon(run_slow)  # queued behind the first
-            await anyio.sleep(0.4)
+            await _until_pool(client, 1, 1)
             with pytest.raises(SandboxBusy) as caught:
                 await client.run(py("print(1)"))
             assert isinstance(caught.value, PoolBusy) and caught.value.retry_after_s >= 1
@@ -97,8 +112,9 @@ async def test_busy_raises_or_waits(local_service):
     async with SandboxClient(local_service.url, retry_busy=True, max_busy_retries=10) as client:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.run, slow)
+            await _until_pool(client, 1, 0)
             tg.start_soon(client.run, slow)
-            await anyio.sleep(0.4)
+            await _until_pool(client, 1, 1)
             result = await client.run(py("print('waited')"))  # waits Retry-After, then runs
         assert result.stdout == "waited\n"
 
@@ -108,11 +124,11 @@ async def test_read_timeout_is_never_resent(local_service):
     async with SandboxClient(local_service.url) as client:
         before = (await client.health())["statistics"]["execs"]
         async with anyio.create_task_group() as tg:
-            tg.start_soon(client.run, py("import time; time.sleep(1.5)"))
-            await anyio.sleep(0.3)
+            tg.start_soon(client.run, py("import time; time.sleep(3)"))
+            await _until_pool(client, 1, 0)
             impatient = SandboxClient(local_service.url, timeout=0.2, connect_retries=5)
             async with impatient:
-                # queued behind the sleeper for ~1.2 s, longer than 0.2 s + its 0.5 s limit
+                # queued behind the sleeper for ~3 s, longer than 0.2 s + its 0.5 s limit
                 with pytest.raises(SandboxNoAnswer, match="not re-sent"):
                     await impatient.run(py("print('once')", timeout_s=0.5))
             assert impatient.connect_attempts == 0
@@ -278,12 +294,17 @@ async def test_overloaded_is_busy_and_retried_but_a_proxys_503_is_not(tmp_path, 
             json.dumps({"backend": {"type": "local", "scratch_root": str(scratch)}, "size": 2})
         )
         with running_service("--config", str(config), "--max-connections", "2") as svc:
-            slow = py("import time; time.sleep(1.5); print('slow')")
+            # /health would take a third connection: the programs' own processes say when
+            # both connections are busy
+            markers = [f"held-{i}-{os.getpid()}-{time.monotonic_ns()}" for i in range(2)]
+            slow = [py(f"import time; time.sleep(3); print('slow')  # {m}") for m in markers]
             async with SandboxClient(svc.url) as first, SandboxClient(svc.url) as second:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(first.run, slow)
-                    tg.start_soon(second.run, slow)
-                    await anyio.sleep(0.6)
+                    tg.start_soon(first.run, slow[0])
+                    tg.start_soon(second.run, slow[1])
+                    with anyio.fail_after(30):
+                        while not all(running_with(m) for m in markers):
+                            await anyio.sleep(0.05)
                     async with SandboxClient(svc.url) as third:
                         with pytest.raises(SandboxBusy, match="all busy"):
                             await third.run(py("print(1)"))

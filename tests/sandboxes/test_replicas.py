@@ -172,7 +172,7 @@ async def test_a_full_replica_refuses_and_the_work_goes_elsewhere(small_and_big)
             results.append((await replicas.run(py(f"print({k})"))).stdout)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(hog.run, py("import time; time.sleep(3)", timeout_s=10))
+            tg.start_soon(hog.run, py("import time; time.sleep(6)", timeout_s=10))  # past any stall
             deadline = time.monotonic() + 20
             while (await a.health())["statistics"]["in_use"] < 1:
                 assert time.monotonic() < deadline, "the small replica never got busy"
@@ -216,13 +216,13 @@ async def test_a_request_that_may_have_run_is_never_resent(small_and_big, mode):
             replicas = ReplicatedSandbox([bad, good])  # the stand-in is first in turn
             started = time.monotonic()
             with pytest.raises(expected):
-                await replicas.run(py("print(1)", timeout_s=1))
+                await replicas.run(py("print(1)", timeout_s=3))
             assert time.monotonic() - started < 15
             if mode == "hang":  # suspect now: the next request goes to the real replica
                 assert replicas.statistics()[0].up is False
                 assert (await replicas.run(py("print(5)"))).stdout == "5\n"
                 replicas.replicas[0].down = False  # let the batch below reach it again
-            batch = [py("print(1)", timeout_s=1), py("print(2)", timeout_s=1)]
+            batch = [py("print(1)", timeout_s=3), py("print(2)", timeout_s=3)]
             results = await replicas.run_batch(batch)
             stats = replicas.statistics()
     assert server.arrivals == ["/v1/run", "/v1/run_batch"]
@@ -253,7 +253,7 @@ async def test_a_replica_killed_mid_run_fails_what_it_held_and_is_probed_back(po
 
                 async def one() -> None:
                     try:
-                        await replicas.run(py("import time; time.sleep(1.5); print(1)"))
+                        await replicas.run(py("import time; time.sleep(4); print(1)"))
                         outcomes.append("ok")
                     except SandboxNoAnswer:
                         outcomes.append("no answer")
@@ -310,7 +310,7 @@ async def test_every_replica_busy_raises_pool_busy_within_the_wait(small_and_big
     async with SandboxClient(small.url) as hog, SandboxClient(small.url) as a:
         replicas = ReplicatedSandbox([a], max_wait_s=1.0, max_backoff_s=0.2)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(hog.run, py("import time; time.sleep(3)", timeout_s=10))
+            tg.start_soon(hog.run, py("import time; time.sleep(6)", timeout_s=10))  # past any stall
             while (await a.health())["statistics"]["in_use"] < 1:
                 await anyio.sleep(0.05)
             started = time.monotonic()

@@ -161,9 +161,9 @@ def test_an_alias_bomb_in_env_kwargs_is_refused_before_anything_expands_it(tmp_p
     path = tmp_path / "bomb.yaml"
     path.write_text("rollout:\n  group_size: 2\n  env_kwargs:\n"
                     + "".join(f"    {line}\n" for line in lines))  # fmt: skip
-    started = time.perf_counter()
+    started = time.thread_time()  # CPU time: a stall of a loaded machine is not counted
     message = refused(path=path)
-    assert time.perf_counter() - started < 1.0 and len(message) < 300
+    assert time.thread_time() - started < 1.0 and len(message) < 300
     assert "more than 100000 values" in message
 
 
