@@ -29,24 +29,36 @@ GENERATOR = '<meta name="generator" content="agentrl">'
 _PAGE_HEAD = 4096
 
 
-def check_writable(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` exists as a regular file, False when nothing has its name; a
-    symlink, a folder or any other non-regular file is refused (``OutputError``)."""
+def regular_or_missing(
+    path: str | os.PathLike[str],
+    *,
+    error: type[Exception] = OutputError,
+    written_as: str = "a file",
+) -> os.stat_result | None:
+    """The stat of ``path`` when it is a regular file, None when nothing has its name; a
+    symlink, a folder or any other non-regular file under the name is refused with ``error``
+    (the message says agentrl writes ``written_as`` under that name)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return False
+        return None
     if stat.S_ISLNK(st.st_mode):
-        raise OutputError(
+        raise error(
             f"{path} is a symlink (to {os.readlink(path)}); agentrl writes its files by name, "
             "never through a link: remove the link (or replace it with a copy of its target)"
         )
     if not stat.S_ISREG(st.st_mode):
-        raise OutputError(
+        raise error(
             f"{path} is not a regular file (a folder or a special file has its name); move it "
-            "away: agentrl writes a file under this name"
+            f"away: agentrl writes {written_as} under this name"
         )
-    return True
+    return st
+
+
+def check_writable(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` exists as a regular file, False when nothing has its name; a
+    symlink, a folder or any other non-regular file is refused (``OutputError``)."""
+    return regular_or_missing(path) is not None
 
 
 def write_file(path: str | os.PathLike[str], data: str | bytes, *, mode: int = 0o644) -> None:

@@ -27,12 +27,12 @@ with them): refused, or cut at the line before them under ``short="recover"``.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
 
 from agentrl._errors import AgentRLError
+from agentrl._outfiles import regular_or_missing
 from agentrl.trainer import fsync_dir
 
 _CHUNK = 1 << 20
@@ -65,21 +65,7 @@ class RunFileRepair(NamedTuple):
 def _regular_or_missing(path: Path) -> os.stat_result | None:
     """The file's stat, None when it does not exist; a symlink, folder or other non-regular
     file under a run file's name is refused."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        raise RunFileError(
-            f"{path} is a symlink (to {os.readlink(path)}); run files must be regular files in "
-            "the run directory: replace the link with a copy of the file it points to"
-        )
-    if not stat.S_ISREG(st.st_mode):
-        raise RunFileError(
-            f"{path} is not a regular file (a folder or a special file has its name); move it "
-            "away: the run writes this name as a JSONL file"
-        )
-    return st
+    return regular_or_missing(path, error=RunFileError, written_as="a JSONL run file")
 
 
 def _line_end_at_or_before(fd: int, limit: int) -> int:
