@@ -33,9 +33,9 @@ def running_with(marker: str) -> bool:
             continue
         try:
             cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if marker.encode() in cmdline and state != "Z":
+        if marker.encode() in cmdline and state != b"Z":
             return True
     return False

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 ANSWER = "<answer>5</answer><|im_end|>"
 HOOKS = ("reset", "turn_reward", "respond", "reward", "close")
 HANG_S = 8.0
-"""How long a hanging hook hangs: far past its deadline (1 s) and the batch's bound (5 s)."""
+"""How long a hanging hook hangs: far past its deadline (1-1.2 s) and the batch's bound (5 s)."""
 RELEASE = threading.Event()
 """Set at the end of each test: a blocked sync hook's thread then ends."""
 

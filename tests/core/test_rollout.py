@@ -445,12 +445,13 @@ class _ScoringTogether:
         self.all_started = anyio.Event()
 
 
-_SCORING: list[_ScoringTogether] = []
-
-
 @agentrl.env("slow-score-v0", max_turns=1, max_new_tokens=16, tags=("test",))
 class _SlowScore:
-    """One turn; each reward waits until the four of the batch are being scored at once."""
+    """One turn; with ``scoring``, each reward waits until the four of the batch are being
+    scored at once (without it, as for the registry's own checks, a reward returns at once)."""
+
+    def __init__(self, scoring: _ScoringTogether | None = None) -> None:
+        self.scoring = scoring
 
     def tasks(self, split: str = "train", *, seed: int = 0) -> list[agentrl.Task]:
         return [agentrl.Task(id=f"s{i}", prompt="Say 5.") for i in range(4)]
@@ -459,12 +460,13 @@ class _SlowScore:
         return [agentrl.Message("user", task.prompt)]
 
     async def reward(self, episode: agentrl.Episode) -> float:
-        scoring = _SCORING[-1]
-        scoring.started += 1
-        if scoring.started == 4:
-            scoring.all_started.set()
+        if self.scoring is None:
+            return 1.0
+        self.scoring.started += 1
+        if self.scoring.started == 4:
+            self.scoring.all_started.set()
         with anyio.fail_after(10):
-            await scoring.all_started.wait()
+            await self.scoring.all_started.wait()
         return 1.0
 
     async def close(self) -> None:
@@ -473,14 +475,15 @@ class _SlowScore:
 
 async def test_a_slow_verifier_does_not_hold_a_generation_slot(chatml, tokenizer):
     """concurrency=1 bounds trajectories generating, not trajectories being scored: the four
-    rewards are in progress at once. Were scoring inside the generation slot, the first reward
-    would wait for the others, which could not start (each reward then fails at its 10 s)."""
+    rewards are in progress at once. Were scoring inside the generation slot, each reward would
+    wait for others that could not start: the first three would fail at their 10 s."""
     import dataclasses
 
-    _SCORING.append(_ScoringTogether())
     engine = ScriptedEngine(tokenizer, [ANSWER])
+    scoring = _ScoringTogether()
     ctx = dataclasses.replace(
-        _ctx(chatml, engine, concurrency=1), spec=agentrl.spec("slow-score-v0")
+        _ctx(chatml, engine, concurrency=1, env_kwargs={"scoring": scoring}),
+        spec=agentrl.spec("slow-score-v0"),
     )
     trajs = await run_groups(ctx, ctx.spec.make().tasks("train"))
     assert [t.error for t in trajs] == [None] * 4, [t.error for t in trajs]

@@ -264,6 +264,8 @@ def test_health_of_a_busy_server_does_not_wait_in_its_queue(tiny_dir: Path, tmp_
                     started = time.monotonic()
                     assert busy.get(path).status_code == 200
                     assert time.monotonic() - started < 6, path  # ~10 s behind the queue
+                # answered while the queue still runs: not behind it
+                assert not all(f.done() for f in running)
                 assert all(f.result().status_code == 200 for f in running)
 
 

@@ -64,7 +64,7 @@ async def test_the_calculator_answers_nested_powers_quickly_and_the_loop_stays_r
         tg.start_soon(heartbeat, gaps, stop)
         await anyio.sleep(0.05)
         started = time.perf_counter()
-        record = await invoke_tool(  # computed on the loop, this would hold it ~20 s
+        record = await invoke_tool(  # computed, it would hold the GIL (the loop) ~20 s
             tools, "calculator", {"expression": "(((9**64)**64)**64)**64"}, turn=0, timeout_s=2.0
         )
         elapsed = time.perf_counter() - started
@@ -73,4 +73,4 @@ async def test_the_calculator_answers_nested_powers_quickly_and_the_loop_stays_r
     assert record.error_kind == "tool_exception", record
     assert f"a result exceeds {MAX_BITS} bits" in record.output
     # bounds far below the ~20 s a computed power takes, far above a loaded machine's stalls
-    assert elapsed < 2.0 and max(gaps) < 2.0, (elapsed, max(gaps))
+    assert elapsed < 8.0 and max(gaps) < 8.0, (elapsed, max(gaps))

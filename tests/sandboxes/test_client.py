@@ -109,7 +109,7 @@ async def test_busy_raises_or_waits(local_service):
             assert isinstance(caught.value, PoolBusy) and caught.value.retry_after_s >= 1
         assert done == ["slow\n", "slow\n"]
 
-    async with SandboxClient(local_service.url, retry_busy=True, max_busy_retries=10) as client:
+    async with SandboxClient(local_service.url, retry_busy=True, max_busy_retries=30) as client:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.run, slow)
             await _until_pool(client, 1, 0)
