@@ -400,7 +400,8 @@ async def test_statistics_count_the_tokens_of_waiting_requests(tiny_dir: Path) -
     """``waiting_tokens``: the context tokens of the requests the batch limit keeps waiting
     (what ``/get_load`` reports as pending); none once they ran."""
     contexts = prompts(3, seed=5)
-    params = SamplingParams(max_new_tokens=40, temperature=0)
+    # each request runs long enough (~0.7 s here) that a stalled poll still sees two waiting
+    params = SamplingParams(max_new_tokens=200, temperature=0)
     async with open_embedded_engine(tiny_dir, max_batch_size=1, num_threads=2) as engine:
         seen: list[tuple[int, int]] = []
         async with anyio.create_task_group() as tg:
