@@ -1,5 +1,5 @@
-"""Host processes read from /proc: by uid (the leak checks of the sandbox tests), or by a
-marker in their command line (a test waits until a program it sent is running)."""
+"""Host processes read from /proc, by uid or by what their command line mentions: the leak
+checks of the sandbox tests, and a test waiting until a program it sent is running."""
 
 from __future__ import annotations
 
@@ -24,18 +24,27 @@ def host_processes(uid_lo: int, uid_hi: int) -> list[str]:
     return found
 
 
+def processes_mentioning(needles: set[str], *, live_only: bool = False) -> list[str]:
+    """Host processes (not this one) whose command line contains one of ``needles``, as
+    "pid: command line"; with ``live_only``, zombies are left out."""
+    found: list[str] = []
+    if not needles:
+        return found
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().decode("utf-8", "replace")
+            state = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if any(n in cmdline for n in needles) and not (live_only and state == b"Z"):
+            found.append(f"{name}: {cmdline[:120]!r}")
+    return found
+
+
 def running_with(marker: str) -> bool:
     """Whether a live (not zombie) host process has ``marker`` in its command line: a program
     whose code carries a unique comment is then running (``-c CODE``), so the request that
     sent it is being served."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker.encode() in cmdline and state != b"Z":
-            return True
-    return False
+    return bool(processes_mentioning({marker}, live_only=True))

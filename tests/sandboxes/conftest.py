@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_procs import host_processes
+from sandbox_procs import host_processes, processes_mentioning
 
 from agentrl.sandboxes import (
     BackendUnavailable,
@@ -111,23 +111,6 @@ def _docker_marker_gate(request: pytest.FixtureRequest) -> None:
 
 
 # -- leak checks -----------------------------------------------------------------------------------
-def processes_mentioning(needles: set[str]) -> list[str]:
-    """Host processes whose command line contains one of ``needles`` (container ids)."""
-    found = []
-    if not needles:
-        return found
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().decode("utf-8", "replace")
-        except OSError:
-            continue
-        if any(n in cmdline for n in needles):
-            found.append(f"{name}: {cmdline[:120]!r}")
-    return found
-
-
 def cgroups_named(needles: set[str]) -> list[str]:
     """cgroup v1/v2 dirs whose name contains one of ``needles`` (a pool id, container ids)."""
     found: list[str] = []
