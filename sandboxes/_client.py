@@ -13,7 +13,10 @@ works with the other. Retries are safe by construction:
   ``retry_after_s``), or, with ``retry_busy=True``, a wait of ``Retry-After`` and a retry, at
   most ``max_busy_retries`` times. Any other 503 (a proxy's) is not known to be safe: raised;
 - a batch refused for its size (413 ``answer_too_large`` / ``request_too_large``, 400 with too
-  many items; nothing ran) is split by the ``limit`` the service names and sent again in parts.
+  many items; nothing ran) is split by the ``limit`` the service names and sent again in parts,
+  one after another. Once a part has run, a later part that fails (busy, unreachable, no
+  answer, an error) does not raise: its items come back as ``status="sandbox_error"`` saying
+  whether they ran, so that no caller re-sends the parts that ran.
 
 Invalid requests behave exactly as with the pool (one validation function): ``run`` raises
 ``InvalidRequest`` naming the field and value (checked here before sending, and from the
@@ -239,7 +242,7 @@ class SandboxClient:
         if response.status_code in (400, 413):
             parts = _split(requests, _error_of(response), response.status_code)
             if parts is not None:
-                return [result for part in parts for result in await self._batch(part)]
+                return await self._parts(parts)
         _raise_for_status(response)
         results = _batch_decoder.decode(response.content).results
         if len(results) != len(requests):
@@ -248,6 +251,25 @@ class SandboxClient:
                 "protocol_error",
                 f"{len(results)} results for {len(requests)} requests",
             )
+        return results
+
+    async def _parts(self, parts: list[list[RunRequest]]) -> list[RunResult]:
+        """A split batch, part by part. A failure of the first part is the batch's (nothing
+        ran); after that, a part's failure becomes its items' results: raising would tell the
+        caller that nothing ran, and a retry would run the earlier parts twice."""
+        results = await self._batch(parts[0])
+        for part in parts[1:]:
+            try:
+                results += await self._batch(part)
+            except (PoolBusy, SandboxUnreachable) as exc:
+                error = f"not run: a later part of a split batch was refused ({exc})"
+                results += [RunResult(status="sandbox_error", error=error) for _ in part]
+            except SandboxError as exc:
+                error = (
+                    "a later part of a split batch failed; it may have run and is not re-sent "
+                    f"({exc})"
+                )
+                results += [RunResult(status="sandbox_error", error=error) for _ in part]
         return results
 
     async def health(self, timeout_s: float | None = None) -> dict[str, Any]:

@@ -242,6 +242,67 @@ async def test_a_smaller_items_limit_splits_the_batch(anyio_backend):
     assert hits == [5, 2, 2, 1]
 
 
+async def test_a_part_that_fails_after_others_ran_is_its_items_results(anyio_backend):
+    """A batch split in parts of 2: the second part is refused (429, nothing ran), the third
+    gets a 500 (it may have run). Neither raises: a caller, or ``ReplicatedSandbox``, would
+    take the exception for "nothing ran" and send the whole batch again. Each item runs at
+    most once, and the failed parts' results say whether they ran."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the stand-in server is aiohttp (asyncio only)")
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentrl.sandboxes import ReplicatedSandbox
+
+    ran: list[str] = []
+    parts = 0
+
+    async def run_batch(request):
+        nonlocal parts
+        items = (await request.json())["requests"]
+        if len(items) > 2:
+            error = {"type": "invalid_request", "message": "too many items", "field": "requests",
+                     "limit": 2}  # fmt: skip
+            return web.json_response({"error": error}, status=400)
+        parts += 1
+        if parts % 3 == 2:  # refused for capacity: nothing of it runs
+            error = {"type": "busy", "message": "over capacity, nothing ran"}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "0"})
+        ran.extend(item["code"] for item in items)
+        if parts % 3 == 0:  # it ran, then the service failed
+            error = {"type": "internal_error", "message": "boom"}
+            return web.json_response({"error": error}, status=500)
+        return web.json_response(
+            {"results": [{"status": "ok", "stdout": i["code"]} for i in items]}
+        )
+
+    async def health(request):
+        return web.json_response({"limits": {"size": 2, "max_queue": 0}})
+
+    app = web.Application()
+    app.router.add_post("/v1/run_batch", run_batch)
+    app.router.add_get("/health", health)
+    batch = [py(f"print({i})") for i in range(6)]
+    async with TestServer(app) as server:
+        async with SandboxClient(str(server.make_url("/")), connect_retries=0) as client:
+            results = await client.run_batch(batch)
+            assert [r.status for r in results] == ["ok"] * 2 + ["sandbox_error"] * 4
+            assert [r.stdout for r in results[:2]] == ["print(0)", "print(1)"]
+            assert all(
+                r.error.startswith("not run: ") and "over capacity" in r.error for r in results[2:4]
+            )
+            assert all("may have run and is not re-sent" in r.error for r in results[4:])
+            assert "HTTP 500 internal_error: boom" in results[4].error
+            assert ran == ["print(0)", "print(1)", "print(4)", "print(5)"]
+            # behind ReplicatedSandbox too: no part is sent again, to this replica or another
+            ran.clear()
+            replicas = ReplicatedSandbox([client], max_wait_s=5)
+            await replicas.refresh()
+            results = await replicas.run_batch(batch[:4])  # one replica: one 4-item call
+            assert [r.status for r in results] == ["ok", "ok", "sandbox_error", "sandbox_error"]
+            assert sorted(ran) == ["print(0)", "print(1)"], ran
+
+
 async def test_invalid_requests_raise_before_sending_and_batches_keep_going(local_service):
     unreachable = SandboxClient(f"http://127.0.0.1:{_free_port()}", connect_retries=0)
     async with unreachable:  # refused here, by the same validation as the pool: nothing sent
