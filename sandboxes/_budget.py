@@ -1,9 +1,10 @@
 """``ByteBudget``: the bytes the sandbox service holds for requests at once (bodies, answers).
 
-A request reserves before it reads or runs anything and gives everything back when its answer
-is sent. Reserving never waits: a reservation that does not fit now fails, and the service
-answers 503 with ``Retry-After`` (nothing was read or run), so a flood of large bodies costs the
-service at most ``capacity`` bytes (times the copies each byte has on its way through).
+A request reserves its body before reading it (a chunked one as it arrives) and its answer
+before it runs, and gives everything back when its answer is sent. Reserving never waits: a
+reservation that does not fit now fails, and the service answers 503 with ``Retry-After``
+(nothing ran), so a flood of large bodies costs the service at most ``capacity`` bytes (times
+the copies each byte has on its way through).
 """
 
 from __future__ import annotations
@@ -50,12 +51,6 @@ class Reservation:
             return False
         self.bytes += n
         return True
-
-    def shrink_to(self, n: int) -> None:
-        """Give back what is held past ``n`` bytes (e.g. a chunked body smaller than reserved)."""
-        if n < self.bytes:
-            self._budget.release(self.bytes - n)
-            self.bytes = n
 
     def close(self) -> None:
         self._budget.release(self.bytes)

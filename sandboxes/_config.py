@@ -154,13 +154,13 @@ class PoolConfig(_Model):
 class ServiceConfig(_Model):
     """Limits of ``agentrl sandbox serve`` itself: its memory, connections and clients' pace.
 
-    Every POST reserves its body (``Content-Length``, or ``max_request_bytes`` when chunked)
-    and, once parsed, its answer (2 × ``output_limit_bytes`` per item: stdout and stderr) from
-    one budget of ``max_inflight_bytes``, twice each (the service holds a body as bytes, then
-    text, then values; an answer as read from the sandbox, then as sent), and gives them back
-    once the answer is sent. A request that can never fit is refused with 413; one that does
-    not fit *now* with 503 and ``Retry-After`` (nothing ran). The memory the service holds for
-    requests thus stays near ``max_inflight_bytes``."""
+    Every POST reserves its body (its ``Content-Length`` before reading it; a chunked body as
+    it arrives) and, once parsed, its answer (2 × ``output_limit_bytes`` per
+    item: stdout and stderr) from one budget of ``max_inflight_bytes``, twice each (the service
+    holds a body as bytes, then text, then values; an answer as read from the sandbox, then as
+    sent), and gives them back once the answer is sent. A request that can never fit is
+    refused with 413; one that does not fit *now* with 503 and ``Retry-After`` (nothing ran).
+    The memory the service holds for requests thus stays near ``max_inflight_bytes``."""
 
     max_request_bytes: int = Field(64 * 2**20, ge=64 * 2**10)
     """Largest request body (413 ``request_too_large`` past it)."""
@@ -177,8 +177,9 @@ class ServiceConfig(_Model):
     """Largest request head (request line and headers); past it the connection is closed."""
     max_connections: int = Field(256, ge=2)
     """Open client connections. At the cap, a new connection evicts the one that has waited
-    longest for a request head (idle keep-alive or a slow client); when every connection is
-    busy with a request, the new one gets 503 ``overloaded`` and is closed."""
+    longest for a request head (idle keep-alive or a slow client), or else the one receiving
+    its body longest; when every connection is busy with a request, the new one gets 503
+    ``overloaded`` and is closed."""
     idle_timeout_s: float = Field(30.0, gt=0)
     """A connection with no request started (after it opened, or between requests) is closed
     after this long."""

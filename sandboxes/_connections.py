@@ -8,16 +8,19 @@ front of aiohttp's own) that knows which phase it is in:
 - ``head``: a request head is arriving: it must be whole (``CRLF CRLF``) within
   ``header_timeout_s`` of its first byte and at most ``max_head_bytes`` long, else the
   connection is closed (this is what ends a slowloris client trickling headers);
+- ``body``: the application is reading the request's body (``receiving``/``received``); the
+  body has its own deadline there;
 - ``busy``: the application is handling a request (``begin``/``end``, called by the service's
-  middleware); the body and answer have their own deadlines there;
+  middleware); the answer has its own deadline there;
 - ``closing``: the answer said ``Connection: close``; what the client still sends is drained
   and dropped (aiohttp's lingering close) until the connection ends.
 
 At most ``max_connections`` are open. A new connection over the cap evicts the connection that
-has been waiting longest for a request head (``idle`` or ``head``): slow or idle clients make
-room, and a client that sends its request at once (``/health``) is always served. When every
-connection is busy, the new one is answered ``503 overloaded`` and closed after a short linger
-(its request is read and dropped so the client sees the answer rather than a reset).
+has been waiting longest for a request head (``idle`` or ``head``), or when there is none, the
+one that has been receiving its body longest: slow, idle and trickling clients make room, and a
+client that sends its request at once (``/health``) is always served. When every connection is
+busy, the new one is answered ``503 overloaded`` and closed after a short linger (its request
+is read and dropped so the client sees the answer rather than a reset).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class GuardStatistics(msgspec.Struct):
     """Connections open now (served ones; not those being turned away)."""
     accepted: int
     evicted: int
-    """Connections closed at the cap to make room (they were waiting for a request head)."""
+    """Connections closed at the cap to make room (waiting for a request head, or receiving a
+    body)."""
     refused: int
     """Connections answered 503 at the cap (every open one was busy)."""
     idle_timeouts: int
@@ -134,6 +138,16 @@ class _GuardedConnection(asyncio.Protocol):
         """The application took a request: no head deadline while it works."""
         self.state = "busy"
         self._disarm()
+
+    def receiving(self) -> None:
+        """The application reads the body: evictable at the cap (after the waiting ones)."""
+        if self.state == "busy":
+            self.state = "body"
+            self.since = time.monotonic()
+
+    def received(self) -> None:
+        if self.state == "body":
+            self.state = "busy"
 
     def end(self, *, closing: bool = False) -> None:
         """The answer is sent: wait for the next request (keep-alive), or, when the answer
@@ -237,6 +251,8 @@ class ConnectionGuard:
     def _admit(self, conn: _GuardedConnection) -> bool:
         if len(self._open) >= self.max_connections:
             waiting = [c for c in self._open if c.waiting]
+            if not waiting:  # then the slowest uploads: nothing of theirs has run yet
+                waiting = [c for c in self._open if c.state == "body"]
             if not waiting:
                 return False
             oldest = min(waiting, key=lambda c: c.since)

@@ -257,6 +257,7 @@ async def serve(
                 app,
                 handle_signals=False,
                 access_log=None,
+                auto_decompress=False,  # a compressed body is refused (415), never inflated
                 keepalive_timeout=service.idle_timeout_s,
                 shutdown_timeout=service.shutdown_timeout_s,
             )

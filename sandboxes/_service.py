@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, http_exceptions, web
 
 from ._budget import Reservation
 from ._config import ServiceConfig
@@ -58,6 +58,7 @@ from ._types import (
     RunRequest,
     RunResult,
     encode,
+    printable,
 )
 from ._validate import DuplicateKeys, MalformedJSON, parse_json, request_from_json, show
 
@@ -88,7 +89,10 @@ def error_response(
     close: bool = False,
 ) -> web.Response:
     """A structured error; ``close`` ends the connection after it (the body was not read)."""
-    body = encode(ErrorResponse(ErrorBody(type=kind, message=message, field=field, limit=limit)))
+    if field is not None:
+        field = printable(field)
+    error = ErrorBody(type=kind, message=printable(message), field=field, limit=limit)
+    body = encode(ErrorResponse(error))
     response = web.Response(
         status=status, body=body, content_type="application/json", headers=headers
     )
@@ -198,7 +202,22 @@ async def _answer(
 
 
 def _admit(request: web.Request, state: ServiceState, reservation: Reservation) -> None:
-    """Reserve the body before reading a byte of it: 413 if it can never fit, 503 if not now."""
+    """Before reading a byte of the body: 415 for a compressed body (its size on the wire says
+    nothing of what it holds), 413 for a declared length that can never fit, 503 for one that
+    does not fit the budget now; otherwise the declared length is reserved, all of it (so that
+    concurrent bodies are each read whole or not at all). A chunked body declares nothing: its
+    bytes are reserved as they arrive (``_read_body``)."""
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise _Refusal(
+            error_response(
+                415,
+                "unsupported_media_type",
+                f"Content-Encoding {show(encoding)} is not accepted: send the body uncompressed "
+                "(nothing ran)",
+                close=True,
+            )
+        )
     limit = state.config.max_request_bytes
     try:
         length = request.content_length
@@ -216,7 +235,7 @@ def _admit(request: web.Request, state: ServiceState, reservation: Reservation) 
                 close=True,
             )
         )
-    need = COPIES * (limit if length is None else length)
+    need = COPIES * (length or 0)
     if not reservation.grow(need):
         raise _overloaded(state, "this body", need)
 
@@ -252,9 +271,15 @@ def _authorized(request: web.Request, token: bytes) -> bool:
 
 
 async def _read_body(request: web.Request, state: ServiceState) -> bytearray:
-    """The body (at most ``max_request_bytes``; 408 past ``body_timeout_s``, 413 past the size).
-    A chunked body gives back what it reserved beyond its real size."""
+    """The body (at most ``max_request_bytes``; 408 past ``body_timeout_s``, 413 past the size,
+    503 when a chunked body's next bytes no longer fit the budget). While it arrives
+    the connection may be evicted at the connection cap, after the ones waiting for a request
+    (a client that sends its body at once is never there long)."""
     limit = state.config.max_request_bytes
+    reservation = state.reservation(request)
+    conn = state.guard.connection_of(request.transport) if state.guard is not None else None
+    if conn is not None:
+        conn.receiving()
     body = bytearray()
     try:
         async with asyncio.timeout(state.config.body_timeout_s):
@@ -270,6 +295,9 @@ async def _read_body(request: web.Request, state: ServiceState) -> bytearray:
                             close=True,
                         )
                     )
+                more = COPIES * len(body) - reservation.bytes  # > 0 only for a chunked body
+                if more > 0 and not reservation.grow(more):
+                    raise _overloaded(state, "the rest of this body", more)
     except TimeoutError:
         state.body_timeouts += 1
         raise _Refusal(
@@ -280,7 +308,20 @@ async def _read_body(request: web.Request, state: ServiceState) -> bytearray:
                 close=True,
             )
         ) from None
-    state.reservation(request).shrink_to(COPIES * len(body))
+    except (ConnectionError, web.RequestPayloadError, http_exceptions.HttpProcessingError) as exc:
+        # the client went away mid-body, or sent a body its framing does not describe: nothing
+        # ran; the answer goes nowhere when the connection is gone
+        raise _Refusal(
+            error_response(
+                400,
+                "invalid_request",
+                f"the body could not be read: {type(exc).__name__}: {exc}",
+                close=True,
+            )
+        ) from None
+    finally:
+        if conn is not None:
+            conn.received()
     return body
 
 

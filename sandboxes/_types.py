@@ -99,9 +99,21 @@ class InvalidRequest(SandboxError, ValueError):
     ran and no sandbox was touched. Under the package's root, and a ``ValueError``."""
 
     def __init__(self, field: str, message: str) -> None:
+        # both travel in JSON answers: a lone surrogate from the request (a field name, a
+        # value) is written as its escape, never left to fail the answer's encoding
+        field, message = printable(field), printable(message)
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape (``\\ud800``): encodable as UTF-8."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 _encoder = msgspec.json.Encoder()

@@ -36,6 +36,7 @@ from ._types import (
     MAX_TIMEOUT_S,
     InvalidRequest,
     RunRequest,
+    printable,
 )
 
 LANGUAGES = ("python", "bash")
@@ -268,6 +269,12 @@ def request_from_json(obj: Any, limits: RequestLimits | None = None) -> RunReque
                 raise InvalidRequest(
                     f"files[{show(path)}]", f"the content must be text, got {show(content)}"
                 )
+    if isinstance(obj, dict):  # msgspec would fail on these with a UnicodeEncodeError
+        for key, value in obj.items():
+            if isinstance(key, str) and printable(key) != key:
+                raise InvalidRequest(key, "is not a valid field name (a lone surrogate)")
+            if isinstance(value, str) and key != "files":
+                _utf8_len(key, value)
     try:
         req = msgspec.convert(obj, RunRequest)
     except msgspec.ValidationError as exc:

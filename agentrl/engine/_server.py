@@ -642,7 +642,8 @@ async def run_server(
         limits=limits,
         incremental_streaming_output=incremental_streaming_output,
     )
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # a compressed body is refused (415, request_guard), never inflated
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -28,7 +28,7 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, http_exceptions, web
 
 from . import _wire as w
 
@@ -66,6 +66,10 @@ def install_request_guard(app: web.Application) -> None:
 async def request_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Refuse malformed bodies with a 400; answer unexpected failures with a JSON 500."""
     path = request.path
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding not in ("", "identity"):  # its size on the wire says nothing of what it holds
+        message = f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed"
+        return error_response(415, f"{path}: {message}")
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -90,6 +94,11 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
         if request.get(_STARTED):
             raise
         return error_response(400, f"{path}: the request body is not valid UTF-8 at {bad}")
+    except (ConnectionError, web.RequestPayloadError, http_exceptions.HttpProcessingError) as exc:
+        if request.get(_STARTED):
+            raise
+        # the client went away mid-body, or sent a body its framing does not describe
+        return error_response(400, f"{path}: the request body could not be read: {exc}")
     except Exception as exc:
         return _internal_error(request, exc)
 

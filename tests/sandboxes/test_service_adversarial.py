@@ -536,6 +536,66 @@ def test_at_the_cap_with_every_connection_busy_the_answer_is_503():
         no_traceback(svc)
 
 
+def test_bodies_that_hold_without_sending_or_expand_are_refused():
+    """What a client holds must be what it sent: a compressed body is refused (415) before it is
+    inflated; two chunked bodies that send one byte and stall hold two bytes of the budget (not
+    ``max_request_bytes`` each) and, at the connection cap, the trickling uploads are evicted
+    so that ``/health`` is served. A lone surrogate in a field name or value, in a request or a
+    batch item, is a 400 naming it (never a 500, never a cut-off answer)."""
+    args = ("--max-request-mb", "1", "--max-answer-mb", "1", "--max-inflight-mb", "4")
+    with local_service(*args, "--max-connections", "4", size=2) as svc:
+        health(svc)
+        plain = json.dumps(py("print(7)", output_limit_bytes=1000)).encode()
+        status, _, body = post_raw(svc.port, "/v1/run", plain, b"Content-Encoding: gzip")
+        assert status == 415 and json.loads(body)["error"]["type"] == "unsupported_media_type"
+        assert "gzip" in json.loads(body)["error"]["message"]
+        head = b"POST /v1/run HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
+        with ExitStack() as stack:
+            trickles = []
+            for _ in range(2):
+                sock = stack.enter_context(socket.create_connection(("127.0.0.1", svc.port)))
+                sock.sendall(head)
+                trickles.append(sock)
+            deadline = time.monotonic() + 10  # both bodies have begun arriving
+            while health(svc)["service"]["inflight_bytes"] < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert health(svc)["service"]["inflight_bytes"] == 4  # 2 bytes, each counted twice
+            status, _, body = post_raw(svc.port, "/v1/run", plain)
+            assert status == 200 and json.loads(body)["stdout"] == "7\n", body
+            # at the cap of four: two trickling, two announcing 10 bytes and sending one
+            stall = b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{"
+            for held in (4 + 20, None):
+                sock = stack.enter_context(socket.create_connection(("127.0.0.1", svc.port)))
+                sock.sendall(stall)
+                trickles.append(sock)
+                while held and health(svc)["service"]["inflight_bytes"] < held:
+                    assert time.monotonic() < deadline + 10
+                    time.sleep(0.05)
+            # the fourth one's head is read at once; a probe of it would take a fifth connection
+            time.sleep(1.0)
+            connections = health(svc)["service"]["connections"]  # /health is served
+            assert connections["evicted"] == 1, connections
+            assert closed_within(trickles[0], 5) is not None  # the longest in its body
+            assert all(closed_within(sock, 0.2) is None for sock in trickles[1:])
+        for bad in (
+            b'{"language":"\\ud800","code":"1"}',
+            b'{"language":"python","code":"1","\\ud800":1}',
+            b'{"language":"python","code":"1","\\ud800":1,"\\ud800":2}',
+        ):
+            status, _, body = post_raw(svc.port, "/v1/run", bad)
+            assert status == 400, (bad, status, body)
+            error = json.loads(body)["error"]
+            assert error["type"] == "invalid_request", error
+            assert "\\ud800" in error["field"] + error["message"], error
+            batch = b'{"requests":[' + plain + b"," + bad + b"]}"
+            status, _, body = post_raw(svc.port, "/v1/run_batch", batch)
+            assert status == 200, (bad, status, body)
+            results = json.loads(body)["results"]
+            assert [r["status"] for r in results] == ["ok", "invalid_request"], results
+            assert results[1]["error"].startswith("requests[1].")
+        no_traceback(svc)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("sandbox_backend", ["local"], indirect=True)
 async def test_the_pool_raises_the_same_errors_in_process(sandbox_backend):
