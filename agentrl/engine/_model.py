@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -102,7 +103,7 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> ModelConfig:
-        return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+        return cls.from_dict(json.loads(_regular(Path(folder) / "config.json").read_text()))
 
     @property
     def max_context(self) -> int:
@@ -449,6 +450,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _regular(file: Path) -> Path:
+    """``file`` if it is a regular file (after symlinks); otherwise ``EngineError`` before it
+    is opened: opening a FIFO blocks until a writer comes, a device may never end."""
+    try:
+        mode = file.stat().st_mode
+    except OSError as exc:
+        raise EngineError(f"cannot read {file}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(mode):
+        raise EngineError(f"cannot read {file}: not a regular file")
+    return file
+
+
 def read_safetensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of every ``*.safetensors`` file in ``folder`` (``EngineError`` if none)."""
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -456,6 +469,7 @@ def read_safetensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise EngineError(f"no *.safetensors in {folder}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
+        _regular(file)  # safetensors opens it holding the GIL: a FIFO would stop every thread
         try:
             tensors = load_file(file)
         except Exception as exc:  # safetensors' own error, OSError, a header that is not JSON

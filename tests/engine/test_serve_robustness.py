@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import time
@@ -169,6 +170,23 @@ def _bad_weight_folders(tiny_dir: Path, tmp: Path) -> dict[str, tuple[Path, str]
     shutil.copytree(tiny_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     folders["corrupt header"] = (corrupt, "model.safetensors")
+    # files that are not regular: opening a FIFO would block (safetensors holds the GIL while it
+    # opens, so the whole server would stop), a device may never end
+    for what, make in {
+        "fifo": lambda path: os.mkfifo(path),
+        "device": lambda path: path.symlink_to("/dev/zero"),
+        "directory": lambda path: path.mkdir(),
+    }.items():
+        folder = tmp / f"not-regular-{what}"
+        folder.mkdir()
+        shutil.copy(tiny_dir / "config.json", folder / "config.json")
+        make(folder / "model.safetensors")
+        folders[f"{what} as weights"] = (folder, "not a regular file")
+    fifo_config = tmp / "fifo-config"
+    shutil.copytree(tiny_dir, fifo_config)
+    (fifo_config / "config.json").unlink()
+    os.mkfifo(fifo_config / "config.json")
+    folders["fifo as config"] = (fifo_config, "config.json")
 
     def renamed(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {("model.embed.weight" if k == embed else k): v for k, v in s.items()}
@@ -211,7 +229,10 @@ def test_broken_weights_are_refused_and_the_old_ones_keep_serving(
         assert response.status_code == 400, (what, response.text)
         reply = response.json()
         assert reply["success"] is False and word in reply["message"], (what, reply)
-        assert "embed" in reply["message"] or what in ("missing", "truncated", "corrupt header")
+        assert "embed" in reply["message"] or what in (
+            "missing", "truncated", "corrupt header", "fifo as weights", "device as weights",
+            "directory as weights", "fifo as config",
+        )  # fmt: skip
         after = greedy(client)
         assert after["output_ids"] == before["output_ids"], what
         assert after["meta_info"]["weight_version"] == version, what
