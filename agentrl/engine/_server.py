@@ -418,7 +418,7 @@ class _Server:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         def run(req: Any) -> dict[str, Any]:
-            return tokenize(req, self.facts.tokenizer, self.facts.max_context)
+            return tokenize(req, self.facts)
 
         return await _answer_body(request, tokenize_decoder, "/tokenize", run)
 

@@ -44,6 +44,11 @@ class ModelFacts:
     """Ids that stop generation unless ``ignore_eos`` (config + generation config + tokenizer)."""
     bos_token_id: int | None
     max_context: int
+    max_text_chars: int = 0
+    """The most characters of text one request may send to be tokenized (0: no bound): twice
+    what ``max_context`` tokens of the longest vocabulary entry can cover, for each text, and
+    twice that for all the texts of a request together. Longer text could never fit the
+    context; it is refused before the tokenizer spends time and memory on it."""
 
     @classmethod
     def read(cls, folder: Path, tokenizer: Any, max_context: int) -> ModelFacts:
@@ -56,7 +61,35 @@ class ModelFacts:
             eos.append(tokenizer.eos_token_id)
         vocab = int(config.get("vocab_size") or len(tokenizer))
         bos = getattr(tokenizer, "bos_token_id", None)
-        return cls(tokenizer, vocab, tuple(dict.fromkeys(eos)), bos, max_context)
+        try:
+            longest = max(len(entry) for entry in tokenizer.get_vocab())
+        except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary
+            longest = 0
+        return cls(
+            tokenizer, vocab, tuple(dict.fromkeys(eos)), bos, max_context, 2 * max_context * longest
+        )
+
+    def check_text(self, texts: list[str], field: str, batch: bool) -> None:
+        """``BadRequest`` for text longer than ``max_text_chars`` (per text, and twice that for
+        all of them), before anything is tokenized."""
+        if not self.max_text_chars:
+            return
+        for index, text in enumerate(texts):
+            if len(text) > self.max_text_chars:
+                where = f"{field}[{index}]" if batch else field
+                raise BadRequest(
+                    f"{where}: {len(text)} characters exceed the maximum allowed length of "
+                    f"text ({self.max_text_chars} characters: the context length of "
+                    f"{self.max_context} tokens can never hold more)",
+                    where,
+                )
+        total = sum(len(text) for text in texts)
+        if total > 2 * self.max_text_chars:
+            raise BadRequest(
+                f"{field}: {total} characters in all exceed the maximum allowed length of text "
+                f"in one request ({2 * self.max_text_chars} characters): split the batch",
+                field,
+            )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -218,8 +251,9 @@ def _prompts(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[list[int]]
         texts = [req.text] if isinstance(req.text, str) else req.text
         if not texts:
             raise BadRequest("text is an empty batch", "text")
-        prompts = [list(facts.tokenizer.encode(t)) for t in texts]
         batch, field = not isinstance(req.text, str), "text"
+        facts.check_text(texts, field, batch)
+        prompts = [list(facts.tokenizer.encode(t)) for t in texts]
     else:
         ids = req.input_ids or []
         lists = [isinstance(x, list) for x in ids]

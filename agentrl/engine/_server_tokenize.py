@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from ._server_generate import BadRequest
+from ._server_generate import BadRequest, ModelFacts
 
 
 class WireTokenizeReq(msgspec.Struct, omit_defaults=True):
@@ -37,8 +37,10 @@ tokenize_decoder = msgspec.json.Decoder(WireTokenizeReq)
 detokenize_decoder = msgspec.json.Decoder(WireDetokenizeReq)
 
 
-def tokenize(req: WireTokenizeReq, tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+def tokenize(req: WireTokenizeReq, facts: ModelFacts) -> dict[str, Any]:
+    tokenizer, max_model_len = facts.tokenizer, facts.max_context
     if req.messages is not None:
+        facts.check_text([str(m.get("content") or "") for m in req.messages], "messages", True)
         tools = None if req.tool_choice == "none" else req.tools
         try:
             ids = tokenizer.apply_chat_template(
@@ -55,9 +57,11 @@ def tokenize(req: WireTokenizeReq, tokenizer: Any, max_model_len: int) -> dict[s
     elif req.prompt is None:
         raise BadRequest("/tokenize needs 'prompt' or 'messages'", "prompt")
     elif isinstance(req.prompt, str):
+        facts.check_text([req.prompt], "prompt", batch=False)
         tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         count = len(tokens)
     else:
+        facts.check_text(req.prompt, "prompt", batch=True)
         tokens = [
             tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt
         ]

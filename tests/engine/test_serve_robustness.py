@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from serve_helpers import serving
 
+from agentrl._models import load_tokenizer
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
 MAX_SAMPLES = 64
 MAX_SESSIONS = 4
@@ -389,7 +391,8 @@ def test_a_large_body_is_decoded_off_the_event_loop(client: httpx.Client) -> Non
     /health keeps answering meanwhile."""
     bodies = {
         "input_ids": {"input_ids": [[1000]] * 2_000_000, "sampling_params": {"max_new_tokens": 1}},
-        "text": {"text": "hello world " * 200_000, "sampling_params": {"max_new_tokens": 1}},
+        # (under the text cap: tokenized, then refused as over the context)
+        "text": {"text": "hello world " * 27_000, "sampling_params": {"max_new_tokens": 1}},
     }
     for field, body in bodies.items():
         raw = json.dumps(body).encode()
@@ -407,6 +410,34 @@ def test_a_large_body_is_decoded_off_the_event_loop(client: httpx.Client) -> Non
             assert error_of(refused.result())["field"] == field
             assert time.monotonic() - started < 8, field
             assert slowest < 2, (field, slowest)
+
+
+def test_text_that_can_never_fit_the_context_is_refused_before_tokenizing(
+    client: httpx.Client, tiny_dir: Path
+) -> None:
+    """Tokenizing costs ~100x the text in memory: text longer than the context could hold even
+    at the longest vocabulary entry per token (twice over) is refused by its length, per text
+    and for a request's texts together, on /generate and /tokenize."""
+    longest = max(len(entry) for entry in load_tokenizer(tiny_dir).get_vocab())
+    context = client.get("/get_model_info").json()["agentrl"]["max_context_length"]
+    cap = 2 * context * longest
+    params = {"max_new_tokens": 1}
+    over = "a" * (cap + 1)
+    for path, body, field in (
+        ("/generate", {"text": over, "sampling_params": params}, "text"),
+        ("/generate", {"text": ["hi", over], "sampling_params": params}, "text[1]"),
+        ("/tokenize", {"prompt": over}, "prompt"),
+        ("/tokenize", {"prompt": ["hi", over]}, "prompt[1]"),
+        ("/tokenize", {"messages": [{"role": "user", "content": over}]}, "messages[0]"),
+    ):
+        error = error_of(client.post(path, json=body))
+        assert error["field"] == field, (path, error)
+        assert f"{cap + 1} characters exceed the maximum allowed length" in error["message"]
+    under = "b" * cap  # each under the cap, three of them over twice the cap together
+    error = error_of(client.post("/tokenize", json={"prompt": [under] * 3}))
+    assert error["field"] == "prompt" and "split the batch" in error["message"], error
+    assert client.post("/tokenize", json={"prompt": "hello"}).json()["count"] >= 1
+    assert greedy(client)["output_ids"]
 
 
 def test_session_table_is_capped_and_timed_out_sessions_make_room(client: httpx.Client) -> None:
