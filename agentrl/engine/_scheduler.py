@@ -84,7 +84,11 @@ class Request:
     """Called in the caller's event loop with the output ids and logprobs so far, after each
     step that sampled a token for this request and did not finish it (streaming, aborts)."""
 
+    stop_ids: frozenset[int] = frozenset()
+    """``sampling.stop_token_ids`` as a set: looked up after every sampled token."""
+
     def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.sampling.stop_token_ids)
         self.restart()
 
     def restart(self) -> None:

@@ -520,7 +520,7 @@ class Worker:
         self.counters.tokens_generated += 1
         sampling = request.sampling
         output = request.output_ids
-        if token in sampling.stop_token_ids:
+        if token in request.stop_ids:
             return self._finish(request, "stop", token)
         if sampling.stop and (hit := match_stop_string(self.tokenizer, output, sampling.stop)):
             return self._finish(request, "stop", hit)
