@@ -34,7 +34,19 @@ SOURCE_STYLES = {
 }
 
 
+# C0 and C1 control characters but newline and tab, and DEL: a trajectory's text (a sampled
+# ESC byte, a hostile id) must not reach the terminal as an escape sequence
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)}
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control characters written as visible escapes (``\\x1b``)."""
+    return text.translate(_CONTROLS)
+
+
 def _decode_one(tokenizer: Any, token_id: int) -> str:
+    if not 0 <= token_id < len(tokenizer):
+        return f"\u27e8{token_id}\u27e9"  # ⟨id⟩: not in this tokenizer's vocabulary
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     raw = tokenizer.convert_ids_to_tokens(token_id)
     if not text and raw is None:
@@ -135,10 +147,11 @@ def _header(trajectory: Trajectory) -> Text:
     counts = trajectory.source_counts()
     status_style = {"done": "green", "truncated": "yellow", "error": "bold red"}[trajectory.status]
     return Text.assemble(
-        (trajectory.id, "bold"),
-        f"  env={trajectory.env} task={trajectory.task_id} status=",
+        (terminal_safe(trajectory.id), "bold"),
+        terminal_safe(f"  env={trajectory.env} task={trajectory.task_id} status="),
         (trajectory.status, status_style),
-        f" reason={trajectory.termination_reason} reward={fmt_reward(trajectory.reward)}"
+        terminal_safe(f" reason={trajectory.termination_reason}")
+        + f" reward={fmt_reward(trajectory.reward)}"
         f" turns={num_turns(trajectory)} tool_calls ok={ok} err={err}"
         f" versions={fmt_versions(trajectory)}"
         f"  tokens={len(trajectory.token_ids)} (" + " ".join(f"{s}={counts[s]}" for s in SOURCES),
@@ -173,12 +186,11 @@ def render_terminal(
         console.print(_header(trajectory))
         problem = validation_error(trajectory)
         if problem is not None:
-            console.print(Text(f"invalid: {problem}", style="bold red"))
+            console.print(Text(terminal_safe(f"invalid: {problem}"), style="bold red"))
         if trajectory.error is not None:
             err = trajectory.error
-            console.print(
-                Text(f"error ({err.where}, turn {err.turn}): {err.type}: {err.message}", "red")
-            )
+            line = f"error ({err.where}, turn {err.turn}): {err.type}: {err.message}"
+            console.print(Text(terminal_safe(line), "red"))
         n = len(trajectory.token_ids)
         limit = n if max_tokens_per_traj is None else min(n, max_tokens_per_traj)
         ids = trajectory.token_ids[:limit]
@@ -187,7 +199,7 @@ def render_terminal(
         stream = Text(overflow="fold")
         for i, text in enumerate(texts):
             style = _token_style(sources[i][0], token_mask(trajectory, i))
-            stream.append(text.replace("\n", NEWLINE_MARK + "\n"), style=style)
+            stream.append(terminal_safe(text).replace("\n", NEWLINE_MARK + "\n"), style=style)
         console.print(stream)
         if limit < n:
             rest = sum(trajectory.loss_mask[limit:])

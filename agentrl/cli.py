@@ -606,9 +606,11 @@ def _dispatch(argv: list[str]) -> int:
     if argv[:1] and argv[0] in DELEGATED:
         return DELEGATED[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
-    # like `python -m`, let `--env mymodule:name-v0` import modules from the working directory
+    # let `--env mymodule:name-v0` import modules from the working directory, searched last:
+    # a file there named like a library (transformers.py in a downloaded run folder) must not
+    # shadow it and run when agentrl imports that library
     if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")
+        sys.path.append("")
     handlers = {
         "rollout": _cmd_rollout,
         "inspect": _cmd_inspect,

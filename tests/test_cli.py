@@ -112,6 +112,27 @@ def test_envs_list_and_show():
     assert missing.returncode == 2 and "Did you mean: calc" in missing.stderr
 
 
+def test_the_working_directory_is_searched_last(tmp_path):
+    """The installed ``agentrl`` command (not ``python -m``, which puts the working directory
+    first itself) imports an env module from the working directory, but a file there named
+    like a library agentrl imports (a planted ``rich.py`` in a downloaded run folder) never
+    runs in its place."""
+    command = Path(sys.executable).with_name("agentrl")
+    assert command.exists(), command
+    for name in ("rich", "yaml", "torch", "transformers", "numpy", "msgspec", "pydantic"):
+        (tmp_path / f"{name}.py").write_text("raise SystemExit('planted module ran')\n")
+    (tmp_path / "my_local_env.py").write_text(
+        "from examples.echo_env import *  # noqa: F403  (registers echo-v0 on import)\n"
+    )
+    env = {**ENV, "PYTHONPATH": str(REPO)}
+    for args in (["envs", "list"], ["envs", "show", "my_local_env:echo-v0"]):
+        proc = subprocess.run(
+            [str(command), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "planted" not in proc.stdout + proc.stderr, proc
+
+
 def test_models_list_and_doctor(tiny_model_path):
     models = agentrl("models", "list")
     assert models.returncode == 0 and "tiny-random" in models.stdout

@@ -254,6 +254,30 @@ def test_terminal_truncates_and_flags_a_mask_that_disagrees_with_its_span(tokeni
     assert f"invalid: trajectory bad: loss_mask[{template.start}]=1 in a template span" in out
 
 
+def test_terminal_never_passes_control_characters_through(tokenizer):
+    """A trajectory file is data from anywhere: an escape sequence in its id, env, error or
+    sampled text (a model can sample an ESC byte) is shown as ``\\x1b``, never sent to the
+    terminal; an id outside the tokenizer (negative, huge) is shown as ⟨id⟩, not a crash."""
+    title = "\x1b]0;PWNED\x07"
+    clear = "\x1b[2J\x9b"
+    hostile = _calc_chat(tokenizer, f"calc-{title}")
+    hostile.env = f"calc{clear}"
+    hostile.status = "error"
+    hostile.error = TrajectoryError(type="EngineError", message=clear, where="engine", turn=1)
+    esc = tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(tokenizer.encode("\x1b")))
+    hostile.token_ids[3:4] = esc[:1]
+    hostile.token_ids[5] = -5
+    hostile.token_ids[6] = 10**30
+    console = Console(record=True, width=400, force_terminal=True, file=io.StringIO())
+    render_terminal([hostile], tokenizer, console)
+    out = console.export_text(styles=True)
+    # the only escape sequences left are rich's own colours (CSI ... m)
+    assert not re.sub(r"\x1b\[[\d;]*m", "", out).count("\x1b"), repr(out)
+    assert "\x9b" not in out and "\x07" not in out
+    assert "calc-\\x1b]0;PWNED\\x07" in out and "calc\\x1b[2J\\x9b" in out
+    assert "\u27e8-5\u27e9" in out and f"\u27e8{10**30}\u27e9" in out
+
+
 # --- HTML ---------------------------------------------------------------------------------------
 
 
