@@ -170,6 +170,32 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
         assert not out.exists() and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
 
 
+def test_a_folder_no_training_run_wrote_is_never_overwritten(tmp_path):
+    """``--out`` at a rollout's folder, or at a user's folder holding a file under a run
+    file's name: refused before anything is written (it was emptied and overwritten)."""
+    rollout = tmp_path / "rollout"
+    rollout.mkdir()
+    (rollout / "config.json").write_text(json.dumps({"env": "calc-v0", "model": "tiny-random"}))
+    (rollout / "trajectories.jsonl").write_text('{"id": "kept"}\n')
+    (rollout / "summary.json").write_text("{}")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my notes\n")
+
+    def contents() -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = contents()
+    for out, named in ((rollout, "config.json, trajectories.jsonl"), (mine, "config.yaml")):
+        proc = _agentrl(
+            "train", "--model", "tiny-random", "--set", "train.max_steps=1", "--out", str(out),
+            check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"--out {out} holds {named}, which a training run would replace" in proc.stderr
+    assert contents() == before
+
+
 def test_export_never_replaces_the_run_or_a_folder_holding_it(runs):
     _, _, killed, _, _ = runs
     before = sorted(p.relative_to(killed.parent) for p in killed.parent.rglob("*"))

@@ -42,7 +42,9 @@ IN_FLIGHT_RULE = "requeue"
 
 
 def checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    """``checkpoint.dir``, a relative one taken from ``out`` (not from the working directory,
+    which a ``--resume`` from elsewhere does not share); default ``out/checkpoints``."""
+    return out / (cfg.checkpoint.dir or "checkpoints")
 
 
 class Checkpointer:
@@ -117,6 +119,29 @@ def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
             f"{root} already holds checkpoints ({done[-1].name} is the newest); resume that run "
             "with --resume, or start this one with another --out or checkpoint.dir"
         )
+    foreign = _foreign_files(out)
+    if foreign:
+        raise ConfigError(
+            f"--out {out} holds {', '.join(foreign)}, which a training run would replace, and "
+            "no training run wrote them (its config.json is not a training run's): choose "
+            "another --out, or move them away"
+        )
+
+
+def _foreign_files(out: Path) -> list[str]:
+    """The files of ``out`` a new run would replace, unless an earlier attempt of a training
+    run (``config.json`` with ``"train": true``, written first) left them: a rollout's folder,
+    or a user's files under those names, are never overwritten."""
+    names = [n for n in (*CONFIG_FILES, *RUN_FILES, IDS_FILE) if (out / n).exists()]
+    if not names:
+        return []
+    try:
+        info = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        info = None
+    if isinstance(info, dict) and info.get("train") is True:
+        return []
+    return names
 
 
 def _has_records(ledger: Path) -> bool:
@@ -132,12 +157,13 @@ def prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, fresh: bool) ->
     """Write the run's configuration files into ``out``; ``fresh`` (a new run): also empty
     the run files an earlier attempt that never recorded a step may have left."""
     out.mkdir(parents=True, exist_ok=True)
+    info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
+    info["rollout"] = cfg.rollout.model_dump(mode="json")
+    # config.json first: it marks the folder as a training run's (``_foreign_files``)
+    write_file(out / "config.json", json.dumps(info, indent=2))
     if fresh:
         restore_files(out, {})
     write_file(out / "config.yaml", dump_config(cfg))
-    info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
-    info["rollout"] = cfg.rollout.model_dump(mode="json")
-    write_file(out / "config.json", json.dumps(info, indent=2))
 
 
 def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:

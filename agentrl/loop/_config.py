@@ -122,7 +122,8 @@ class CheckpointSection(_Section):
     """Loop checkpoints (DeepSpeed state + loop state, written atomically)."""
 
     dir: str | None = None
-    """Folder of the checkpoints (default: OUT/checkpoints)."""
+    """Folder of the checkpoints (default: OUT/checkpoints; a relative path is taken from
+    OUT)."""
     every_steps: int = pydantic.Field(10, ge=0)
     """Save after every N steps (0: only at the end)."""
     keep: int = pydantic.Field(2, ge=1)

@@ -93,6 +93,17 @@ def test_eval_never_writes_into_a_training_run(tmp_path):
     assert (run / "eval_trajectories.jsonl").read_text() == ""
 
 
+def test_a_relative_checkpoint_dir_is_taken_from_the_run_folder(tmp_path, monkeypatch):
+    """Not from the working directory: a ``--resume`` from another one would find no
+    checkpoint there and start the run over."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = tmp_path / "run"
+    train(_config(tmp_path, "checkpoint.dir=ck", "checkpoint.at_end=true"), run)
+    assert [p.name for p in (run / "ck").iterdir()] and not list(elsewhere.iterdir())
+
+
 def test_a_checkpoint_root_that_holds_checkpoints_is_refused(tmp_path):
     first = tmp_path / "first"
     shared = tmp_path / "ckpt"
