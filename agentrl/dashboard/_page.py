@@ -14,7 +14,7 @@ from agentrl._errors import ConfigError
 from agentrl._outfiles import GENERATOR, replace_page
 
 from ._panels import Panel, build_panels
-from ._read import RunData, load_run
+from ._read import RunData, finite, load_run
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 0; background: #f6f7f9; color: #222; }
@@ -73,8 +73,9 @@ def plotly_js() -> tuple[str, str]:
 
 
 def _script_json(value: Any) -> str:
-    """JSON safe inside ``<script>``: no ``</`` and no HTML comment openers."""
-    text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    """JSON safe inside ``<script>``: no ``</`` and no HTML comment openers. A value the
+    panels' arithmetic took out of range (the mean of ±1.7e308 rewards) is a gap (null)."""
+    text = json.dumps(finite(value), allow_nan=False, separators=(",", ":"))
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 

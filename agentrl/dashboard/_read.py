@@ -57,14 +57,14 @@ class RunData:
     """The run's ``config.yaml`` (empty when missing or unreadable)."""
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """JSON's NaN/Infinity extensions become None (the page's JSON has no such numbers)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
     return value
 
 
@@ -86,7 +86,7 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
             if not isinstance(row, dict):
                 bad += 1
                 continue
-            rows.append(_finite(row))
+            rows.append(finite(row))
     return rows, bad
 
 

@@ -168,6 +168,18 @@ def test_values_that_are_not_numbers_are_left_out(tmp_path):
     assert math.isfinite(panel.traces[0]["y"][0])
 
 
+def test_finite_values_whose_arithmetic_overflows_are_gaps(tmp_path):
+    """±1.7e308 are finite and valid in a run file, but a quantile between them or a lag
+    histogram's sum is not: the page is still written, with gaps there (it was a traceback)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run / "trajectories.jsonl", [_trajectory(1, -1.7e308), _trajectory(1, 1.7e308)])
+    rows = [{"step": s, "step_s": 1, "version_lag_hist": {"0": 1.7e308}} for s in (1, 2)]
+    _write(run / "ledger.jsonl", [json.dumps(r) for r in rows])
+    page = write_dashboard(run).read_text()  # (plotly.js itself holds the word Infinity)
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+
+
 def test_without_plotly_the_command_names_the_extra(tmp_path, rng, monkeypatch, capsys):
     run, _ = make_run(tmp_path, rng)
     monkeypatch.setitem(sys.modules, "plotly", None)  # import of plotly fails
