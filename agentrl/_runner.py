@@ -174,6 +174,19 @@ def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
     return {**{k: config.get(k) for k in keys}, "rollout": rollout}
 
 
+def read_config_json(path: Path, what: str) -> dict[str, Any]:
+    """A run folder's ``config.json`` as an object, or ``ConfigError`` naming the file (``what``
+    says who reads it: ``--append``, ``inspect``)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        raise ConfigError(f"{what}: cannot read {path}: {message}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{what}: {path} is not a JSON object (got {type(config).__name__})")
+    return config
+
+
 def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
     """``(training-run markers, rollout files)`` found in ``out``."""
     training = [name for name in TRAINING_FILES if (out / name).exists()]
@@ -230,10 +243,7 @@ def prepare_run_dir(
     elif held and if_exists == "append":
         if not (out / "config.json").is_file():
             raise ConfigError(f"--append: {out} has no config.json (not an agentrl rollout)")
-        try:
-            old = json.loads((out / "config.json").read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--append: {out / 'config.json'} is not JSON: {exc}") from None
+        old = read_config_json(out / "config.json", "--append")
         differ = config_diff(_sampling_part(old), _sampling_part(resolved))
         if differ:
             raise ConfigError(

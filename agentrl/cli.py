@@ -429,14 +429,18 @@ def _read_for_inspect(path: Path) -> list:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ._errors import ConfigError
     from ._models import resolve_model
+    from ._runner import read_config_json
 
     path = _trajectories_file(Path(args.path))
     trajectories = _read_for_inspect(path)
     model = args.model
     config = path.parent / "config.json"
     if model is None and config.is_file():
-        model = json.loads(config.read_text()).get("model_path")
+        model = read_config_json(config, "inspect").get("model_path")
+        if model is not None and not isinstance(model, str):
+            raise ConfigError(f"inspect: {config}: model_path must be a string, got {model!r}")
     if model is None:
         model = trajectories[0].model if trajectories else "smollm2-135m"
     model_path = str(resolve_model(model))

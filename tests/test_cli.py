@@ -550,6 +550,34 @@ def test_inspect_accepts_a_run_directory(tiny_run):
     assert "boundary check: all 4 trajectories match the re-render" in proc.stdout
 
 
+def test_a_run_folders_config_json_that_is_not_an_object_is_one_line(tiny_run, tmp_path):
+    """``inspect`` reads the model from the folder's config.json, ``rollout --append`` the
+    sampling settings: garbage, a list, a non-string model path or bytes that are not UTF-8
+    there are one line naming the file, exit 2 (each was a traceback)."""
+    _, out = tiny_run
+    for name, raw, needle in (
+        ("garbage", b"garbage", "cannot read"),
+        ("list", b"[1]", "is not a JSON object (got list)"),
+        ("number-path", b'{"model_path": 5}', "model_path must be a string, got 5"),
+        ("not-utf8", b'{"model_path": "\xff"}', "cannot read"),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "trajectories.jsonl").write_bytes((out / "trajectories.jsonl").read_bytes())
+        (run / "config.json").write_bytes(raw)
+        proc = agentrl("inspect", str(run))
+        assert proc.returncode == 2, (name, proc.stdout + proc.stderr)
+        assert proc.stderr.count("\n") == 1, (name, proc.stderr)
+        assert "inspect: " in proc.stderr and "config.json" in proc.stderr, (name, proc.stderr)
+        assert needle in proc.stderr, (name, proc.stderr)
+    appended = agentrl(
+        "rollout", "--env", "calc-v0", "--model", "tiny-random", "-n", "1", "--out",
+        str(tmp_path / "list"), "--append",
+    )  # fmt: skip
+    assert appended.returncode == 2 and appended.stderr.count("\n") == 1, appended.stderr
+    assert "--append: " in appended.stderr and "is not a JSON object" in appended.stderr
+
+
 @pytest.mark.parametrize("what", ["ledger", "missing", "not-jsonl", "empty", "empty-dir", "binary"])
 def test_inspect_gives_one_line_for_what_it_cannot_read(what, tmp_path):
     path = tmp_path / "x.jsonl"
