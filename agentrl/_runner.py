@@ -299,6 +299,9 @@ async def arollout(
     ``stop`` cancels the trajectories in flight and returns the finished ones
     (``interrupted=True``)."""
     cfg = config or RolloutConfig()
+    for name, value, least in (("n", n, 1), ("task_offset", task_offset, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
     spec = env_spec(env)
     resources = dict(env_resources or {})
     # the env's arguments are checked before a model is fetched or torch is imported

@@ -151,6 +151,7 @@ def test_models_list_and_doctor(tiny_model_path):
         (["--env", "nope-v0"], "no environment named 'nope'"),
         (["--model", "/does/not/exist"], "'/does/not/exist' is neither a registered model"),
         (["--env-kwargs", '{"levels": [9]}'], "levels must be a non-empty subset"),
+        (["--task-offset", "-5"], "task_offset must be an integer >= 0, got -5"),
     ],
 )
 def test_bad_input_gets_a_clear_error(args, needle, tmp_path):
