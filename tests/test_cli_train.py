@@ -170,6 +170,23 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
         assert not out.exists() and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
 
 
+def test_a_corrupt_trackers_file_is_refused_before_the_model_loads(tmp_path):
+    """``--resume`` reads ``trackers.json`` (the tracker runs to continue) before any model or
+    DeepSpeed engine is built: a file that is not a JSON object of objects is one line."""
+    for name, raw, needle in (
+        ("garbage", "{garbage", "cannot read"),
+        ("list", "[1]", "must be a JSON object of tracker runs"),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(json.dumps(CONFIG))
+        (run / "trackers.json").write_text(raw)
+        proc = _agentrl("train", "--resume", str(run), check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{run / 'trackers.json'}" in proc.stderr and needle in proc.stderr
+
+
 def test_a_folder_no_training_run_wrote_is_never_overwritten(tmp_path):
     """``--out`` at a rollout's folder, or at a user's folder holding a file under a run
     file's name: refused before anything is written (it was emptied and overwritten)."""

@@ -33,7 +33,7 @@ from agentrl.trainer import (
 
 from ._config import TrainConfig, dump_config
 from ._runfiles import record_lengths, restore_run_files
-from ._trackers import IDS_FILE
+from ._trackers import IDS_FILE, read_tracker_ids
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl", "runtime.jsonl")
 CONFIG_FILES = ("config.yaml", "config.json")
@@ -109,6 +109,7 @@ def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
     for name in (*CONFIG_FILES, *RUN_FILES, IDS_FILE):
         check_writable(out / name)
     if resume:
+        read_tracker_ids(out)  # refused here, before a model is loaded
         return
     if _has_records(out / "ledger.jsonl"):
         raise ConfigError(f"{out} already holds a run; resume it with --resume {out}")

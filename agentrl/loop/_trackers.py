@@ -111,6 +111,25 @@ class Trackers:
                 )
 
 
+def read_tracker_ids(out: Path) -> dict[str, Any]:
+    """The tracker runs ``OUT/trackers.json`` records (``{}`` when absent); ``ConfigError``
+    naming the file when it is not a JSON object of objects."""
+    path = out / IDS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        raise ConfigError(f"--resume: cannot read {path}: {message}") from None
+    if not isinstance(ids, dict) or not all(isinstance(v, dict) for v in ids.values()):
+        raise ConfigError(
+            f'--resume: {path} must be a JSON object of tracker runs ({{"wandb": {{...}}}}); '
+            "restore it, or delete it to start new tracker runs"
+        )
+    return ids
+
+
 def open_trackers(
     logging: Any,
     out: Path,
@@ -123,7 +142,7 @@ def open_trackers(
     plain data). ``resume``: continue the tracker runs recorded in ``OUT/trackers.json``."""
     check_trackers(logging.trackers)
     ids_path = out / IDS_FILE
-    ids = json.loads(ids_path.read_text()) if resume and ids_path.is_file() else {}
+    ids = read_tracker_ids(out) if resume else {}
     opened: list[Tracker] = []
     try:
         for name in logging.trackers:
