@@ -34,6 +34,8 @@ def read_config_file(path: str | Path, *, what: str = "config file") -> Any:
     repeats a key in one mapping, or expands past ``MAX_VALUES`` values."""
     file = Path(path)
     if not file.is_file():
+        if file.exists():  # a directory, a FIFO (opening it would block), a device
+            raise ConfigError(f"{what} {file}: not a regular file")
         raise ConfigError(f"no such {what}: {file}")
     try:
         data = file.read_bytes()

@@ -30,12 +30,21 @@ class RunMeasures:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a run file; a line that does not parse (a torn last line, bytes that
+    are not UTF-8) is skipped. A path that is not a regular file (a FIFO, a device) is refused
+    before it is opened."""
+    if not path.is_file():
+        raise ConfigError(f"--from-run: {path} is not a regular file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--from-run: cannot read {path}: {exc.strerror or exc}") from None
     rows = []
-    for line in path.read_text().splitlines():
+    for line in data.splitlines():
         try:
             row = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a killed run
+        except ValueError:  # (UnicodeDecodeError included)
+            continue
         if isinstance(row, dict):
             rows.append(row)
     return rows

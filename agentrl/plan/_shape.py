@@ -7,12 +7,12 @@ Llama family (Llama, Mistral, Qwen2, SmolLM) are exact: the same tensors ``trans
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._config_file import read_config_file
 from .._errors import ConfigError
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBtT]?)\s*$")
@@ -102,10 +102,10 @@ def load_shape(spec: str) -> ModelShape:
         path = path / "config.json"
     if not path.exists():
         path = _registered_config(spec)
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--model {spec!r}: cannot read {path}: {exc}") from None
+    try:  # a regular file, UTF-8, one JSON/YAML document (a device or FIFO is refused)
+        raw = read_config_file(path, what="model config")
+    except ConfigError as exc:
+        raise ConfigError(f"--model {spec!r}: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--model {spec!r}: {path} is not a JSON object")
     return shape_from_config(raw, spec)

@@ -92,6 +92,23 @@ def test_a_run_config_that_is_not_utf8_is_named(tmp_path, capsys):
     assert "config.yaml: line 2: not UTF-8 text" in capsys.readouterr().err
 
 
+def test_run_files_that_are_not_regular_or_not_utf8(tmp_path, capsys):
+    """A ledger that is a device (it was read until memory ran out) or a FIFO (it would block)
+    is refused before it is opened; a line that is not UTF-8 is skipped like a torn one (it was
+    a traceback). A model config that is a device is refused the same way."""
+    (tmp_path / "config.yaml").write_text("train: {}\n")
+    (tmp_path / "ledger.jsonl").symlink_to("/dev/zero")
+    assert main(["plan", "capacity", "--from-run", str(tmp_path)]) == 2
+    assert "ledger.jsonl is not a regular file" in capsys.readouterr().err
+    (tmp_path / "ledger.jsonl").unlink()
+    (tmp_path / "ledger.jsonl").write_bytes(b'{"step": 1, \xff}\n')
+    assert main(["plan", "capacity", "--from-run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert main(["plan", "memory", "--model", "/dev/zero"]) == 2
+    assert "/dev/zero: not a regular file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
