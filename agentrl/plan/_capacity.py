@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 from .._errors import ConfigError
 
+MAX_STEPS = 10_000
+MAX_SAMPLES_PER_STEP = 1_000_000
+
 
 @dataclass(frozen=True)
 class CapacitySettings:
@@ -53,6 +56,16 @@ class CapacitySettings:
                 raise ConfigError(f"{name} {getattr(self, name)}: at least 1")
         if self.max_version_lag < 0 or self.publish_s < 0:
             raise ConfigError("max_version_lag and publish_s must be >= 0")
+        # the simulation walks every step, and every sample of a step: bounds that keep a plan
+        # to seconds (a longer one is no more informative)
+        for name, most in (("steps", MAX_STEPS), ("max_version_lag", MAX_STEPS)):
+            if getattr(self, name) > most:
+                raise ConfigError(f"{name} {getattr(self, name)}: at most {most}")
+        if self.group_size * self.tasks_per_step > MAX_SAMPLES_PER_STEP:
+            raise ConfigError(
+                f"group_size × tasks_per_step = {self.group_size * self.tasks_per_step}: at "
+                f"most {MAX_SAMPLES_PER_STEP} samples per step"
+            )
 
 
 @dataclass
@@ -212,7 +225,7 @@ def plan_capacity(
             tried[n] = simulate(s, n)
         return tried[n].learner_idle_fraction <= target_idle
 
-    high = max(1, min(max_actors, math.ceil(rough)))
+    high = max(1, math.ceil(min(float(max_actors), rough)))  # rough may overflow to inf
     while not ok(high) and high < max_actors:
         high = min(max_actors, high * 2)
     low = 0

@@ -109,6 +109,12 @@ def test_run_files_that_are_not_regular_or_not_utf8(tmp_path, capsys):
     assert "/dev/zero: not a regular file" in capsys.readouterr().err
 
 
+def test_rates_whose_ratio_overflows_plan_without_a_traceback(capsys):
+    rates = ["--actor-tokens-per-s", "1e-300", "--learner-tokens-per-s", "1e300"]
+    assert main(["plan", "capacity", *rates, *RATES[4:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended_actors"] >= 1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -116,6 +122,8 @@ def test_run_files_that_are_not_regular_or_not_utf8(tmp_path, capsys):
         (["--from-run", "/nonexistent/run"], "cannot read config.yaml"),
         ([*RATES[:1], "inf", *RATES[2:]], "actor_tokens_per_s inf: must be a finite number"),
         ([*RATES, "--publish-s", "nan"], "publish_s nan: must be a finite number"),
+        ([*RATES, "--steps", "100000000"], "steps 100000000: at most 10000"),
+        ([*RATES, "--max-version-lag", "1000000000"], "max_version_lag 1000000000: at most"),
     ],
 )
 def test_missing_rates_and_bad_runs_are_named(capsys, argv, message):
