@@ -47,6 +47,17 @@ def read_config_file(path: str | Path, *, what: str = "config file") -> Any:
     return load_yaml(text, str(file))
 
 
+def read_json_value(path: Path, what: str) -> Any:
+    """The JSON value of a file a run folder holds (``config.json``, ``trackers.json``), as
+    agentrl wrote it or someone changed it; a one-line ``ConfigError`` naming ``what`` (who
+    reads it: ``inspect``, ``--resume``) and the file when it cannot be read or is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        raise ConfigError(f"{what}: cannot read {path}: {message}") from None
+
+
 def decode_utf8(data: bytes, where: str) -> str:
     """``data`` as text; a ``ConfigError`` naming the line and byte that is not UTF-8."""
     try:

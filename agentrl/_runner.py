@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 
 from ._config import RolloutConfig
+from ._config_file import read_json_value
 from ._errors import ConfigError
 from ._outfiles import write_file
 from ._registry import spec as env_spec
@@ -177,24 +178,27 @@ def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
 def read_config_json(path: Path, what: str) -> dict[str, Any]:
     """A run folder's ``config.json`` as an object, or ``ConfigError`` naming the file (``what``
     says who reads it: ``--append``, ``inspect``)."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        message = " ".join(str(exc).split())
-        raise ConfigError(f"{what}: cannot read {path}: {message}") from None
+    config = read_json_value(path, what)
     if not isinstance(config, dict):
         raise ConfigError(f"{what}: {path} is not a JSON object (got {type(config).__name__})")
     return config
 
 
+def is_training_config(out: Path) -> bool:
+    """Does ``out/config.json`` say the folder is a training run's (``"train": true``)? A
+    missing, unreadable or non-regular file does not."""
+    config = out / "config.json"
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("train") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
     """``(training-run markers, rollout files)`` found in ``out``."""
     training = [name for name in TRAINING_FILES if (out / name).exists()]
-    try:
-        if json.loads((out / "config.json").read_text()).get("train") is True:
-            training.append("config.json of a training run")
-    except (OSError, ValueError, AttributeError):
-        pass
+    if is_training_config(out):
+        training.append("config.json of a training run")
     rollout = [name for name in ROLLOUT_FILES if (out / name).exists()]
     return training, rollout
 

@@ -21,7 +21,7 @@ import pydantic
 
 from agentrl._errors import ConfigError
 from agentrl._outfiles import check_writable, write_file
-from agentrl._runner import config_diff
+from agentrl._runner import config_diff, is_training_config
 from agentrl.trainer import (
     LoopState,
     find_intact_checkpoint,
@@ -106,8 +106,7 @@ def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
     error, a kill during the first step) is started again."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    for name in (*CONFIG_FILES, *RUN_FILES, IDS_FILE):
-        check_writable(out / name)
+    present = [n for n in (*CONFIG_FILES, *RUN_FILES, IDS_FILE) if check_writable(out / n)]
     if resume:
         read_tracker_ids(out)  # refused here, before a model is loaded
         return
@@ -120,29 +119,14 @@ def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
             f"{root} already holds checkpoints ({done[-1].name} is the newest); resume that run "
             "with --resume, or start this one with another --out or checkpoint.dir"
         )
-    foreign = _foreign_files(out)
-    if foreign:
+    # files under the run's names are an earlier attempt's only when its config.json (written
+    # first) says so: a rollout's folder, or a user's files, are never overwritten
+    if present and not is_training_config(out):
         raise ConfigError(
-            f"--out {out} holds {', '.join(foreign)}, which a training run would replace, and "
+            f"--out {out} holds {', '.join(present)}, which a training run would replace, and "
             "no training run wrote them (its config.json is not a training run's): choose "
             "another --out, or move them away"
         )
-
-
-def _foreign_files(out: Path) -> list[str]:
-    """The files of ``out`` a new run would replace, unless an earlier attempt of a training
-    run (``config.json`` with ``"train": true``, written first) left them: a rollout's folder,
-    or a user's files under those names, are never overwritten."""
-    names = [n for n in (*CONFIG_FILES, *RUN_FILES, IDS_FILE) if (out / n).exists()]
-    if not names:
-        return []
-    try:
-        info = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        info = None
-    if isinstance(info, dict) and info.get("train") is True:
-        return []
-    return names
 
 
 def _has_records(ledger: Path) -> bool:
@@ -160,7 +144,7 @@ def prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, fresh: bool) ->
     out.mkdir(parents=True, exist_ok=True)
     info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
     info["rollout"] = cfg.rollout.model_dump(mode="json")
-    # config.json first: it marks the folder as a training run's (``_foreign_files``)
+    # config.json first: it marks the folder as a training run's (``check_out``)
     write_file(out / "config.json", json.dumps(info, indent=2))
     if fresh:
         restore_files(out, {})

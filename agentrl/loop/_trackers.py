@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from agentrl._config_file import read_json_value
 from agentrl._errors import ConfigError
 from agentrl._outfiles import write_file
 
@@ -117,11 +118,7 @@ def read_tracker_ids(out: Path) -> dict[str, Any]:
     path = out / IDS_FILE
     if not path.is_file():
         return {}
-    try:
-        ids = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        message = " ".join(str(exc).split())
-        raise ConfigError(f"--resume: cannot read {path}: {message}") from None
+    ids = read_json_value(path, "--resume")
     if not isinstance(ids, dict) or not all(isinstance(v, dict) for v in ids.values()):
         raise ConfigError(
             f'--resume: {path} must be a JSON object of tracker runs ({{"wandb": {{...}}}}); '
