@@ -35,11 +35,15 @@ def processes_mentioning(needles: set[str], *, live_only: bool = False) -> list[
             continue
         try:
             cmdline = Path(f"/proc/{name}/cmdline").read_bytes().decode("utf-8", "replace")
-            state = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            if not any(n in cmdline for n in needles):
+                continue
+            if live_only:  # the state is the field after the command name's closing ")"
+                state = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+                if state == b"Z":
+                    continue
         except (OSError, IndexError):
             continue
-        if any(n in cmdline for n in needles) and not (live_only and state == b"Z"):
-            found.append(f"{name}: {cmdline[:120]!r}")
+        found.append(f"{name}: {cmdline[:120]!r}")
     return found
 
 
