@@ -67,6 +67,11 @@ class EngineError(AgentRLError):
     """An inference engine failed or rejected a request."""
 
 
+class GenerationError(EngineError):
+    """The engine failed while running a request it had accepted (its worker, its model: the
+    weights gave non-finite logits), not because of the request."""
+
+
 class SandboxError(AgentRLError):
     """A sandbox failed or refused work (not the user's program): the backend is unavailable,
     the pool stayed over capacity, the service is unreachable or answered an error. When it

@@ -66,7 +66,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from agentrl._errors import EngineError
+from agentrl._errors import EngineError, GenerationError
 from agentrl._models import load_tokenizer, resolve_model
 from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.kernels import triton_available
@@ -381,7 +381,7 @@ class EmbeddedEngine:
         if self._closed:
             raise EngineError("engine is closed")
         if self._worker.broken is not None:
-            raise EngineError(f"engine worker crashed: {self._worker.broken!r}")
+            raise GenerationError(f"engine worker crashed: {self._worker.broken!r}")
 
     async def generate(
         self,
@@ -390,7 +390,7 @@ class EmbeddedEngine:
         session: str | None = None,
         *,
         logprobs: LogprobQuery | None = None,
-        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+        on_tokens: Callable[..., None] | None = None,
         partial: PartialOutput | None = None,
     ) -> GenerateResult:
         """Sample a continuation of the whole context ``input_ids``.
@@ -400,13 +400,16 @@ class EmbeddedEngine:
         whose KV was reused); ``logprobs`` asks for input-token, top-k and chosen-id logprobs
         too (``GenerateResult.details``, see ``_logprobs``). Raises ``EngineError`` for an
         unknown session, invalid ids, sampling params or logprob query, a context that leaves
-        no room to generate, a closed engine, or a failure while generating this request.
+        no room to generate or a closed engine; ``GenerationError`` (an ``EngineError``) for a
+        failure while generating this request.
 
         ``on_tokens`` (optional) is called in this event loop with the output ids and logprobs
         so far after each step that sampled a token and did not finish the request (what
-        ``agentrl serve`` streams); it must not block. ``partial`` (optional) is attached to the
-        request, so its ``read()`` gives the output so far at any time, from any thread (what
-        ``agentrl serve`` answers for an aborted request) at no cost per step.
+        ``agentrl serve`` streams); with ``logprobs`` given, a third argument holds the
+        ``LogprobDetails`` so far (its output lists as long as the ids). It must not block.
+        ``partial`` (optional) is attached to the request, so its ``read()`` gives the output
+        so far at any time, from any thread (what ``agentrl serve`` answers for an aborted
+        request) at no cost per step.
         """
         self._check_open()
         limit = self._max_context

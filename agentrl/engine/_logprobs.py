@@ -89,7 +89,9 @@ class LogprobCollector:
             for v, i in zip(values.tolist(), indices.tolist(), strict=True)
         ]
 
-    def details(self) -> LogprobDetails:
+    def details(self, outputs: int | None = None) -> LogprobDetails:
+        """What was collected; with ``outputs``, a snapshot of the first ``outputs`` output
+        positions (new lists: the worker goes on appending to its own)."""
         query, start = self.query, self.query.input_start
         out = LogprobDetails(input_start=start)
         if start is not None:
@@ -100,7 +102,8 @@ class LogprobCollector:
             if self._ids is not None:
                 out.input_token_ids = [*head, *self.input_token_ids]
         if query.top_k > 0:
-            out.output_top = self.output_top
+            out.output_top = self.output_top if outputs is None else self.output_top[:outputs]
         if self._ids is not None:
-            out.output_token_ids = self.output_token_ids
+            chosen = self.output_token_ids
+            out.output_token_ids = chosen if outputs is None else chosen[:outputs]
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from agentrl._types import GenerateResult, SamplingParams
+from agentrl._types import GenerateResult, LogprobDetails, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,11 @@ class Engine(Protocol):
         ...
 
 
+Output = tuple[list[int], list[float], LogprobDetails | None]
+"""A running request's output so far: its ids, their logprobs and, for a request with a
+``LogprobQuery``, the lists it asked for (output lists as long as the ids), else None."""
+
+
 class PartialOutput:
     """The output so far of one running request, read on demand from any thread (what an
     aborted request answers with): the pull twin of a per-step ``on_tokens`` callback, so a
@@ -63,12 +68,11 @@ class PartialOutput:
     whose ``generate`` takes ``partial=`` attaches its reader when the request starts."""
 
     def __init__(self) -> None:
-        self._reader: Callable[[], tuple[list[int], list[float]]] | None = None
+        self._reader: Callable[[], Output] | None = None
 
-    def attach(self, reader: Callable[[], tuple[list[int], list[float]]]) -> None:
+    def attach(self, reader: Callable[[], Output]) -> None:
         self._reader = reader
 
-    def read(self) -> tuple[list[int], list[float]]:
-        """Output ids and their logprobs so far (equally long; empty before the request
-        started)."""
-        return self._reader() if self._reader is not None else ([], [])
+    def read(self) -> Output:
+        """The output so far, of one run of the request (empty before it started)."""
+        return self._reader() if self._reader is not None else ([], [], None)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from agentrl._errors import EngineError
+from agentrl._errors import EngineError, GenerationError
 from agentrl._types import SamplingParams
 
 
@@ -65,7 +65,7 @@ def sample_token(
     """Sample one token from ``logits`` (shape ``[vocab]``, float32).
 
     Returns ``(token_id, logprob)`` with the unfiltered logprob described in the module docstring.
-    Raises ``EngineError`` when the logits are not finite.
+    Raises ``GenerationError`` when the logits are not finite.
     """
     if sampling.temperature == 0:
         token = int(torch.argmax(logits))
@@ -78,9 +78,10 @@ def sample_token(
 
 
 def check_logprob(token: int, logprob: float) -> None:
-    """``EngineError`` when a sampled token's logprob is not finite (the logits were not)."""
+    """``GenerationError`` when a sampled token's logprob is not finite (the logits were
+    not)."""
     if not math.isfinite(logprob):
-        raise EngineError(f"non-finite logprob {logprob} for token {token}")
+        raise GenerationError(f"non-finite logprob {logprob} for token {token}")
 
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:

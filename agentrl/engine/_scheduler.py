@@ -43,6 +43,7 @@ from agentrl._types import GenerateResult, SamplingParams
 from ._batch import Row, build_forward_batch, extra_positions
 from ._logprobs import LogprobCollector
 from ._model import ForwardBatch
+from ._protocol import Output
 from ._sampling import make_generator
 from ._seq import KVManager, SequenceKV
 from ._session import SessionTable
@@ -80,9 +81,10 @@ class Request:
     """Input-token, top-k and chosen-id logprobs asked for (``LogprobQuery``), if any."""
     result: GenerateResult | None = None
     error: EngineError | None = None
-    on_tokens: Callable[[list[int], list[float]], None] | None = None
+    on_tokens: Callable[..., None] | None = None
     """Called in the caller's event loop with the output ids and logprobs so far, after each
-    step that sampled a token for this request and did not finish it (streaming, aborts)."""
+    step that sampled a token for this request and did not finish it (streaming, aborts); with
+    ``logprobs`` set, also with the ``LogprobDetails`` so far (a third argument)."""
 
     stop_ids: frozenset[int] = frozenset()
     """``sampling.stop_token_ids`` as a set: looked up after every sampled token."""
@@ -106,18 +108,22 @@ class Request:
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.input_ids) :]
 
-    def output_so_far(self) -> tuple[list[int], list[float]]:
-        """Output ids and their logprobs, equally long, safe to call from another thread while
-        the worker runs this request (it appends an id, then its logprob; each slice is taken
-        whole under the interpreter lock; a restart in between is seen and the read taken again,
-        so ids and logprobs are of one run)."""
+    def output_so_far(self) -> Output:
+        """Output ids, their logprobs and the ``LogprobDetails`` so far, all equally long, safe
+        to call from another thread while the worker runs this request (it collects a token's
+        details, then appends the id, then its logprob; each slice is taken whole under the
+        interpreter lock; a restart in between is seen and the read taken again, so all are of
+        one run)."""
         while True:
             run = self.runs
             logprobs = self.output_logprobs[:]
             ids = self.output_ids
+            n = min(len(ids), len(logprobs))
+            collector = self.logprobs
+            pending = collector is None or collector.input_pending  # its prefill has not ended
+            details = None if pending else collector.details(n)
             if self.runs == run:
-                n = min(len(ids), len(logprobs))
-                return ids[:n], logprobs[:n]
+                return ids[:n], logprobs[:n], details
 
     @property
     def started(self) -> bool:

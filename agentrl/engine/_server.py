@@ -60,7 +60,7 @@ import pydantic
 from aiohttp import web
 
 from agentrl._config import describe_errors
-from agentrl._errors import AgentRLError
+from agentrl._errors import AgentRLError, GenerationError
 from agentrl._types import GenerateResult
 
 from . import _wire as w
@@ -231,6 +231,8 @@ class _Server:
         if isinstance(exc, BadRequest):
             return _error(400, str(exc), exc.field)
         self.model_health.forget()  # the model may be what failed: the next /health probes it
+        if isinstance(exc, GenerationError):  # the server's failure, not the request's
+            return _error(500, str(exc))
         if isinstance(exc, AgentRLError):
             return _error(400, str(exc))
         if isinstance(exc, Exception):
@@ -287,13 +289,14 @@ class _Server:
                 result = await self.engine.generate(context, sampling, session=session, **extra)
             if result is None:  # aborted: /abort_request, a disconnect, or a session replace
                 version = self.engine.weight_version
-                ids, logprobs = live.output()
+                ids, logprobs, details = live.output()
                 result = GenerateResult(
                     ids,
                     logprobs,
                     "abort",
                     prompt_tokens=len(context),
                     weight_version=version,
+                    details=details,
                 )
         finally:
             live.scope = None
@@ -390,7 +393,11 @@ class _Server:
                 if len(live.ids) > sent and live.context is not None:
                     sent = len(live.ids)
                     partial = GenerateResult(
-                        list(live.ids), list(live.logprobs), "abort", prompt_tokens=0
+                        list(live.ids),
+                        list(live.logprobs),
+                        "abort",
+                        prompt_tokens=0,
+                        details=live.details,
                     )
                     resp = await self._render(item, live.context, partial, started)
                     resp.text = stable_text(resp.text)

@@ -10,9 +10,11 @@ which frees its KV; the sample then ends with ``finish_reason`` ``{"type":
 Server-sent events follow SGLang's ``/generate`` with ``stream: true``: each chunk is ``data:
 <json>\\n\\n`` with the response object so far (``text``, ``output_ids``, ``meta_info``), a batch
 or ``n > 1`` adds the sample's ``index``, and the stream ends with ``data: [DONE]\\n\\n``. By
-default ``text``, ``output_ids`` and the output logprobs are cumulative (SGLang's default); with
-``--incremental-streaming-output`` each chunk carries only what is new. An error after the
-stream started is one ``data: {"error": {"message": ...}}`` chunk before ``[DONE]``.
+default ``text``, ``output_ids`` and the logprob lists are cumulative (SGLang's default); with
+``--incremental-streaming-output`` each chunk carries only what is new of the text, the ids and
+the output-side logprob lists (the input-side ones come whole in every chunk, as SGLang's do).
+An error after the stream started is one ``data: {"error": {"message": ...}}`` chunk before
+``[DONE]``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from agentrl._types import LogprobDetails
+
 from . import _wire as w
-from ._protocol import PartialOutput
+from ._protocol import Output, PartialOutput
 
 DONE = b"data: [DONE]\n\n"
 
@@ -50,6 +54,8 @@ class Live:
     rid: str
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    details: LogprobDetails | None = None
+    """The input, top-k and chosen-id lists so far (a sample with a ``LogprobQuery``)."""
     changed: anyio.Event = field(default_factory=anyio.Event)
     scope: anyio.CancelScope | None = None
     aborted: bool = False
@@ -58,15 +64,17 @@ class Live:
     partial: PartialOutput = field(default_factory=PartialOutput)
     """Where a non-streaming sample's output is read when it is aborted (pulled, not sent)."""
 
-    def update(self, ids: list[int], logprobs: list[float]) -> None:
+    def update(
+        self, ids: list[int], logprobs: list[float], details: LogprobDetails | None = None
+    ) -> None:
         """The engine's ``on_tokens`` callback (runs in the server's event loop)."""
-        self.ids, self.logprobs = ids, logprobs
+        self.ids, self.logprobs, self.details = ids, logprobs, details
         self.changed.set()
 
-    def output(self) -> tuple[list[int], list[float]]:
+    def output(self) -> Output:
         """The output so far: the latest ``on_tokens`` report, or what ``partial`` reads."""
         if self.ids:
-            return list(self.ids), list(self.logprobs)
+            return list(self.ids), list(self.logprobs), self.details
         return self.partial.read()
 
     def abort(self) -> None:
@@ -129,8 +137,13 @@ def incremental(resp: w.WireGenerateResp, cursor: Cursor) -> w.WireGenerateResp:
     text = resp.text
     new_text = text[cursor.text :] if len(text) >= cursor.text else ""
     meta = resp.meta_info
+    # as SGLang: the output-side lists are cut like the ids; the input-side ones come whole
     if meta.output_token_logprobs is not None:
         meta.output_token_logprobs = meta.output_token_logprobs[cursor.ids :]
+    if meta.output_top_logprobs is not None:
+        meta.output_top_logprobs = meta.output_top_logprobs[cursor.ids :]
+    if meta.output_token_ids_logprobs is not None:
+        meta.output_token_ids_logprobs = meta.output_token_ids_logprobs[cursor.ids :]
     out = w.WireGenerateResp(
         text=new_text, meta_info=meta, output_ids=ids[cursor.ids :], index=resp.index
     )

@@ -37,8 +37,8 @@ import torch
 from anyio.lowlevel import EventLoopToken
 from transformers import PreTrainedTokenizerBase
 
-from agentrl._errors import EngineError
-from agentrl._types import FinishReason, GenerateResult, SamplingParams
+from agentrl._errors import EngineError, GenerationError
+from agentrl._types import FinishReason, GenerateResult, LogprobDetails, SamplingParams
 
 from ._batch import take_rows
 from ._decode import AttentionKernelChooser
@@ -133,6 +133,11 @@ def _call_soon(token: EventLoopToken, fn: Callable[[], None]) -> None:
         anyio.from_thread.run_sync(fn, token=token)
 
 
+Progress = tuple[Request, list[int], list[float], LogprobDetails | None]
+"""One request's output after a step: ids, their logprobs and (with a ``LogprobQuery``) the
+lists it asked for, as far as the ids go."""
+
+
 class _Mailbox:
     """What the worker hands one event loop: each request's latest progress (``on_tokens``)
     and the finished items whose awaiting tasks to wake. The worker posts and goes on; one
@@ -143,7 +148,7 @@ class _Mailbox:
     def __init__(self, token: EventLoopToken) -> None:
         self.token = token
         self._lock = threading.Lock()
-        self._progress: dict[int, tuple[Request, list[int], list[float]]] = {}
+        self._progress: dict[int, Progress] = {}
         self._done: list[Command] = []
         self._scheduled = False
 
@@ -156,9 +161,7 @@ class _Mailbox:
         with self._lock:
             return not self._scheduled
 
-    def post(
-        self, progress: list[tuple[Request, list[int], list[float]]], done: list[Command]
-    ) -> None:
+    def post(self, progress: list[Progress], done: list[Command]) -> None:
         with self._lock:
             for snapshot in progress:
                 self._progress[id(snapshot[0])] = snapshot
@@ -176,10 +179,13 @@ class _Mailbox:
         with self._lock:
             progress, done = list(self._progress.values()), self._done
             self._progress, self._done, self._scheduled = {}, [], False
-        for request, ids, logprobs in progress:
+        for request, ids, logprobs, details in progress:
             if request.on_tokens is not None and not request.aborted:
                 try:
-                    request.on_tokens(ids, logprobs)
+                    if details is None:
+                        request.on_tokens(ids, logprobs)
+                    else:  # a request with a LogprobQuery: its lists so far too
+                        request.on_tokens(ids, logprobs, details)
                 except Exception:  # a callback's own failure must not keep others waiting
                     pass
         for item in done:
@@ -281,7 +287,7 @@ class Worker:
                     pass
         except BaseException as exc:  # a bug in the loop: fail everything, refuse new work
             self.broken = exc
-            self._fail_all(EngineError(f"embedded engine worker crashed: {exc!r}"))
+            self._fail_all(GenerationError(f"embedded engine worker crashed: {exc!r}"))
             raise
 
     def _iterate(self) -> bool:
@@ -329,12 +335,15 @@ class Worker:
         """Post this step's progress and finished items to their event loops (no waiting)."""
         progressed, self._progressed = self._progressed, []
         outbox, self._outbox = self._outbox, []
-        progress: dict[EventLoopToken, list[tuple[Request, list[int], list[float]]]] = {}
+        progress: dict[EventLoopToken, list[Progress]] = {}
         done: dict[EventLoopToken, list[Command]] = {}
         for request in progressed:
             if request.result is None and request.error is None and request.token is not None:
                 if not request.aborted:  # snapshots: this thread goes on appending
-                    snapshot = (request, request.output_ids, list(request.output_logprobs))
+                    ids = request.output_ids
+                    collector = request.logprobs
+                    details = None if collector is None else collector.details(len(ids))
+                    snapshot = (request, ids, list(request.output_logprobs), details)
                     progress.setdefault(request.token, []).append(snapshot)
         for item in outbox:
             if item.token is not None and item.done is not None and not item.aborted:
@@ -552,10 +561,13 @@ class Worker:
         self._outbox.append(request)
 
     def _fail(self, request: Request, exc: BaseException) -> None:
-        if isinstance(exc, EngineError):
+        """End ``request`` with ``exc`` (the request was checked when it was submitted: what
+        fails while it runs is the engine's failure, a ``GenerationError``)."""
+        if isinstance(exc, GenerationError):
             request.error = exc
         else:
-            request.error = EngineError(f"generation failed: {exc!r}")
+            why = str(exc) if isinstance(exc, EngineError) else repr(exc)
+            request.error = GenerationError(f"generation failed: {why}")
             request.error.__cause__ = exc
         self.scheduler.drop(request)
         self.counters.requests_failed += 1

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from agentrl._errors import EngineError
-from agentrl._types import GenerateResult, SamplingParams
+from agentrl._types import GenerateResult, LogprobQuery, SamplingParams
 from agentrl.engine import EmbeddedEngine, Engine, open_embedded_engine
-from agentrl.engine._protocol import PartialOutput
+from agentrl.engine._protocol import Output, PartialOutput
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("trio", "asyncio")]
 
@@ -368,18 +368,19 @@ async def test_partial_output_is_read_while_running_and_after_an_abort(
     """``partial=`` hands nothing over per step: the caller reads the output so far when it
     wants it (from the event loop while the worker appends): ids with as many logprobs, each
     read a prefix of the next, the last one the whole result; after a cancel it still reads
-    what was generated."""
+    what was generated. With a ``LogprobQuery`` its top-k lists come with the ids, as long."""
     params = SamplingParams(max_new_tokens=64, temperature=0)
     done = PartialOutput()
-    assert done.read() == ([], [])  # not attached yet
+    assert done.read() == ([], [], None)  # not attached yet
     result = await engine.generate(PROMPT, params, partial=done)
-    assert done.read() == (result.token_ids, result.logprobs)
+    assert done.read() == (result.token_ids, result.logprobs, None)
 
     partial = PartialOutput()
-    reads: list[tuple[list[int], list[float]]] = []
+    query = LogprobQuery(top_k=2)
+    reads: list[Output] = []
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: engine.generate(PROMPT, params, partial=partial))
+            tg.start_soon(lambda: engine.generate(PROMPT, params, partial=partial, logprobs=query))
             with anyio.fail_after(30):
                 while len(partial.read()[0]) < 8:
                     reads.append(partial.read())
@@ -391,9 +392,16 @@ async def test_partial_output_is_read_while_running_and_after_an_abort(
             await anyio.sleep(0.01)
     reads.append(partial.read())
     assert len(reads[-1][0]) >= 8
-    for (ids, logprobs), (later_ids, later_logprobs) in zip(reads, reads[1:], strict=False):
+    for (ids, logprobs, details), (later_ids, later_logprobs, later_details) in zip(
+        reads, reads[1:], strict=False
+    ):
         assert len(ids) == len(logprobs) and len(later_ids) == len(later_logprobs)
         assert later_ids[: len(ids)] == ids and later_logprobs[: len(ids)] == logprobs
+        if ids:
+            assert details is not None and later_details is not None
+            top, later_top = details.output_top or [], later_details.output_top or []
+            assert len(top) == len(ids) and later_top[: len(ids)] == top
+            assert all(pairs[0][1] == token for pairs, token in zip(top, ids, strict=True))
 
 
 async def test_statistics_count_the_tokens_of_waiting_requests(tiny_dir: Path) -> None:

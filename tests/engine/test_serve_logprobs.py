@@ -7,6 +7,7 @@ reference forward of the same model (``numerics.LogprobError``). Also SGLang's r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,86 @@ def test_top_and_chosen_logprobs_on_input_and_output(
         assert abs(meta["output_token_logprobs"][j][0] - float(out_rows[j, token])) <= out_bound
     for entries in (meta["input_top_logprobs"][1], meta["output_token_ids_logprobs"][0]):
         assert all(text == tokenizer.decode([token]) for _, token, text in entries)
+
+
+STREAMED = {
+    "input_ids": PROMPT,
+    "sampling_params": {"max_new_tokens": 6, "temperature": 0.7, "sampling_seed": 5},
+    "return_logprob": True,
+    "logprob_start_len": 5,
+    "top_logprobs_num": 3,
+    "token_ids_logprob": [2, 198],
+    "stream": True,
+}
+OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+INPUT_LISTS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+def stream_chunks(url: str) -> list[dict]:
+    """``STREAMED``'s server-sent events (every one checked for SGLang's framing)."""
+    raw = httpx.post(url + "/generate", json=STREAMED, timeout=120).content
+    parts = raw.split(b"\n\n")
+    assert parts[-2:] == [b"data: [DONE]", b""], raw[-200:]
+    assert all(p.startswith(b"data: ") for p in parts[:-2])
+    return [json.loads(p[len(b"data: ") :]) for p in parts[:-2]]
+
+
+def check_streamed_output(
+    logprob_error: LogprobError, ids: list[int], meta: dict, input_meta: dict
+) -> None:
+    """The whole output's lists (``meta``) and the input's (``input_meta``) are the model's."""
+    out_rows, out_bound = logprob_error.rows(PROMPT, ids, 0.7)
+    assert [len(meta[key]) for key in OUTPUT_LISTS] == [len(ids)] * 3
+    for j, token in enumerate(ids):
+        assert meta["output_token_logprobs"][j][1] == token
+        assert abs(meta["output_token_logprobs"][j][0] - float(out_rows[j, token])) <= out_bound
+        check_top(meta["output_top_logprobs"][j], out_rows[j], 3, out_bound)
+        check_chosen(meta["output_token_ids_logprobs"][j], [2, 198], out_rows[j], out_bound)
+    rows, bound = reference(logprob_error, PROMPT)
+    check_input(input_meta["input_token_logprobs"], PROMPT, 5, rows, bound)
+    for position in range(6, len(PROMPT)):
+        check_top(input_meta["input_top_logprobs"][position - 5], rows[position - 1], 3, bound)
+
+
+def test_every_streamed_chunk_carries_the_logprob_lists_so_far(
+    url: str, logprob_error: LogprobError
+) -> None:
+    """Cumulative streaming (SGLang's default): each chunk's output lists are as long as its
+    ids and a prefix of the last chunk's; the input lists come whole in every chunk."""
+    got = stream_chunks(url)
+    assert len(got) >= 3, got  # chunks while it runs, then the final one
+    last = got[-1]["meta_info"]
+    for chunk in got:
+        meta, n = chunk["meta_info"], len(chunk["output_ids"])
+        assert n > 0
+        for key in OUTPUT_LISTS:
+            assert meta[key] == last[key][:n], key
+        for key in INPUT_LISTS:
+            assert meta[key] == last[key], key
+    check_streamed_output(logprob_error, got[-1]["output_ids"], last, last)
+
+
+def test_incremental_chunks_cut_the_output_lists_like_the_ids(
+    tiny_dir: Path, tmp_path: Path, logprob_error: LogprobError
+) -> None:
+    """``--incremental-streaming-output``, as SGLang: each chunk's output lists hold what is new
+    (as its ids do); joined they are the whole output's. The input lists come whole."""
+    flag = "--incremental-streaming-output"
+    with serving(tiny_dir, tmp_path / "serve.log", flag) as base:
+        got = stream_chunks(base)
+    assert len(got) >= 2, got
+    ids: list[int] = []
+    joined: dict[str, list] = {key: [] for key in OUTPUT_LISTS}
+    for chunk in got:
+        meta = chunk["meta_info"]
+        for key in OUTPUT_LISTS:
+            assert len(meta[key]) == len(chunk["output_ids"]), key
+            joined[key] += meta[key]
+        for key in INPUT_LISTS:
+            assert meta[key] == got[0]["meta_info"][key], key
+        ids += chunk["output_ids"]
+    assert got[-1]["meta_info"]["completion_tokens"] == len(ids)
+    check_streamed_output(logprob_error, ids, joined, got[0]["meta_info"])
 
 
 def test_without_input_positions_the_input_lists_are_empty(url: str) -> None:

@@ -161,7 +161,15 @@ class Reader:
 
 
 async def test_abort_request_ends_a_stream_with_abort_and_frees_its_kv(url: str) -> None:
-    body = {"input_ids": PROMPT, "sampling_params": LONG, "rid": "abort-me", "stream": True}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": LONG,
+        "rid": "abort-me",
+        "stream": True,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": [5],
+    }
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", url + "/generate", json=body) as stream:
             reader = Reader(stream)
@@ -175,6 +183,8 @@ async def test_abort_request_ends_a_stream_with_abort_and_frees_its_kv(url: str)
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < len(last["output_ids"]) < LONG["max_new_tokens"]
         assert last["meta_info"]["completion_tokens"] == len(last["output_ids"])
+        for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+            assert len(last["meta_info"][key]) == len(last["output_ids"]), key
         await assert_kv_all_free(client, url)
 
 
@@ -185,7 +195,9 @@ async def test_abort_all_ends_plain_requests_with_their_partial_output(url: str)
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def one(rid: str) -> None:
-            body = {"input_ids": PROMPT, "sampling_params": LONG, "rid": rid}
+            body: dict = {"input_ids": PROMPT, "sampling_params": LONG, "rid": rid}
+            if rid == "b":  # its partial lists come back as long as its output
+                body.update(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[5])
             answers.append((await client.post(url + "/generate", json=body)).json())
 
         async with anyio.create_task_group() as tg:
@@ -200,6 +212,10 @@ async def test_abort_all_ends_plain_requests_with_their_partial_output(url: str)
         for answer in answers:
             assert answer["meta_info"]["finish_reason"]["type"] == "abort"
             assert len(answer["output_ids"]) < LONG["max_new_tokens"]
+            if "output_top_logprobs" in answer["meta_info"]:
+                for key in ("output_token_logprobs", "output_top_logprobs"):
+                    assert len(answer["meta_info"][key]) == len(answer["output_ids"]), key
+        assert sum("output_top_logprobs" in a["meta_info"] for a in answers) == 1
         await assert_kv_all_free(client, url)
 
 
