@@ -229,13 +229,14 @@ async def run_trajectory(
     group_id: str,
     sample_index: int,
     seed: int,
-    slot: anyio.CapacityLimiter | None = None,
+    slot: contextlib.AbstractAsyncContextManager[Any] | None = None,
 ) -> Trajectory:
     """Run one trajectory to completion. Never raises for env/engine/tool failures: they are
     recorded on the returned trajectory (``status="error"``). Cancellation propagates.
 
-    ``slot`` (``rollout.concurrency``'s limiter) is held while the episode runs and released
-    before it is scored: a slow ``reward()`` holds no generation capacity."""
+    ``slot`` (``rollout.concurrency``'s limiter, or a slot already taken from it) is held while
+    the episode runs and released before it is scored: a slow ``reward()`` holds no generation
+    capacity."""
     run = _Run(ctx, task, seed)
     started = time.perf_counter()
     env: Any = None

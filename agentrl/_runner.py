@@ -83,11 +83,11 @@ async def run_groups(
         ctx.tool_limiter = anyio.CapacityLimiter(cfg.tool_threads)
     results: dict[tuple[int, int], Trajectory] = {}
 
-    async def one(task_index: int, task: Any, sample: int) -> None:
+    async def one(task_index: int, task: Any, sample: int, slot: HeldSlot) -> None:
         group_id = f"{ctx.spec.id}/{task.id}{suffix}"
         seed = derive_seed(cfg.seed, ctx.spec.id, task.id, sample)
         traj = await run_trajectory(
-            ctx, task, group_id=group_id, sample_index=sample, seed=seed, slot=limiter
+            ctx, task, group_id=group_id, sample_index=sample, seed=seed, slot=slot
         )
         results[(task_index, sample)] = traj
         if on_trajectory is not None:
@@ -101,17 +101,38 @@ async def run_groups(
                 open_tool_processes(cfg.tool_processes)
             )
             stack.callback(setattr, ctx, "tool_processes", None)
-        await _run_all(ctx, tasks, one, first_sample, stop)
+        await _run_all(ctx, tasks, one, limiter, first_sample, stop)
     return [results[k] for k in sorted(results)]
+
+
+class HeldSlot:
+    """A generation slot taken for a trajectory before it starts; released when its episode
+    ends (``run_trajectory``'s ``slot``)."""
+
+    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
+        self._limiter = limiter
+
+    async def take(self) -> None:
+        await self._limiter.acquire_on_behalf_of(self)
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._limiter.release_on_behalf_of(self)
 
 
 async def _run_all(
     ctx: RolloutContext,
     tasks: Sequence[Any],
-    one: Callable[[int, Any, int], Any],
+    one: Callable[[int, Any, int, HeldSlot], Any],
+    limiter: anyio.CapacityLimiter,
     first_sample: Mapping[str, int] | None,
     stop: anyio.Event | None,
 ) -> None:
+    """Start the trajectories in (task, sample) order, each once a generation slot is free: at
+    most ``concurrency`` episodes run, and a rollout of any size holds only those (and the ones
+    being scored), not a waiting task per sample."""
     async with anyio.create_task_group() as watch:
         if stop is not None:
             watch.start_soon(cancel_when_set, stop, watch.cancel_scope)
@@ -119,7 +140,9 @@ async def _run_all(
             for ti, task in enumerate(tasks):
                 start = (first_sample or {}).get(f"{ctx.spec.id}/{task.id}", 0)
                 for sample in range(start, start + ctx.config.group_size):
-                    tg.start_soon(one, ti, task, sample)
+                    slot = HeldSlot(limiter)
+                    await slot.take()
+                    tg.start_soon(one, ti, task, sample, slot)
         watch.cancel_scope.cancel()
 
 

@@ -488,3 +488,25 @@ async def test_a_slow_verifier_does_not_hold_a_generation_slot(chatml, tokenizer
     trajs = await run_groups(ctx, ctx.spec.make().tasks("train"))
     assert [t.error for t in trajs] == [None] * 4, [t.error for t in trajs]
     assert [t.reward for t in trajs] == [1.0] * 4
+
+
+class _CountingTasks(ScriptedEngine):
+    """A scripted engine that records the most tasks alive in the event loop at any call."""
+
+    peak = 0
+
+    async def generate(self, input_ids, sampling, session=None):
+        self.peak = max(self.peak, len(anyio.get_running_tasks()))
+        return await super().generate(input_ids, sampling, session)
+
+
+async def test_a_large_rollout_starts_each_trajectory_when_a_slot_frees(chatml, tokenizer):
+    """240 samples at concurrency 3: they start in (task, sample) order as slots free, so the
+    loop never holds more than a few tasks (it held one per sample, waiting on the slot)."""
+    engine = _CountingTasks(tokenizer, [ANSWER], delay_s=0.001)
+    ctx = _ctx(chatml, engine, concurrency=3, group_size=4)
+    tasks = [agentrl.Task(id=f"t{i}", prompt="What is 3 + 2?", answer="5") for i in range(60)]
+    trajs = await run_groups(ctx, tasks)
+    assert [t.id for t in trajs] == [f"calc-v0/t{i}/{k}" for i in range(60) for k in range(4)]
+    assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
+    assert engine.peak <= 3 + 10, engine.peak  # the three running, the test's own, scoring
