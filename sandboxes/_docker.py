@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 
+from . import _supervisor
 from ._backend import Guarantee
 from ._config import DockerConfig, GVisorConfig, check_docker_socket, docker_host_from_env
 from ._container import ContainerSandbox, ExecSpec
@@ -49,7 +50,6 @@ SCRATCH_ROOT = "/scratch"
 # message queues there: its programs may not open one (the seccomp filter refuses mq_open).
 PROBE_DIRS = [SCRATCH_ROOT, "/tmp", "/dev/shm", "/dev/mqueue"]
 GVISOR_PROBE_DIRS = [SCRATCH_ROOT, "/tmp", "/dev/shm"]
-KEYRING_SYSCALLS = ["add_key", "request_key", "keyctl"]
 MQUEUE_SYSCALLS = ["mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify"]
 BYTES_PER_INODE = 4096  # each tmpfs gets one inode per this many bytes of its size,
 MIN_ENTRIES = 1024  # and room for this many (what request validation allows in files and dirs)
@@ -203,7 +203,7 @@ class ContainerBackend:
             cmd=["python3", "-I", "-S", "-c", wrapper, source, json.dumps(probe_dirs)],
             environment=EXEC_ENV,
             scratch_root=SCRATCH_ROOT,
-            deny_syscalls=KEYRING_SYSCALLS + (MQUEUE_SYSCALLS if gvisor else []),
+            deny_syscalls=[*_supervisor.DEFAULT_DENY, *(MQUEUE_SYSCALLS if gvisor else [])],
         )
         await self.reap_orphans()
 
@@ -434,7 +434,8 @@ class ContainerBackend:
             g(
                 "seccomp",
                 True,
-                "a BPF filter of the supervisor's: add_key, request_key, keyctl"
+                "a BPF filter of the supervisor's: the keyring calls, io_uring_*, bpf, "
+                "perf_event_open, userfaultfd"
                 + (
                     " and the mq_* calls answer EPERM"
                     if gvisor

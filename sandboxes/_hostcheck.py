@@ -292,9 +292,10 @@ def local_guarantees(
         g(
             "seccomp",
             sandbox and "--seccomp" in facts.bwrap_options,
-            "a BPF filter (bubblewrap --seccomp): add_key, request_key and keyctl answer EPERM"
+            "a BPF filter (bubblewrap --seccomp): the keyring calls, io_uring_*, bpf, "
+            "perf_event_open and userfaultfd answer EPERM"
             if "--seccomp" in facts.bwrap_options
-            else "bubblewrap lacks --seccomp: the keyring syscalls stay callable",
+            else "bubblewrap lacks --seccomp: the keyring and io_uring syscalls stay callable",
         ),
         g(
             "session_keyring",

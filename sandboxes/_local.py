@@ -13,7 +13,8 @@ request waits for a cgroup attach, an RCU grace period); that process sets rlimi
 bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount namespaces;
 read-only ``/usr`` and a generated ``/etc``; size-capped tmpfs ``/work`` holding the request's
 files, ``/tmp`` and ``/dev/shm``; ``/`` and ``/dev`` read-only), installs the seccomp filter
-(``--seccomp``: the keyring syscalls answer EPERM) and runs the program as uid 1000 inside.
+(``--seccomp``: the keyring, io_uring, bpf, perf_event_open and userfaultfd syscalls answer
+EPERM) and runs the program as uid 1000 inside.
 When the program exits, bubblewrap exits, and with it the sandbox's PID 1, which takes every
 process left in the namespace down; the supervisor then checks the cgroups are empty. Nothing
 outlives a request: the next one gets a new sandbox in the same slot (``docs/sandboxes.md``).

@@ -13,7 +13,8 @@ Optional keys (the backends use them): ``env`` (the program's whole environment)
 ``python``/``bash`` (interpreters), ``nice`` (the program's), ``max_processes``,
 ``max_open_files``, ``max_file_mb``, ``rlimit_as_mb`` (null: no RLIMIT_AS; default the
 request's ``memory_mb``), ``deny_syscalls`` (names the seccomp filter refuses with EPERM;
-default the keyring calls ``add_key``, ``request_key``, ``keyctl``), ``meter`` (``"container"``:
+default ``DEFAULT_DENY``: the keyring calls and the kernel interfaces of
+``KERNEL_SURFACE_SYSCALLS``), ``meter`` (``"container"``:
 account memory and CPU through the container's own counters, see ``ContainerMeter``) and
 ``bwrap``: ``{"argv": [bwrap and its mount options], "post_argv": [...], "workdir": "/work",
 "main_dir": "/opt/agentrl"}`` to run the program inside bubblewrap; the request's files are
@@ -90,7 +91,15 @@ RECLAIM_ABOVE = 32 * MB
 OOM_SCORE_ADJ = 1000  # the program's: the kernel's OOM killer takes it first (no privilege)
 SELFTEST_UID = 64999
 OOM_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "Out of memory")
-DEFAULT_DENY = ("add_key", "request_key", "keyctl")
+KEYRING_SYSCALLS = ("add_key", "request_key", "keyctl")
+KERNEL_SURFACE_SYSCALLS = (
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open",
+    "userfaultfd",
+)  # fmt: skip
+"""Kernel interfaces a sandboxed program has no use for and kernel exploits start from (Docker's
+default profile refuses them too); a runtime that cannot use one falls back (libuv without
+io_uring uses epoll)."""
+DEFAULT_DENY = KEYRING_SYSCALLS + KERNEL_SURFACE_SYSCALLS
 _libc = None
 
 
@@ -171,14 +180,20 @@ _SYSCALLS = {
     0xC000003E: {  # x86_64 (x32 calls, nr | 0x40000000, are all refused)
         "add_key": 248, "request_key": 249, "keyctl": 250, "mq_open": 240, "mq_unlink": 241,
         "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "bpf": 321,
+        "perf_event_open": 298, "userfaultfd": 323,
     },
     0x40000003: {  # i386 (int 0x80 on an x86_64 kernel)
         "add_key": 286, "request_key": 287, "keyctl": 288, "mq_open": 277, "mq_unlink": 278,
         "mq_timedsend": 279, "mq_timedreceive": 280, "mq_notify": 281, "mq_getsetattr": 282,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "bpf": 357,
+        "perf_event_open": 336, "userfaultfd": 374,
     },
     0xC00000B7: {  # aarch64
         "add_key": 217, "request_key": 218, "keyctl": 219, "mq_open": 180, "mq_unlink": 181,
         "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "bpf": 280,
+        "perf_event_open": 241, "userfaultfd": 282,
     },
 }  # fmt: skip
 _X32_BIT = 0x40000000

@@ -630,6 +630,21 @@ async def test_keyrings_are_out_of_reach(sandbox_backend, session_keyring_with_a
                 assert "agentrl-key" not in result.stdout, result
 
 
+# -- kernel interfaces that exploits start from ----------------------------------------------------
+_KERNEL_SURFACE = _LIBC + (
+    "nr = {'x86_64': (425, 323, 298, 321), 'aarch64': (425, 282, 241, 280)}[os.uname().machine]\n"
+    "args = ((0, None), (1 | 0x40000000,), (None, 0, -1, -1, 0), (0, None, 0))\n"
+    "print([(libc.syscall(n, *a), ctypes.get_errno()) for n, a in zip(nr, args)])\n"
+)
+
+
+async def test_io_uring_userfaultfd_perf_and_bpf_are_refused(sandbox_backend):
+    """``io_uring_setup``, ``userfaultfd``, ``perf_event_open`` and ``bpf`` answer EPERM on every
+    backend (unfiltered, the first three fail with EFAULT/EINVAL on these arguments)."""
+    result = await run_case(sandbox_backend, py(_KERNEL_SURFACE), {"ok"})
+    assert result.stdout == "[(-1, 1), (-1, 1), (-1, 1), (-1, 1)]\n", result
+
+
 # -- memory that is not a process's RSS ------------------------------------------------------------
 async def test_oom_score_adj_of_the_program(sandbox_backend):
     code = "import os\nprint(open('/proc/self/oom_score_adj').read().strip())\n"

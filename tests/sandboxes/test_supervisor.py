@@ -343,6 +343,31 @@ def test_keyring_and_x32_syscalls_answer_eperm(scratch):
     assert r["stdout"].startswith("[(True, 0), (True, 0), (True, 0)"), r
 
 
+# io_uring_setup(0, NULL), userfaultfd(user-mode-only | an unknown flag), perf_event_open(NULL,
+# ...), bpf(BPF_MAP_CREATE, NULL, 0): each fails without the filter too, with an errno of its own
+_KERNEL_SURFACE = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "out = []\n"
+    "for nr, args in ((425, (0, None)), (323, (1 | 0x40000000,)), (298, (None, 0, -1, -1, 0)),\n"
+    "                 (321, (0, None, 0))):\n"
+    "    out.append((libc.syscall(nr, *args), ctypes.get_errno()))\n"
+    "print(out)\n"
+)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
+def test_io_uring_userfaultfd_perf_and_bpf_answer_eperm(scratch):
+    r = supervise(_KERNEL_SURFACE, scratch=scratch)
+    assert r["status"] == "ok", r
+    assert r["stdout"] == "[(-1, 1), (-1, 1), (-1, 1), (-1, 1)]\n", r
+    # the filter is what refuses them: without it the kernel answers its own errors (bpf may be
+    # refused by kernel.unprivileged_bpf_disabled as well)
+    r = supervise(_KERNEL_SURFACE, scratch=scratch, deny_syscalls=[])
+    errnos = [errno for _, errno in eval(r["stdout"])]
+    assert all(errno not in (0, 1) for errno in errnos[:3]), r  # EFAULT or EINVAL, not EPERM
+
+
 @pytest.mark.parametrize("deny", [["no_such_call"], "keyctl", [5]])
 def test_a_bad_deny_list_is_an_invalid_request(scratch, deny):
     r = supervise("print(1)", scratch=scratch, deny_syscalls=deny)
