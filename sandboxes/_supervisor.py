@@ -1581,6 +1581,9 @@ class Run:
             res["status"] = "oom" if self._says_oom(stderr) else "nonzero_exit"
         if res["status"] in ("ok", "nonzero_exit") and (self.truncated[1] or self.truncated[2]):
             res["status"] = "output_limit"  # it exited just as the limit was passed
+        if res["status"] in ("ok", "nonzero_exit") and self.cpu_explicit:
+            if self.cpu_s > self.cpu_limit:  # it exited past the limit, between two checks
+                res["status"] = "timeout"
         if self.notes:
             res["error"] = "; ".join(self.notes)
         return res

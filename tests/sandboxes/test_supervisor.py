@@ -423,6 +423,20 @@ def test_cpu_time_is_summed_over_the_programs_processes(scratch):
     assert uid_processes() == []
 
 
+def test_a_program_that_exits_just_past_cpu_time_s_is_a_timeout(scratch):
+    """It passes the limit by 2 ms and exits before the next 50 ms check could see it: still
+    over its CPU time, so a timeout (with what it printed)."""
+    code = (  # os._exit: no interpreter teardown after the loop, so the window is ~2 ms
+        "import os, time\nwhile time.process_time() < 0.802:\n    pass\n"
+        "print('done', flush=True)\nos._exit(0)\n"
+    )
+    r = supervise(code, scratch=scratch, timeout_s=20.0, cpu_time_s=0.8)
+    assert r["status"] == "timeout" and r["cpu_s"] > 0.8, r
+    assert r["stdout"] in ("done\n", ""), r  # ended by the check (empty) or after it exited
+    r = supervise(code.replace("0.802", "0.6"), scratch=scratch, timeout_s=20.0, cpu_time_s=0.8)
+    assert r["status"] == "ok" and r["stdout"] == "done\n" and r["cpu_s"] <= 0.8, r
+
+
 def test_without_cpu_time_s_the_wall_clock_decides(scratch):
     # the sum only applies to an explicit cpu_time_s: two busy processes run to the wall clock
     code = "import os\nos.fork()\nwhile True:\n    pass\n"
