@@ -322,50 +322,52 @@ def test_selftest():
 
 
 # -- seccomp, keyrings, the OOM killer's choice ----------------------------------------------------
-_SYSCALLS = (
-    "import ctypes, os\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "out = []\n"
-    "for nr, args in ((248, (b'user', b'k', b'v', 1, -3)), (249, (b'user', b'k', None, -3)),\n"
-    "                 (250, (0, -3, 0)), (0x40000000 | 39, ())):\n"  # the last: x32 getpid
-    "    out.append((libc.syscall(nr, *args) >= 0, ctypes.get_errno()))\n"
-    "print(out, open('/proc/self/oom_score_adj').read().strip())\n"
+def syscall_probe(calls: str, also: str = "") -> str:
+    """A program printing ``(succeeded, errno)`` for each ``(number, args)`` of ``calls``."""
+    return (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"out = [(libc.syscall(nr, *args) >= 0, ctypes.get_errno()) for nr, args in ({calls})]\n"
+        f"print(out{also})\n"
+    )
+
+
+_SYSCALLS = syscall_probe(  # the last: x32 getpid
+    "(248, (b'user', b'k', b'v', 1, -3)), (249, (b'user', b'k', None, -3)), (250, (0, -3, 0)), "
+    "(0x40000000 | 39, ())",
+    also=", open('/proc/self/oom_score_adj').read().strip()",
 )
-
-
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
-def test_keyring_and_x32_syscalls_answer_eperm(scratch):
-    r = supervise(_SYSCALLS, scratch=scratch)
-    assert r["status"] == "ok", r
-    assert r["stdout"] == "[(False, 1), (False, 1), (False, 1), (False, 1)] 1000\n", r
-    # the filter is what refuses them: without it the keyring calls work
-    r = supervise(_SYSCALLS, scratch=scratch, deny_syscalls=[])
-    assert r["stdout"].startswith("[(True, 0), (True, 0), (True, 0)"), r
 
 
 # io_uring_setup(0, NULL), userfaultfd(user-mode-only | an unknown flag), perf_event_open(NULL,
 # ...), bpf(BPF_MAP_CREATE, NULL, 0): each fails without the filter too, with an errno of its own
-_KERNEL_SURFACE = (
-    "import ctypes\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "out = []\n"
-    "for nr, args in ((425, (0, None)), (323, (1 | 0x40000000,)), (298, (None, 0, -1, -1, 0)),\n"
-    "                 (321, (0, None, 0))):\n"
-    "    out.append((libc.syscall(nr, *args), ctypes.get_errno()))\n"
-    "print(out)\n"
+_KERNEL_SURFACE = syscall_probe(
+    "(425, (0, None)), (323, (1 | 0x40000000,)), (298, (None, 0, -1, -1, 0)), (321, (0, None, 0))"
 )
 
 
+def _keyring_calls_work(stdout: str) -> bool:
+    return stdout.startswith("[(True, 0), (True, 0), (True, 0)")
+
+
+def _kernel_errnos(stdout: str) -> bool:
+    """EFAULT or EINVAL, not EPERM (bpf may be refused by kernel.unprivileged_bpf_disabled)."""
+    return all(errno not in (0, 1) for _, errno in eval(stdout.split("]")[0] + "]")[:3])
+
+
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
-def test_io_uring_userfaultfd_perf_and_bpf_answer_eperm(scratch):
-    r = supervise(_KERNEL_SURFACE, scratch=scratch)
+@pytest.mark.parametrize(
+    ("probe", "oom_adj", "unfiltered"),
+    [(_SYSCALLS, " 1000", _keyring_calls_work), (_KERNEL_SURFACE, "", _kernel_errnos)],
+    ids=["keyring-and-x32", "io_uring-userfaultfd-perf-bpf"],
+)
+def test_the_seccomp_filter_answers_eperm(scratch, probe, oom_adj, unfiltered):
+    r = supervise(probe, scratch=scratch)
     assert r["status"] == "ok", r
-    assert r["stdout"] == "[(-1, 1), (-1, 1), (-1, 1), (-1, 1)]\n", r
-    # the filter is what refuses them: without it the kernel answers its own errors (bpf may be
-    # refused by kernel.unprivileged_bpf_disabled as well)
-    r = supervise(_KERNEL_SURFACE, scratch=scratch, deny_syscalls=[])
-    errnos = [errno for _, errno in eval(r["stdout"])]
-    assert all(errno not in (0, 1) for errno in errnos[:3]), r  # EFAULT or EINVAL, not EPERM
+    assert r["stdout"] == f"[(False, 1), (False, 1), (False, 1), (False, 1)]{oom_adj}\n", r
+    # the filter is what refuses them: without it the kernel answers for itself
+    r = supervise(probe, scratch=scratch, deny_syscalls=[])
+    assert r["status"] == "ok" and unfiltered(r["stdout"]), r
 
 
 @pytest.mark.parametrize("deny", [["no_such_call"], "keyctl", [5]])
