@@ -69,6 +69,7 @@ from ._server_generate import (
     BadRequest,
     Item,
     ModelFacts,
+    RenderMemo,
     plan_generate,
     prepare_run,
     render_result,
@@ -314,15 +315,20 @@ class _Server:
         out[index] = await self._render(item, context, result, started)
 
     async def _render(
-        self, item: Item, context: list[int], result: GenerateResult, started: float
+        self,
+        item: Item,
+        context: list[int],
+        result: GenerateResult,
+        started: float,
+        memo: RenderMemo | None = None,
     ) -> w.WireGenerateResp:
         """``render_result``; in a thread when the sample asked for per-position lists beyond
         its own tokens' logprobs (up to ``max_logprob_entries`` of them: seconds of work)."""
         if _heavy(item):
             return await anyio.to_thread.run_sync(
-                render_result, item, context, result, self.facts, started
+                render_result, item, context, result, self.facts, started, memo
             )
-        return render_result(item, context, result, self.facts, started)
+        return render_result(item, context, result, self.facts, started, memo)
 
     # --- streaming /generate and /abort_request ------------------------------------------------
 
@@ -366,7 +372,7 @@ class _Server:
         write: Any,
     ) -> None:
         live = self.live.add(item.rid)
-        cursor = Cursor()
+        cursor, memo = Cursor(), RenderMemo()
         finished = anyio.Event()
 
         def shaped(resp: w.WireGenerateResp) -> bytes:
@@ -399,7 +405,7 @@ class _Server:
                         prompt_tokens=0,
                         details=live.details,
                     )
-                    resp = await self._render(item, live.context, partial, started)
+                    resp = await self._render(item, live.context, partial, started, memo)
                     resp.text = stable_text(resp.text)
                     resp.meta_info.finish_reason = None
                     resp.meta_info.e2e_latency = 0.0

@@ -11,7 +11,8 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,16 @@ class ModelFacts:
     what ``max_context`` tokens of the longest vocabulary entry can cover, for each text, and
     twice that for all the texts of a request together. Longer text could never fit the
     context; it is refused before the tokenizer spends time and memory on it."""
+    pieces: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+    """Each token decoded alone, as ``return_text_in_logprobs`` shows it, once per token id (a
+    stream renders its lists again at every chunk)."""
+
+    def piece(self, token: int) -> str:
+        """``token`` decoded alone (cached; at most one entry per vocabulary id)."""
+        text = self.pieces.get(token)
+        if text is None:
+            text = self.pieces[token] = self.tokenizer.decode([token])
+        return text
 
     @classmethod
     def read(cls, folder: Path, tokenizer: Any, max_context: int) -> ModelFacts:
@@ -378,10 +389,61 @@ def prepare_run(
     return sampling, query
 
 
+class RenderMemo:
+    """The logprob lists a stream already rendered for one sample, so that each chunk renders
+    only the positions that are new (a chunk at ``n`` tokens would otherwise build ``n``
+    entries, and their top-k, again). Output-side lists grow with the ids; input-side ones are
+    rendered once. A restart of the request (new ids or logprobs under the rendered prefix)
+    starts it over."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.lists: dict[str, list[Any]] = {}
+        self.done = 0
+        """Output positions rendered (for the chunk being rendered: before it)."""
+
+    def begin(self, ids: list[int], logprobs: list[float]) -> None:
+        k = len(self.ids)
+        if ids[:k] != self.ids or logprobs[:k] != self.logprobs:
+            self.lists, k = {}, 0
+        self.ids, self.logprobs, self.done = list(ids), list(logprobs), k
+
+    def grown(self, key: str, make: Callable[[int], list[Any]]) -> list[Any]:
+        """The output list ``key``: what was rendered plus ``make(first new position)``."""
+        rendered = self.lists.setdefault(key, [])
+        rendered.extend(make(self.done))
+        return list(rendered)
+
+    def once(self, key: str, make: Callable[[], list[Any]]) -> list[Any]:
+        """The input list ``key``, rendered the first time."""
+        if key not in self.lists:
+            self.lists[key] = make()
+        return list(self.lists[key])
+
+
+class _Fresh:
+    """``RenderMemo``'s interface rendering everything (a whole answer)."""
+
+    @staticmethod
+    def grown(key: str, make: Callable[[int], list[Any]]) -> list[Any]:
+        return make(0)
+
+    @staticmethod
+    def once(key: str, make: Callable[[], list[Any]]) -> list[Any]:
+        return make()
+
+
 def render_result(
-    item: Item, context: list[int], result: GenerateResult, facts: ModelFacts, started: float
+    item: Item,
+    context: list[int],
+    result: GenerateResult,
+    facts: ModelFacts,
+    started: float,
+    memo: RenderMemo | None = None,
 ) -> w.WireGenerateResp:
-    """SGLang's response object for one sample."""
+    """SGLang's response object for one sample; ``memo`` (a stream's chunks before the last)
+    keeps what earlier chunks rendered of the logprob lists."""
     tokenizer, ids = facts.tokenizer, list(result.token_ids)
     matched = result.matched_stop if result.finish_reason == "stop" else None
     text_ids = ids[:-1] if isinstance(matched, int) and not item.no_stop_trim and ids else ids
@@ -410,15 +472,22 @@ def render_result(
     if any(v != result.weight_version for v in result.token_versions):
         meta.token_versions = list(result.token_versions)  # the tokens span weight versions
     if item.return_logprob:
+        lists: RenderMemo | _Fresh = _Fresh() if memo is None else memo
+        if memo is not None:
+            memo.begin(ids, result.logprobs)
 
         def piece(token: int) -> str | None:
-            return tokenizer.decode([token]) if item.text_in_logprobs else None
+            return facts.piece(token) if item.text_in_logprobs else None
 
-        meta.output_token_logprobs = [
-            (float(lp), int(t), piece(t)) for t, lp in zip(ids, result.logprobs, strict=True)
-        ]
+        logprobs = result.logprobs
+        meta.output_token_logprobs = lists.grown(
+            "output_token",
+            lambda lo: [
+                (float(lp), int(t), piece(t)) for t, lp in zip(ids[lo:], logprobs[lo:], strict=True)
+            ],
+        )
         meta.output_token_logprobs_length = len(ids)
-        render_logprob_details(meta, item, context, result, piece)
+        render_logprob_details(meta, item, context, result, piece, lists)
     return w.WireGenerateResp(text=text, meta_info=meta, output_ids=ids)
 
 
@@ -428,33 +497,41 @@ def render_logprob_details(
     context: list[int],
     result: GenerateResult,
     piece: Any,
+    lists: RenderMemo | _Fresh,
 ) -> None:
     """SGLang's input, top-k and chosen-id logprob lists from ``result.details``."""
     details = result.details
     start = details.input_start if details is not None else None
     reported = context[start:] if start is not None else []
     values = details.input_logprobs if details is not None else []
-    meta.input_token_logprobs = [
-        (lp, int(t), piece(t)) for lp, t in zip(values, reported, strict=True)
-    ]
+    meta.input_token_logprobs = lists.once(
+        "input_token",
+        lambda: [(lp, int(t), piece(t)) for lp, t in zip(values, reported, strict=True)],
+    )
 
     def entries(pairs: list[tuple[float, int]] | None) -> list[w.LogprobEntry] | None:
         return None if pairs is None else [(float(v), int(t), piece(t)) for v, t in pairs]
 
     chosen = item.token_ids_logprob
+
+    def pick(values: list[float] | None) -> list[w.LogprobEntry] | None:
+        if values is None or chosen is None:
+            return None
+        return entries(list(zip(values, chosen, strict=True)))
+
     if item.top_logprobs_num > 0:
-        meta.input_top_logprobs = [entries(p) for p in (details.input_top or [])] if details else []
-        meta.output_top_logprobs = (
-            [entries(p) for p in (details.output_top or [])] if details else []
+        input_top = (details.input_top or []) if details else []
+        output_top = (details.output_top or []) if details else []
+        meta.input_top_logprobs = lists.once("input_top", lambda: [entries(p) for p in input_top])
+        meta.output_top_logprobs = lists.grown(
+            "output_top", lambda lo: [entries(p) for p in output_top[lo:]]
         )
     if chosen is not None:
-
-        def pick(values: list[float] | None) -> list[w.LogprobEntry] | None:
-            return None if values is None else entries(list(zip(values, chosen, strict=True)))
-
-        meta.input_token_ids_logprobs = (
-            [pick(v) for v in (details.input_token_ids or [])] if details else []
+        input_ids = (details.input_token_ids or []) if details else []
+        output_ids = (details.output_token_ids or []) if details else []
+        meta.input_token_ids_logprobs = lists.once(
+            "input_chosen", lambda: [pick(v) for v in input_ids]
         )
-        meta.output_token_ids_logprobs = (
-            [pick(v) for v in (details.output_token_ids or [])] if details else []
+        meta.output_token_ids_logprobs = lists.grown(
+            "output_chosen", lambda lo: [pick(v) for v in output_ids[lo:]]
         )

@@ -340,6 +340,43 @@ async def test_server_info_reports_this_servers_values(url: str, tiny_dir: Path)
     assert info["decode_attention_backend"] == info["prefill_attention_backend"] == "auto"
 
 
+def test_a_streams_memo_renders_what_a_fresh_render_does(tiny_dir: Path) -> None:
+    """Chunks render only their new logprob entries (``RenderMemo``); each chunk equals a
+    render from scratch, also after the request restarted (other ids, or the same ids with
+    other logprobs, under the rendered prefix)."""
+    from transformers import AutoTokenizer
+
+    from agentrl._types import GenerateResult, LogprobDetails, SamplingParams
+    from agentrl.engine._server_generate import Item, ModelFacts, RenderMemo, render_result
+
+    facts = ModelFacts.read(tiny_dir, AutoTokenizer.from_pretrained(tiny_dir), 2048)
+    item = Item(PROMPT, SamplingParams(max_new_tokens=16), "r", True, 2, True, False, True, None,
+                top_logprobs_num=2, token_ids_logprob=(5, 7))  # fmt: skip
+
+    def partial(ids: list[int], shift: float = 0.0) -> GenerateResult:
+        lps = [-0.5 - t / 1000 - shift for t in ids]
+        details = LogprobDetails(
+            input_start=2,
+            input_logprobs=[None] + [-1.0] * (len(PROMPT) - 3),
+            input_top=[None] + [[(-1.0, 3), (-2.0, 4)]] * (len(PROMPT) - 3),
+            input_token_ids=[None] + [[-3.0, -4.0]] * (len(PROMPT) - 3),
+            output_top=[[(lp, t), (lp - 1, t + 1)] for t, lp in zip(ids, lps, strict=True)],
+            output_token_ids=[[lp - 2, lp - 3] for lp in lps],
+        )
+        return GenerateResult(ids, lps, "abort", prompt_tokens=0, details=details)
+
+    memo = RenderMemo()
+    runs = [[11], [11, 12], [11, 12, 13, 14], [11, 12, 13, 14], [21, 22], [21, 22, 23]]
+    for ids in runs:
+        got = render_result(item, PROMPT, partial(ids), facts, 0.0, memo)
+        want = render_result(item, PROMPT, partial(ids), facts, 0.0)
+        got.meta_info.e2e_latency = want.meta_info.e2e_latency = 0.0
+        assert got == want, ids
+    shifted = render_result(item, PROMPT, partial([21, 22, 23], 0.25), facts, 0.0, memo)
+    fresh = render_result(item, PROMPT, partial([21, 22, 23], 0.25), facts, 0.0)
+    assert shifted.meta_info.output_top_logprobs == fresh.meta_info.output_top_logprobs
+
+
 def test_sglangs_launch_flags_set_the_engine_options() -> None:
     """A launch line ported from SGLang: its names for the batch and step limits, the radix
     cache and CUDA graph switches, next to agentrl's own names."""
