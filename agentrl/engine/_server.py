@@ -102,6 +102,7 @@ from ._server_stream import (
     Cursor,
     Live,
     LiveTable,
+    ends_in_a_stop_prefix,
     incremental,
     sse,
     stable_text,
@@ -162,9 +163,12 @@ class _Server:
         served_name: str,
         limits: ServeLimits,
         incremental_streaming_output: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.incremental_streaming_output = incremental_streaming_output
+        self.stream_interval = stream_interval
+        """Tokens per streamed chunk when a request names none (SGLang's ``--stream-interval``)."""
         self.live = LiveTable()
         self._progress = takes(engine.generate, "on_tokens")
         self._partial = takes(engine.generate, "partial")
@@ -388,6 +392,7 @@ class _Server:
                 finished.set()
                 live.changed.set()
 
+        interval = item.stream_interval or self.stream_interval
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
             sent = 0
@@ -396,8 +401,10 @@ class _Server:
                 live.changed = anyio.Event()
                 if finished.is_set():
                     break
-                if len(live.ids) > sent and live.context is not None:
-                    sent = len(live.ids)
+                count = len(live.ids)
+                # as SGLang: the first token at once, then a chunk per stream_interval tokens
+                due = count > sent and (not sent or count - sent >= interval)
+                if due and live.context is not None:
                     partial = GenerateResult(
                         list(live.ids),
                         list(live.logprobs),
@@ -407,8 +414,11 @@ class _Server:
                     )
                     resp = await self._render(item, live.context, partial, started, memo)
                     resp.text = stable_text(resp.text)
+                    if ends_in_a_stop_prefix(resp.text, item.sampling.stop):
+                        continue  # as SGLang: it may become a stop string, cut from the answer
                     resp.meta_info.finish_reason = None
                     resp.meta_info.e2e_latency = 0.0
+                    sent = count
                     await write(shaped(resp))
         final = results[index]
         assert final is not None
@@ -573,6 +583,7 @@ def create_app(
     served_model_name: str | None = None,
     limits: ServeLimits | None = None,
     incremental_streaming_output: bool = False,
+    stream_interval: int = 1,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` (which the caller owns and closes)."""
     server = _Server(
@@ -582,6 +593,7 @@ def create_app(
         served_model_name or str(model_path),
         limits or ServeLimits(),
         incremental_streaming_output,
+        stream_interval,
     )
     app = web.Application(client_max_size=256 * 1024 * 1024)
     install_request_guard(app)
@@ -641,6 +653,7 @@ async def run_server(
     served_model_name: str | None = None,
     limits: ServeLimits | None = None,
     incremental_streaming_output: bool = False,
+    stream_interval: int = 1,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled (the caller owns the engine)."""
     if tokenizer is None:
@@ -654,6 +667,7 @@ async def run_server(
         served_model_name=served_model_name,
         limits=limits,
         incremental_streaming_output=incremental_streaming_output,
+        stream_interval=stream_interval,
     )
     # a compressed body is refused (415, request_guard), never inflated
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
@@ -789,6 +803,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stream: true sends only the new text/output_ids in each chunk (default: cumulative)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk when a request's sampling_params.stream_interval is unset "
+        "(the first token is always sent at once)",
+    )
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -833,6 +854,12 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except pydantic.ValidationError as exc:
         print(f"agentrl serve: {describe_errors(exc)}", file=sys.stderr)
         return 2
+    if args.stream_interval < 1:
+        print(
+            f"agentrl serve: --stream-interval must be >= 1, got {args.stream_interval}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         folder = resolve_model(args.model)
     except AgentRLError as exc:
@@ -855,6 +882,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
                 served_model_name=args.served_model_name,
                 limits=limits,
                 incremental_streaming_output=bool(args.incremental_streaming_output),
+                stream_interval=args.stream_interval,
             )
 
     try:

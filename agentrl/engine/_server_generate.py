@@ -132,6 +132,8 @@ class Item:
     max_new_tokens_given: bool = False
     """``sampling_params.max_new_tokens`` was sent (checked against the context length) rather
     than defaulted (capped to it)."""
+    stream_interval: int | None = None
+    """``sampling_params.stream_interval``: tokens per streamed chunk (None: the server's)."""
 
 
 def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item], bool]:
@@ -182,6 +184,7 @@ def plan_generate(req: w.WireGenerateReq, facts: ModelFacts) -> tuple[list[Item]
                     token_ids_logprob=token_ids,
                     prompt_field="text" if req.text is not None else "input_ids",
                     max_new_tokens_given=wire.max_new_tokens is not None,
+                    stream_interval=wire.stream_interval,
                 )
             )
     return items, not batch and len(items) == 1
@@ -324,6 +327,8 @@ def _sampling(
     n = 1 if wire.n is None else wire.n
     if not 1 <= n <= MAX_N:
         raise bad("n", f"must be in [1, {MAX_N}]", n)
+    if wire.stream_interval is not None and wire.stream_interval < 1:
+        raise bad("stream_interval", "must be >= 1", wire.stream_interval)
     seed = wire.sampling_seed
     if seed is not None and not -(2**63) <= seed <= 2**64 - n:  # sample i draws from seed + i
         raise bad("sampling_seed", f"must be in [-2**63, 2**64 - n] (n={n})", seed)

@@ -10,7 +10,7 @@ graphs, the CPU included), ``cuda_graph_max_bs_decode`` and ``cuda_graph_bs_deco
 captured batch sizes, ``null`` without graphs; SGLang 0.5.17's names, also given under the older
 names ``cuda_graph_max_bs`` and ``cuda_graph_bs``), ``decode_attention_backend`` and
 ``prefill_attention_backend`` (the engine's ``decode_attention``/``prefill_attention``: ``auto``,
-``sdpa`` or ``triton``), ``incremental_streaming_output``,
+``sdpa`` or ``triton``), ``incremental_streaming_output``, ``stream_interval``,
 ``weight_version``, ``version`` (agentrl's) and ``internal_states`` (``last_gen_throughput`` in
 tokens/s of the last finished request, and the numbers of running and waiting requests).
 """
@@ -85,6 +85,7 @@ def server_info(server: _Server) -> dict[str, Any]:
         "decode_attention_backend": getattr(options, "decode_attention", None),
         "prefill_attention_backend": getattr(options, "prefill_attention", None),
         "incremental_streaming_output": server.incremental_streaming_output,
+        "stream_interval": server.stream_interval,
         "enable_streaming_session": True,
         "skip_tokenizer_init": False,
         "weight_version": str(engine.weight_version),

@@ -118,6 +118,13 @@ class LiveTable:
         return sum(len(v) for v in self._live.values())
 
 
+def ends_in_a_stop_prefix(text: str, stops: list[str]) -> bool:
+    """``text`` ends with the beginning of a stop string: the next tokens may complete it, and
+    a stop string is cut from the answer, so a chunk waits rather than send what it would have
+    to take back."""
+    return any(text.endswith(stop[:k]) for stop in stops for k in range(1, len(stop)))
+
+
 def stable_text(text: str) -> str:
     """Hold back a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until it completes."""
     return text.rstrip("\ufffd")

@@ -193,11 +193,15 @@ def test_incremental_chunks_cut_the_output_lists_like_the_ids(
     tiny_dir: Path, tmp_path: Path, logprob_error: LogprobError
 ) -> None:
     """``--incremental-streaming-output``, as SGLang: each chunk's output lists hold what is new
-    (as its ids do); joined they are the whole output's. The input lists come whole."""
-    flag = "--incremental-streaming-output"
-    with serving(tiny_dir, tmp_path / "serve.log", flag) as base:
+    (as its ids do); joined they are the whole output's. The input lists come whole. With
+    ``--stream-interval 2`` a chunk after the first carries at least two tokens."""
+    flags = ("--incremental-streaming-output", "--stream-interval", "2")
+    with serving(tiny_dir, tmp_path / "serve.log", *flags) as base:
         got = stream_chunks(base)
+        info = httpx.get(base + "/server_info", timeout=30).json()
+    assert info["incremental_streaming_output"] is True and info["stream_interval"] == 2
     assert len(got) >= 2, got
+    assert all(len(c["output_ids"]) >= 2 for c in got[1:-1]), got  # the first at once, then 2s
     ids: list[int] = []
     joined: dict[str, list] = {key: [] for key in OUTPUT_LISTS}
     for chunk in got:

@@ -91,6 +91,65 @@ async def test_stream_is_sglang_sse_and_ends_like_the_plain_answer(url: str) -> 
     assert last["meta_info"]["completion_tokens"] == len(plain["output_ids"])
 
 
+async def test_stream_interval_spaces_the_chunks(url: str) -> None:
+    """As SGLang: the first token at once, then a chunk per ``stream_interval`` tokens."""
+    params = {"max_new_tokens": 13, "temperature": 0.0, "ignore_eos": True, "stream_interval": 4}
+    body = {"input_ids": PROMPT, "sampling_params": params, "stream": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        got = chunks((await client.post(url + "/generate", json=body)).content)
+        info = (await client.get(url + "/server_info")).json()
+        bad = {**body, "sampling_params": {**params, "stream_interval": 0}}
+        refused = await client.post(url + "/generate", json=bad)
+    sizes = [len(c["output_ids"]) for c in got]
+    assert sizes[-1] == 13 and 2 <= len(sizes) <= 5, sizes  # 1, then at most one per 4 tokens
+    gaps = [later - before for before, later in zip(sizes[:-2], sizes[1:-1], strict=True)]
+    assert all(gap >= 4 for gap in gaps), sizes
+    assert info["stream_interval"] == 1  # the server's default (SGLang's --stream-interval)
+    assert refused.status_code == 400 and "stream_interval" in refused.text
+
+
+def test_a_stream_interval_below_one_is_refused_at_launch() -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", "tiny-random"]
+    proc = subprocess.run(
+        [*cmd, "--stream-interval", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "--stream-interval must be >= 1, got 0" in proc.stderr
+
+
+async def test_a_chunk_never_sends_text_that_a_stop_string_cuts(url: str, tiny_dir: Path) -> None:
+    """A stop string spanning several tokens: while the text ends with its beginning, chunks
+    wait (as SGLang does), so every chunk's text is a prefix of the final, cut text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        body = {"input_ids": PROMPT, "sampling_params": params}
+        plain = (await client.post(url + "/generate", json=body)).json()
+        text, ids = plain["text"], plain["output_ids"]
+        for k in range(4, 16):  # a stop string made of tokens k..k+3, first seen there
+            head = tokenizer.decode(ids[:k])
+            stop = tokenizer.decode(ids[: k + 4])[len(head) :]
+            if (
+                len(stop.strip()) >= 3
+                and text.find(stop) == len(head)
+                and head == text[: len(head)]
+            ):
+                break
+        else:
+            pytest.skip("no stop string of 4 tokens found at its first occurrence")
+        stopped = {**body, "sampling_params": {**params, "stop": [stop]}, "stream": True}
+        got = chunks((await client.post(url + "/generate", json=stopped)).content)
+    final = got[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert final["text"] == head, (final["text"], head)
+    for chunk in got:
+        assert final["text"].startswith(chunk["text"]), (chunk["text"], final["text"], stop)
+
+
 async def test_stream_batch_and_n_tag_each_sample_with_its_index(url: str) -> None:
     body = {
         "input_ids": [PROMPT, PROMPT[:6]],

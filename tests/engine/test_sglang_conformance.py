@@ -765,6 +765,7 @@ async def test_server_info_has_the_fields_clients_read(server: Server) -> None:
     assert isinstance(info["chunked_prefill_size"], int) and info["chunked_prefill_size"] > 0
     assert isinstance(info["disable_radix_cache"], bool)
     assert isinstance(info["disable_cuda_graph"], bool)
+    assert isinstance(info["stream_interval"], int) and info["stream_interval"] >= 1
     graph_bs = info["cuda_graph_max_bs_decode"]  # SGLang 0.5.17's name
     assert graph_bs is None or (isinstance(graph_bs, int) and graph_bs >= 1)
     sizes = info["cuda_graph_bs_decode"]
