@@ -122,7 +122,16 @@ def ends_in_a_stop_prefix(text: str, stops: list[str]) -> bool:
     """``text`` ends with the beginning of a stop string: the next tokens may complete it, and
     a stop string is cut from the answer, so a chunk waits rather than send what it would have
     to take back."""
-    return any(text.endswith(stop[:k]) for stop in stops for k in range(1, len(stop)))
+    if not text:
+        return False
+    last = text[-1]
+    for stop in stops:  # only the prefixes ending in the text's last character can match
+        k = stop.find(last, 0, len(stop) - 1)
+        while k != -1:
+            if text.endswith(stop[: k + 1]):
+                return True
+            k = stop.find(last, k + 1, len(stop) - 1)
+    return False
 
 
 def stable_text(text: str) -> str:

@@ -108,6 +108,19 @@ async def test_stream_interval_spaces_the_chunks(url: str) -> None:
     assert refused.status_code == 400 and "stream_interval" in refused.text
 
 
+def test_ends_in_a_stop_prefix_finds_every_proper_prefix() -> None:
+    from agentrl.engine._server_stream import ends_in_a_stop_prefix
+
+    stops = ["</answer>", "aab", "\n\nUser:"]
+    for text in ("x <", "x </ans", "x </answer", "a", "xaa", "ok\n", "ok\n\nUser"):
+        brute = any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
+        assert brute and ends_in_a_stop_prefix(text, stops), text
+    for text in ("", "x </answer>", "xaab", "ok\n\nUser:", "x", "abb", "x>"):
+        brute = any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
+        assert not brute and not ends_in_a_stop_prefix(text, stops), text
+    assert not ends_in_a_stop_prefix("a", ["a"])  # a one-character stop has no proper prefix
+
+
 def test_a_stream_interval_below_one_is_refused_at_launch() -> None:
     import subprocess
     import sys
