@@ -399,7 +399,7 @@ class RenderMemo:
     only the positions that are new (a chunk at ``n`` tokens would otherwise build ``n``
     entries, and their top-k, again). Output-side lists grow with the ids; input-side ones are
     rendered once. A restart of the request (new ids or logprobs under the rendered prefix)
-    starts it over."""
+    starts it over. A fresh memo renders everything (a whole answer)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -412,7 +412,7 @@ class RenderMemo:
         k = len(self.ids)
         if ids[:k] != self.ids or logprobs[:k] != self.logprobs:
             self.lists, k = {}, 0
-        self.ids, self.logprobs, self.done = list(ids), list(logprobs), k
+        self.ids, self.logprobs, self.done = ids, logprobs, k  # the caller's own copies
 
     def grown(self, key: str, make: Callable[[int], list[Any]]) -> list[Any]:
         """The output list ``key``: what was rendered plus ``make(first new position)``."""
@@ -425,18 +425,6 @@ class RenderMemo:
         if key not in self.lists:
             self.lists[key] = make()
         return list(self.lists[key])
-
-
-class _Fresh:
-    """``RenderMemo``'s interface rendering everything (a whole answer)."""
-
-    @staticmethod
-    def grown(key: str, make: Callable[[int], list[Any]]) -> list[Any]:
-        return make(0)
-
-    @staticmethod
-    def once(key: str, make: Callable[[], list[Any]]) -> list[Any]:
-        return make()
 
 
 def render_result(
@@ -477,9 +465,8 @@ def render_result(
     if any(v != result.weight_version for v in result.token_versions):
         meta.token_versions = list(result.token_versions)  # the tokens span weight versions
     if item.return_logprob:
-        lists: RenderMemo | _Fresh = _Fresh() if memo is None else memo
-        if memo is not None:
-            memo.begin(ids, result.logprobs)
+        lists = RenderMemo() if memo is None else memo
+        lists.begin(ids, result.logprobs)
 
         def piece(token: int) -> str | None:
             return facts.piece(token) if item.text_in_logprobs else None
@@ -502,7 +489,7 @@ def render_logprob_details(
     context: list[int],
     result: GenerateResult,
     piece: Any,
-    lists: RenderMemo | _Fresh,
+    lists: RenderMemo,
 ) -> None:
     """SGLang's input, top-k and chosen-id logprob lists from ``result.details``."""
     details = result.details

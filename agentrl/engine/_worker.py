@@ -340,10 +340,7 @@ class Worker:
         for request in progressed:
             if request.result is None and request.error is None and request.token is not None:
                 if not request.aborted:  # snapshots: this thread goes on appending
-                    ids = request.output_ids
-                    collector = request.logprobs
-                    details = None if collector is None else collector.details(len(ids))
-                    snapshot = (request, ids, list(request.output_logprobs), details)
+                    snapshot = (request, *request.output_so_far())
                     progress.setdefault(request.token, []).append(snapshot)
         for item in outbox:
             if item.token is not None and item.done is not None and not item.aborted:
