@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from ._types import RunRequest, RunResult
+from ._types import RunRequest, RunResult, SupervisorResult, from_supervisor
 
 _LOST_POLL_S = 1.0
 _STDERR_TAIL = 4000
@@ -55,7 +55,7 @@ class _Probe(msgspec.Struct):
 
 class _Answer(msgspec.Struct):
     seq: int | None
-    result: RunResult
+    result: SupervisorResult  # type: ignore[valid-type]
     probe: _Probe
 
 
@@ -326,8 +326,8 @@ class ContainerSandbox:
         self._busy = True
         self.runs += 1
         line = self._line(request)
-        # stdout+stderr each at most output_limit_bytes, JSON-escaped (≤ 6×), plus the probe
-        limit = 12 * request.output_limit_bytes + (1 << 20)
+        # stdout+stderr each at most output_limit_bytes, in base64 (4/3), plus the probe
+        limit = 3 * request.output_limit_bytes + (1 << 20)
         timeout = request.timeout_s + self.margin_s
         try:
             out = await self._blocking(
@@ -366,12 +366,14 @@ class ContainerSandbox:
             else:
                 if answer.seq != self._seq:
                     problem = f"the sandbox answered request {answer.seq}, not {self._seq}"
+            out.answer = None  # the outputs live on in the answer alone
         if answer is None or problem or out.stray or self._stream.stderr_seen:
             self.clean = False
         if answer is None or problem:
             self.close()
             return self._error(problem or "no answer from the sandbox", start)
-        probe, result = answer.probe, answer.result
+        probe, result = answer.probe, from_supervisor(answer.result)
+        del answer
         self.last_probe = probe
         if probe.anomalies() or result.status == "sandbox_error":
             self.clean = False

@@ -214,7 +214,7 @@ def main():
             result = supervisor["run_job"](job, wake)
         except ValueError as exc:
             result = supervisor["_error_result"]("sandbox_error", f"serve: bad input: {exc}")
-        answer = {"seq": seq, "result": result, "probe": probe(dirs, ipc)}
+        answer = {"seq": seq, "result": supervisor["wire"](result), "probe": probe(dirs, ipc)}
         writer.write(json.dumps(answer, ensure_ascii=False).encode("utf-8", "replace") + b"\n")
         writer.flush()
 

@@ -48,7 +48,7 @@ from ._backend import Guarantee
 from ._config import LocalConfig
 from ._errors import BackendUnavailable, SandboxError
 from ._hostcheck import HostFacts, local_guarantees, probe_host
-from ._types import RunRequest, RunResult
+from ._types import RunRequest, RunResult, SupervisorResult, from_supervisor
 
 SUPERVISOR = str(Path(_supervisor.__file__).resolve())
 PREFIX = host.PREFIX
@@ -56,7 +56,7 @@ UID_SLOTS = 1000  # uids uid_base .. uid_base + 999
 MARGIN_S = 10.0  # host deadline = request timeout + this (the supervisor's kill takes < 5 s)
 _HEALTH = RunRequest(language="python", code="pass", timeout_s=20.0)
 _encoder = msgspec.json.Encoder()
-_result_decoder = msgspec.json.Decoder(RunResult)
+_result_decoder = msgspec.json.Decoder(SupervisorResult)
 
 
 def _setting(config: LocalConfig, name: str, default: Any) -> Any:
@@ -146,7 +146,7 @@ class LocalSandbox:
         if cap is not None and request.memory_mb > cap:
             request = msgspec.structs.replace(request, memory_mb=cap)
         line = _encoder.encode({**self._envelope, "request": request}) + b"\n"
-        limit = 12 * request.output_limit_bytes + (1 << 20)  # JSON escapes ≤ 6× per stream
+        limit = 3 * request.output_limit_bytes + (1 << 20)  # base64: 4/3 of each stream
         try:
             with anyio.fail_after(request.timeout_s + MARGIN_S):
                 await self._process.stdin.send(line)
@@ -168,10 +168,13 @@ class LocalSandbox:
             await self._stop()
             return self._error(self._broken)
         try:
-            result = _result_decoder.decode(answer)
+            wire = _result_decoder.decode(answer)
         except msgspec.DecodeError as exc:
             self._broken = f"unreadable answer: {exc}"
             return self._error(self._broken)
+        del answer  # the outputs live on in ``wire`` alone, then in the result alone
+        result = from_supervisor(wire)
+        del wire
         if result.status == "sandbox_error":
             self._broken = result.error or "sandbox_error"
         result.backend = "local"

@@ -26,12 +26,14 @@ killed or counted with the program, and gets 32 MB of memory headroom when it sh
 program's memory group.
 
 Output, exactly one line on stdout: a RunResult object (status, exit_code, stdout, stderr,
-stdout_truncated, stderr_truncated, wall_s, cpu_s, peak_memory_mb, signal, error). Exit code 0
-whenever a result was printed. ``--serve`` reads one such object per line and answers one line
-each, until EOF (a warm supervisor; the local backend keeps one per slot; the container
-backends run ``run_job`` the same way, one per container, through ``_exec_wrapper.py``). A warm
-supervisor starts its programs from a *zygote* already in the cgroups they must join, so no
-request waits for a cgroup attach (an RCU grace period).
+stdout_truncated, stderr_truncated, wall_s, cpu_s, peak_memory_mb, signal, error), stdout and
+stderr as base64 of the program's raw bytes (``wire``): at most 4/3 of the output, where JSON
+text would take up to 6 bytes a byte (control characters), and the host decodes them as UTF-8
+(invalid bytes replaced). Exit code 0 whenever a result was printed. ``--serve`` reads one such
+object per line and answers one line each, until EOF (a warm supervisor; the local backend
+keeps one per slot; the container backends run ``run_job`` the same way, one per container,
+through ``_exec_wrapper.py``). A warm supervisor starts its programs from a *zygote* already
+in the cgroups they must join, so no request waits for a cgroup attach (an RCU grace period).
 ``--selftest [--uid N]`` checks a few programs and prints what failed.
 
 What it does per request: a fresh scratch dir (files written with O_NOFOLLOW|O_EXCL through
@@ -62,6 +64,7 @@ high-water mark less what it held before the request; the container's sampled us
 largest ``ru_maxrss`` (which includes the ~10 MB the forked supervisor had before the exec).
 """
 
+import base64
 import json
 import math
 import os
@@ -1525,8 +1528,7 @@ class Run:
 
     # -- result --------------------------------------------------------------------------------
     def result(self):
-        stdout = bytes(self.out[1]).decode("utf-8", "replace")
-        stderr = bytes(self.out[2]).decode("utf-8", "replace")
+        stdout, stderr = bytes(self.out[1]), bytes(self.out[2])
         peak = self.meter.peak_bytes()
         self.cgroups.close_peak()
         peak_mb = round(peak / MB, 2) if peak is not None else round(self.maxrss_kb / 1024, 2)
@@ -1602,7 +1604,8 @@ class Run:
         if reported is None:
             if self.meter.oom_killed():
                 return exit_code, sig
-            res["error"] = "bubblewrap failed before the program ran: " + res["stderr"][-2000:]
+            tail = res["stderr"][-2000:].decode("utf-8", "replace")
+            res["error"] = "bubblewrap failed before the program ran: " + tail
             return exit_code, sig
         if 128 < reported < 128 + 65:
             return None, reported - 128
@@ -1610,7 +1613,7 @@ class Run:
 
     @staticmethod
     def _says_oom(stderr):
-        tail = stderr[-4000:]
+        tail = stderr[-4000:].decode("utf-8", "replace")
         return any(word in tail for word in OOM_MARKERS)
 
     def cleanup(self):
@@ -1674,7 +1677,7 @@ def _wait(fd, timeout_s):
 
 
 def _error_result(status, message):
-    return {"status": status, "exit_code": None, "stdout": "", "stderr": "",
+    return {"status": status, "exit_code": None, "stdout": b"", "stderr": b"",
             "stdout_truncated": False, "stderr_truncated": False, "wall_s": 0.0, "cpu_s": 0.0,
             "peak_memory_mb": None, "signal": None, "error": message}  # fmt: skip
 
@@ -1731,8 +1734,14 @@ def _install_wakeup():
     return r
 
 
+def wire(result):
+    """``result`` as it travels to the host: stdout and stderr (raw bytes) in base64."""
+    text = {key: base64.b64encode(result[key]).decode("ascii") for key in ("stdout", "stderr")}
+    return {**result, **text}
+
+
 def _emit(result, out):
-    out.write(json.dumps(result, ensure_ascii=False).encode("utf-8", "replace") + b"\n")
+    out.write(json.dumps(wire(result), ensure_ascii=False).encode("utf-8", "replace") + b"\n")
     out.flush()
 
 
@@ -1788,7 +1797,7 @@ def selftest(uid):
     for code, status, stdout in cases:
         req = {"language": "python", "code": code, "timeout_s": 2, "output_limit_bytes": 1000}
         res = run_job({"request": req, "uid": uid, "gid": uid}, wake)
-        good = res["status"] == status and res["stdout"] == stdout
+        good = res["status"] == status and res["stdout"] == stdout.encode()
         failed += not good
         mark = "ok  " if good else "FAIL"
         print(f"{mark} {code:40} -> {res['status']} {res['error']!r}")

@@ -7,7 +7,7 @@ offending field and value.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -69,6 +69,32 @@ class RunResult(msgspec.Struct, omit_defaults=False):
     """For sandbox_error / invalid_request: what went wrong (names the field for the latter)."""
     backend: str = ""
     sandbox_id: str = ""
+
+
+_OUTPUTS = ("stdout", "stderr")
+SupervisorResult = msgspec.defstruct(
+    "SupervisorResult",
+    [
+        (f.name, bytes, b"")
+        if f.name in _OUTPUTS
+        else (f.name, f.type, f.default)
+        if f.default is not msgspec.NODEFAULT
+        else (f.name, f.type)
+        for f in msgspec.structs.fields(RunResult)
+    ],
+)
+"""A ``RunResult`` as the supervisor sends it (``_supervisor.wire``): stdout and stderr are the
+program's raw bytes (base64 in JSON, at most 4/3 of the output: JSON text would take up to 6
+bytes a control byte). ``from_supervisor`` makes the ``RunResult``."""
+
+
+def from_supervisor(wire: Any) -> RunResult:
+    """The ``RunResult`` of a ``SupervisorResult``: its outputs decoded as UTF-8, an invalid
+    byte replaced by U+FFFD."""
+    fields = msgspec.structs.asdict(wire)
+    for name in _OUTPUTS:
+        fields[name] = fields[name].decode("utf-8", "replace")
+    return RunResult(**fields)
 
 
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -124,6 +124,24 @@ async def test_runaway_output(sandbox_backend, stream):
     assert getattr(result, f"{stream}_truncated")
 
 
+async def test_output_bytes_come_back_as_their_utf8_text(sandbox_backend):
+    """Whatever bytes a program writes come back as their UTF-8 text, an invalid byte as
+    U+FFFD: control bytes, a NUL, an escape sequence, wide and astral characters, lone
+    continuation bytes, and a character the output limit cuts in two."""
+    raw = b"a\x00\x01\x1b[31m\x7f \xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80 "
+    raw += b'\xff\xfe\x80 \xed\xa0\x80 \\u0000"'  # invalid bytes, a surrogate's, JSON
+    cut = 1000 * "\u00e9".encode()  # 2000 bytes of 'é', cut at 1999 by the limit
+    code = (
+        "import os\n"
+        f"os.write(1, {raw!r})\n"
+        f"os.write(2, {cut!r})\n"
+    )  # fmt: skip
+    result = await run_case(sandbox_backend, py(code, output_limit_bytes=1999), {"output_limit"})
+    assert result.stdout == raw.decode("utf-8", "replace"), result.stdout
+    assert result.stderr == cut[:1999].decode("utf-8", "replace"), result.stderr[-10:]
+    assert result.stderr.endswith("\u00e9\ufffd") and result.stderr_truncated
+
+
 async def test_huge_single_line(sandbox_backend):
     code = "import sys\nsys.stdout.write('a' * (64 * 1024 * 1024))\n"
     result = await run_case(

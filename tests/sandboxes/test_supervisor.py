@@ -8,6 +8,7 @@ nobody). Programs run under the system ``/usr/bin/python3`` (the uid cannot reac
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -41,7 +42,15 @@ def uid_processes(uid: int = PROGRAM_UID) -> list[str]:
 def answer(stdout: bytes) -> dict[str, Any]:
     lines = stdout.splitlines()
     assert len(lines) == 1, f"expected one JSON line, got {stdout[:2000]!r}"
-    return json.loads(lines[0])
+    return as_text(json.loads(lines[0]))
+
+
+def as_text(doc: dict[str, Any]) -> dict[str, Any]:
+    """A supervisor's answer with stdout and stderr (base64 of the raw bytes on the wire) as
+    the host shows them: UTF-8 text, an invalid byte replaced."""
+    for key in ("stdout", "stderr"):
+        doc[key] = base64.b64decode(doc[key], validate=True).decode("utf-8", "replace")
+    return doc
 
 
 def supervise(code: str, language: str = "python", *, scratch: Path, **fields: Any) -> dict:
@@ -299,7 +308,7 @@ def test_serve_mode_answers_each_line(scratch):
     proc = subprocess.run(
         [sys.executable, str(SUPERVISOR), "--serve"], input=data, capture_output=True, timeout=60
     )
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = [as_text(json.loads(line)) for line in proc.stdout.splitlines()]
     assert [r["stdout"] for r in results] == ["0\n", "1\n", "2\n"]
 
 
