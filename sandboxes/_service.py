@@ -23,12 +23,14 @@ capacity) and 503 ``overloaded`` (service memory or connections over their budge
 ``internal_error`` is a bug of the service. With a token, every route requires ``Authorization:
 Bearer <token>`` (one such header, compared as bytes in constant time).
 
-**The service's own memory.** Each POST reserves its body (``Content-Length``; chunked bodies
-reserve ``max_request_bytes``) before reading it, and its answer (2 × ``output_limit_bytes`` per
-item) before running it, each ``COPIES`` times, from one ``ByteBudget`` of
-``max_inflight_bytes``; the answer is streamed by the middleware (within ``send_timeout_s``) and
-only then is the reservation released. So the memory the service holds for requests stays near
-``max_inflight_bytes``.
+**The service's own memory.** Each POST reserves its body (``Content-Length``; a chunked body
+as it arrives) before reading it, and its answer (2 × ``output_limit_bytes`` per item) before
+running it, each ``COPIES`` times, from one ``ByteBudget`` of ``max_inflight_bytes``. Once the
+results are known the answer's part is settled to what they take (``held_bytes``: a text at 1,
+2 or 4 bytes a character), charged past the budget when it is more (``_settle``). The answer
+is streamed by the middleware (within ``send_timeout_s``), each text escaped a slice at a time
+(``result_pieces``), and only then is the reservation released. So the memory the service
+holds for requests stays near ``max_inflight_bytes``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import asyncio
 import hmac
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,8 +68,8 @@ from ._validate import DuplicateKeys, MalformedJSON, parse_json, request_from_js
 log = logging.getLogger("agentrl.sandboxes.service")
 COPIES = 2
 """Each byte of a body or answer is reserved this many times: that is how many copies the
-service holds at once (a body as bytes then text, text then values; an answer as the output
-read from the sandbox, then as the text being sent)."""
+service holds at once (a body as bytes then text, text then values; an answer's output as it
+comes from the sandbox, then as text)."""
 _INVALID_ITEM_BYTES = 4096  # what an invalid batch item's result may take in the answer
 
 
@@ -121,27 +124,58 @@ def _json(obj: Any) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-_SLICE = 256 * 1024
+_SLICE_CHARS = 64 * 1024
+"""Characters of stdout or stderr escaped at once while an answer is sent."""
+_SENDING_BYTES_PER_CHAR = 10
+"""What sending an answer holds beyond its results, per character of one slice: the slice's
+text (up to 4 bytes a character) and its JSON (up to 6: a control character is ``\\u00XX``)."""
+
+
+def held_bytes(result: RunResult) -> int:
+    """The memory ``result`` takes, its texts at their real size (1, 2 or 4 bytes a character:
+    one character beyond Latin-1 widens its whole string)."""
+    return sys.getsizeof(result) + sum(map(sys.getsizeof, msgspec.structs.astuple(result)))
+
+
+def result_pieces(result: RunResult, slice_chars: int = _SLICE_CHARS) -> Iterator[bytes]:
+    """``encode(result)`` in pieces: stdout and stderr are escaped ``slice_chars`` characters
+    at a time, so that no more than one slice's JSON (up to 6 bytes a character) exists at once
+    besides the result itself."""
+    rest = encode(msgspec.structs.replace(result, stdout="", stderr=""))
+    for key, text in ((b'"stdout":"', result.stdout), (b'"stderr":"', result.stderr)):
+        # the field's key is its first occurrence: no value encoded before it can hold an
+        # unescaped quote
+        head, found, rest = rest.partition(key + b'"')
+        assert found, key
+        yield head + key
+        for start in range(0, len(text), slice_chars):
+            yield msgspec.json.encode(text[start : start + slice_chars])[1:-1]
+        rest = b'"' + rest
+    yield rest
 
 
 class _StreamedAnswer(web.StreamResponse):
-    """A batch's JSON answer written piece by piece (``_send``; chunked): each result is encoded
-    only when its turn comes and dropped once written, and the transport never holds more than
-    a slice, so a large answer is not held three times over (results, text, send buffer)."""
+    """A JSON answer written piece by piece (``_send``; chunked): one result, or a batch's
+    ``{"results": [...]}``. Each result is encoded only when its turn comes, its texts a slice
+    at a time (``result_pieces``), and dropped once written, so an answer is held once (as
+    results) plus a slice, whatever its texts hold."""
 
-    def __init__(self, results: list[RunResult | None]) -> None:
+    def __init__(self, results: list[RunResult | None], *, batch: bool) -> None:
         super().__init__(headers={"Content-Type": "application/json"})
         self.results = results
+        self.batch = batch
 
-    def pieces(self) -> Iterator[bytes | memoryview]:
-        yield b'{"results":['
+    def pieces(self) -> Iterator[bytes]:
+        if self.batch:
+            yield b'{"results":['
         for i, result in enumerate(self.results):
-            data = (b"," if i else b"") + encode(result)  # type: ignore[arg-type]
+            assert result is not None
             self.results[i] = None
-            view = memoryview(data)
-            for start in range(0, len(view), _SLICE):
-                yield view[start : start + _SLICE]
-        yield b"]}"
+            if i:
+                yield b","
+            yield from result_pieces(result)
+        if self.batch:
+            yield b"]}"
 
 
 def _route_name(request: web.Request) -> str:
@@ -332,9 +366,10 @@ def _invalid(exc: InvalidRequest | MalformedJSON, state: ServiceState) -> _Refus
     return _Refusal(error_response(400, "invalid_request", exc.message, exc.field))
 
 
-def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what: str) -> None:
+def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what: str) -> int:
     """Refuse up front an answer that could exceed ``max_answer_bytes`` (413) or that does not
-    fit the budget now (503); otherwise hold its bytes until it is sent."""
+    fit the budget now (503); otherwise hold its bytes (``COPIES`` × ``answer``, returned) until
+    the results are known (``_settle``)."""
     limit = state.config.max_answer_bytes
     if answer > limit:
         raise _Refusal(
@@ -349,6 +384,19 @@ def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what
         )
     if not state.reservation(request).grow(COPIES * answer):
         raise _overloaded(state, "its answer", COPIES * answer)
+    return COPIES * answer
+
+
+def _settle(
+    request: web.Request, state: ServiceState, reserved: int, results: list[RunResult]
+) -> None:
+    """Hold what the results take, instead of what was reserved for them, until they are sent:
+    usually much less; more when their text is wider than a byte a character, which is then
+    charged even past ``max_inflight_bytes`` (it is in memory already), and no new request is
+    admitted until the budget is back under."""
+    longest = max((len(text) for r in results for text in (r.stdout, r.stderr)), default=0)
+    actual = sum(map(held_bytes, results)) + _SENDING_BYTES_PER_CHAR * min(longest, _SLICE_CHARS)
+    state.reservation(request).settle(reserved, actual)
 
 
 def _busy(state: ServiceState, exc: PoolBusy) -> web.Response:
@@ -375,7 +423,7 @@ async def handle_run(request: web.Request) -> web.Response:
         req = request_from_json(parse_json(body), state.pool.request_limits)  # (empties body)
     except (InvalidRequest, MalformedJSON) as exc:
         raise _invalid(exc, state) from None
-    _reserve_answer(request, state, 2 * req.output_limit_bytes, "this request")
+    reserved = _reserve_answer(request, state, 2 * req.output_limit_bytes, "this request")
     try:
         result = await state.pool.run(req)
     except PoolBusy as exc:
@@ -383,7 +431,8 @@ async def handle_run(request: web.Request) -> web.Response:
     except InvalidRequest as exc:  # validated above with the same function and limits
         raise _invalid(exc, state) from None
     _record(state, result)
-    return _json(result)  # one result: its text and the transport's copy are what is reserved
+    _settle(request, state, reserved, [result])
+    return _StreamedAnswer([result], batch=False)
 
 
 def _batch_items(obj: Any, state: ServiceState) -> list[Any]:
@@ -433,7 +482,7 @@ async def handle_run_batch(request: web.Request) -> web.Response:
             valid.append((i, req))
             answer += 2 * req.output_limit_bytes
     del items
-    _reserve_answer(request, state, answer, f"the batch of {len(results)}")
+    reserved = _reserve_answer(request, state, answer, f"the batch of {len(results)}")
     if valid:
         try:
             ran = await state.pool.run_batch([req for _, req in valid])
@@ -441,10 +490,13 @@ async def handle_run_batch(request: web.Request) -> web.Response:
             return _busy(state, exc)
         for (i, _), result in zip(valid, ran, strict=True):
             results[i] = result
-    for result in results:
-        assert result is not None
+    done = [result for result in results if result is not None]
+    assert len(done) == len(results)
+    for result in done:
         _record(state, result)
-    return _StreamedAnswer(results)
+    _settle(request, state, reserved, done)
+    del done
+    return _StreamedAnswer(results, batch=True)
 
 
 def make_app(

@@ -36,6 +36,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "inflight_bytes": state.budget.held,
         "inflight_peak_bytes": state.budget.peak,
         "overloaded_refusals": state.budget.refusals,
+        "inflight_overdrafts": state.budget.overdrafts,
     }
     if state.guard is not None:
         service["connections"] = msgspec.to_builtins(state.guard.statistics())
@@ -66,6 +67,12 @@ def _service_metrics(m: Exposition, state: ServiceState) -> None:
         "counter",
         "Requests answered 503 because the byte budget was full.",
         [({}, budget.refusals)],
+    )
+    m.add(
+        "agentrl_sandbox_inflight_overdrafts_total",
+        "counter",
+        "Answers whose text took the reserved bytes past max_inflight_bytes.",
+        [({}, budget.overdrafts)],
     )
     m.add(
         "agentrl_sandbox_http_timeouts_total",

@@ -13,13 +13,18 @@ import sys
 
 import anyio
 import httpx
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sandbox_service import SERVE_CMD, running_service, scratch_root
 
+from agentrl.sandboxes._budget import ByteBudget, Reservation
 from agentrl.sandboxes._config import ServiceConfig
 from agentrl.sandboxes._serve import build_parser, is_loopback, run_from_args
-from agentrl.sandboxes._service import make_app
+from agentrl.sandboxes._service import held_bytes, make_app, result_pieces
+from agentrl.sandboxes._types import RunResult, encode
 from agentrl.sandboxes._validate import validation_field
 
 pytestmark = [pytest.mark.anyio, pytest.mark.anyio_backends("asyncio")]  # aiohttp
@@ -409,3 +414,52 @@ def test_a_bad_config_file_is_one_line(tmp_path, content, needle, capsys):
     assert run_from_args(build_parser().parse_args(["--config", str(config), "--port", "0"])) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+# -- what an answer holds --------------------------------------------------------------------------
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=40)  # control, wide and astral included
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stdout=_TEXT,
+    stderr=_TEXT,
+    error=st.none() | _TEXT | st.just('"stdout":"","stderr":""'),
+    exit_code=st.none() | st.integers(-(2**31), 2**31),
+    slice_chars=st.integers(1, 7),
+)
+def test_an_answer_sent_in_slices_is_its_json(stdout, stderr, error, exit_code, slice_chars):
+    """An answer's texts are escaped a slice at a time (so a program's 16 MB of control bytes
+    is never 96 MB of JSON at once): the pieces, joined, are the result's JSON byte for byte,
+    whatever the texts hold and wherever a slice ends."""
+    result = RunResult(
+        status="ok", exit_code=exit_code, stdout=stdout, stderr=stderr, error=error, backend="b"
+    )
+    pieces = list(result_pieces(result, slice_chars=slice_chars))
+    assert b"".join(pieces) == encode(result)
+    assert msgspec.json.decode(b"".join(pieces), type=RunResult) == result
+
+
+def test_an_answer_is_charged_what_its_results_take():
+    """An answer's reservation is settled to the memory its results take: released when they
+    are small, charged past the capacity when their text is wider than a byte a character (it
+    is in memory already), and then nothing more is admitted until it is given back."""
+    ascii_text = RunResult(status="ok", stdout="a" * 100_000)
+    astral = RunResult(status="ok", stdout="a" * 99_999 + "\U0001f600")
+    assert held_bytes(ascii_text) >= 100_000 and held_bytes(astral) >= 4 * 100_000
+    budget = ByteBudget(500_000)
+    answer = Reservation(budget)
+    assert answer.grow(400_000)
+    answer.settle(400_000, held_bytes(ascii_text))
+    assert budget.held == held_bytes(ascii_text) < 110_000 and budget.overdrafts == 0
+    other = Reservation(budget)
+    assert other.grow(300_000)
+    answer.settle(answer.bytes, held_bytes(astral))  # 400 kB more than reserved: past 500 kB
+    assert budget.held == 300_000 + held_bytes(astral) > budget.capacity
+    assert budget.overdrafts == 1 and budget.peak == budget.held
+    late = Reservation(budget)
+    assert not late.grow(1)  # nothing is admitted while the budget is overdrawn
+    answer.close()
+    assert budget.held == 300_000 and late.grow(1)
+    with pytest.raises(ValueError, match="settling"):
+        other.settle(300_001, 0)  # more than it holds

@@ -359,6 +359,48 @@ def test_batch_answer_size_is_refused_up_front_and_bounded():
         no_traceback(svc)
 
 
+@pytest.mark.parametrize(
+    ("kind", "head", "width"),
+    [("control bytes", "", 1), ("control bytes and one astral character", "\U0001f600", 4)],
+)
+def test_an_answers_memory_follows_its_text_not_its_json(kind, head, width):
+    """A program prints its whole limit (4 MB on each stream) in control bytes, which JSON
+    writes as six bytes each (48 MB of answer), and again with one astral character first,
+    which makes Python hold every character of the text in 4 bytes. The outputs travel from
+    the sandbox as base64 (4/3 of the bytes), the answer is escaped a slice at a time as it
+    is sent, and the budget is charged the text's real size: the service's peak RSS stays
+    near the text itself (it grew 140 and 159 MB when the answer was JSON at every step)."""
+    args = ("--max-request-mb", "1", "--max-answer-mb", "16", "--max-inflight-mb", "40")
+    n = 4 * MB
+    with local_service(*args) as svc:
+        health(svc)
+        base_kb = svc.status("VmRSS")
+        code = (
+            "import os\n"
+            f"out = {head!r}.encode() + b'\\x01' * ({n} - len({head!r}.encode()))\n"
+            "os.write(1, out)\nos.write(2, out)\n"
+        )
+        r = httpx.post(
+            f"{svc.url}/v1/run", json=py(code, output_limit_bytes=n, memory_mb=256), timeout=120
+        )
+        grown_mb = (svc.status("VmHWM") - base_kb) / 1024
+        assert r.status_code == 200, r.text[:300]
+        result = r.json()
+        text = head + "\x01" * (n - len(head.encode()))
+        assert result["status"] == "ok" and result["stdout"] == result["stderr"] == text
+        stats = health(svc)["service"]
+        text_mb = 2 * len(text) * width / MB  # what the result's two strings take
+        wire_mb = 2 * 2 * (4 / 3) * n / MB  # the base64 line and its reader's copy
+        held_mb = stats["inflight_peak_bytes"] / MB
+        print(f"{kind}: answer {len(r.content) / MB:.0f} MB, peak RSS +{grown_mb:.0f} MB, text "
+              f"{text_mb:.0f} MB, budget peak {held_mb:.0f} MB")  # fmt: skip
+        assert len(r.content) > 6 * 2 * (n - 4)  # every control byte escaped as \u0001
+        assert grown_mb < text_mb + wire_mb + 16, f"peak RSS grew {grown_mb:.0f} MB"
+        # the budget held the text at its real size while it was sent, then gave it all back
+        assert stats["inflight_peak_bytes"] >= text_mb * MB and stats["inflight_bytes"] == 0
+        no_traceback(svc)
+
+
 def test_an_answer_the_client_does_not_take_is_dropped_in_time():
     """A client that asks for 12 MB of output and never reads it: the answer's bytes are
     released (and the connection closed) after send_timeout_s, not held forever."""
