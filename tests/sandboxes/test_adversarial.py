@@ -142,6 +142,18 @@ async def test_output_bytes_come_back_as_their_utf8_text(sandbox_backend):
     assert result.stderr.endswith("\u00e9\ufffd") and result.stderr_truncated
 
 
+async def test_an_exit_code_above_128(sandbox_backend):
+    """docs/sandboxes.md: the container backends see the program's own status; bubblewrap (the
+    local backend) reports a signal as 128 + N, so there ``exit(130)`` reads as SIGINT."""
+    result = await run_case(
+        sandbox_backend, py("import sys; sys.exit(130)"), {"nonzero_exit", "signal"}
+    )
+    if sandbox_backend.name == "local":
+        assert (result.status, result.signal, result.exit_code) == ("signal", 2, None), result
+    else:
+        assert (result.status, result.exit_code, result.signal) == ("nonzero_exit", 130, None)
+
+
 async def test_huge_single_line(sandbox_backend):
     code = "import sys\nsys.stdout.write('a' * (64 * 1024 * 1024))\n"
     result = await run_case(
