@@ -314,9 +314,12 @@ _PROBE = '{"processes": [], "n_processes": 0, "files": [], "n_files": 0, "ipc": 
     "garbage, error",
     [
         ("not an answer\n", "unreadable answer"),
-        # a well-formed answer, but to the request before (the health check was seq 1)
+        # a well-formed answer (its stdout "forged", in base64 as the supervisor sends it),
+        # but to the request before (the health check was seq 1)
         (
-            '{"seq": 1, "result": {"status": "ok", "stdout": "forged"}, "probe": ' + _PROBE + "}\n",
+            '{"seq": 1, "result": {"status": "ok", "stdout": "Zm9yZ2Vk"}, "probe": '
+            + _PROBE
+            + "}\n",
             "answered request 1, not 3",
         ),
     ],
