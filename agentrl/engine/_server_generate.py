@@ -35,6 +35,22 @@ class BadRequest(EngineError):
         self.field = field
 
 
+def decodes_by_joining_bytes(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s text of some ids is the UTF-8 of their tokens' bytes joined, no
+    more: a fast tokenizer whose decoder is byte-level BPE's alone, with no clean-up of spaces
+    (SmolLM2, Qwen, Llama 3, GPT-2...). Then the text of ``a + b`` is the text of ``a`` followed
+    by that of ``b`` wherever ``a``'s ends a character. A SentencePiece decoder (a token's
+    leading space depends on what precedes it) or a clean-up step (``" ."`` → ``"."``) is not."""
+    try:
+        from tokenizers.decoders import ByteLevel
+    except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
+        return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return False
+    return isinstance(getattr(backend, "decoder", None), ByteLevel)
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What request validation and rendering need to know about the served model."""
@@ -50,6 +66,10 @@ class ModelFacts:
     what ``max_context`` tokens of the longest vocabulary entry can cover, for each text, and
     twice that for all the texts of a request together. Longer text could never fit the
     context; it is refused before the tokenizer spends time and memory on it."""
+    joins_bytes: bool = False
+    """The tokenizer's text of ``a + b`` is the text of ``a`` followed by that of ``b`` wherever
+    ``a``'s text ends a character (``decodes_by_joining_bytes``): a stream decodes only the ids
+    each chunk adds (``RenderMemo.text``)."""
     pieces: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
     """Each token decoded alone, as ``return_text_in_logprobs`` shows it, once per token id (a
     stream renders its lists again at every chunk)."""
@@ -77,7 +97,13 @@ class ModelFacts:
         except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary
             longest = 0
         return cls(
-            tokenizer, vocab, tuple(dict.fromkeys(eos)), bos, max_context, 2 * max_context * longest
+            tokenizer,
+            vocab,
+            tuple(dict.fromkeys(eos)),
+            bos,
+            max_context,
+            2 * max_context * longest,
+            decodes_by_joining_bytes(tokenizer),
         )
 
     def check_text(self, texts: list[str], field: str, batch: bool) -> None:
@@ -395,11 +421,12 @@ def prepare_run(
 
 
 class RenderMemo:
-    """The logprob lists a stream already rendered for one sample, so that each chunk renders
-    only the positions that are new (a chunk at ``n`` tokens would otherwise build ``n``
-    entries, and their top-k, again). Output-side lists grow with the ids; input-side ones are
-    rendered once. A restart of the request (new ids or logprobs under the rendered prefix)
-    starts it over. A fresh memo renders everything (a whole answer)."""
+    """What a stream already rendered for one sample, so that each chunk renders only what is
+    new: the logprob lists (a chunk at ``n`` tokens would otherwise build ``n`` entries, and
+    their top-k, again) and the text (``text``). Output-side lists grow with the ids; input-side
+    ones are rendered once. A restart of the request (new ids or logprobs under the rendered
+    prefix) starts it over. A fresh memo renders every list (a whole answer, whose text is
+    always decoded whole)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -407,6 +434,28 @@ class RenderMemo:
         self.lists: dict[str, list[Any]] = {}
         self.done = 0
         """Output positions rendered (for the chunk being rendered: before it)."""
+        self.text_ids: list[int] = []
+        self.decoded = ""
+        """The text of ``text_ids[:read]``, which ends a character."""
+        self.read = 0
+
+    def text(self, facts: ModelFacts, ids: list[int], skip_special_tokens: bool) -> str:
+        """The text of ``ids`` (a chunk's), as ``facts.tokenizer.decode`` gives it. Where the
+        tokenizer joins its tokens' bytes, only the ids since the text last ended a character
+        are decoded (a stream's chunks cost in proportion to what they add, not to the whole
+        output); otherwise, or after a restart of the request, all of them."""
+        decode = facts.tokenizer.decode
+        if not facts.joins_bytes:
+            return decode(ids, skip_special_tokens=skip_special_tokens)
+        if ids[: self.read] != self.text_ids[: self.read]:
+            self.decoded, self.read = "", 0
+        self.text_ids = ids
+        new = decode(ids[self.read :], skip_special_tokens=skip_special_tokens)
+        if not new or new.endswith("\ufffd"):
+            return self.decoded + new  # a character may still be incomplete: decode it again
+        self.decoded += new
+        self.read = len(ids)
+        return self.decoded
 
     def begin(self, ids: list[int], logprobs: list[float]) -> None:
         k = len(self.ids)
@@ -440,7 +489,10 @@ def render_result(
     tokenizer, ids = facts.tokenizer, list(result.token_ids)
     matched = result.matched_stop if result.finish_reason == "stop" else None
     text_ids = ids[:-1] if isinstance(matched, int) and not item.no_stop_trim and ids else ids
-    text = tokenizer.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
+    if memo is None:
+        text = tokenizer.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
+    else:  # a stream's chunk
+        text = memo.text(facts, text_ids, item.skip_special_tokens)
     if isinstance(matched, str):
         pos = text.find(matched)
         if pos != -1:
@@ -462,8 +514,9 @@ def render_result(
         weight_version=str(result.weight_version),
         e2e_latency=time.perf_counter() - started,
     )
-    if any(v != result.weight_version for v in result.token_versions):
-        meta.token_versions = list(result.token_versions)  # the tokens span weight versions
+    versions = result.token_versions
+    if versions.count(result.weight_version) != len(versions):  # (in C: a stream's chunks)
+        meta.token_versions = list(versions)  # the tokens span weight versions
     if item.return_logprob:
         lists = RenderMemo() if memo is None else memo
         lists.begin(ids, result.logprobs)

@@ -449,6 +449,58 @@ def test_a_streams_memo_renders_what_a_fresh_render_does(tiny_dir: Path) -> None
     assert shifted.meta_info.output_top_logprobs == fresh.meta_info.output_top_logprobs
 
 
+def test_a_stream_decodes_only_the_ids_each_chunk_adds(tiny_dir: Path) -> None:
+    """Chunk texts come from the ids since the text last ended a character (SmolLM2's
+    byte-level tokenizer): each equals the whole decode (less a trailing incomplete character,
+    which a chunk never sends), over random ids — specials, bytes that are not UTF-8, pieces of
+    multi-byte characters — grown by random steps, with restarts; a stream of 600 tokens of
+    text decodes each id about once (it decoded 180,300 ids, every prefix whole). A tokenizer
+    that cleans up spaces is decoded whole each time."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from agentrl.engine._server_generate import ModelFacts, RenderMemo
+    from agentrl.engine._server_stream import stable_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    facts = ModelFacts.read(tiny_dir, tokenizer, 2048)
+    assert facts.joins_bytes
+    decoded = 0
+    plain_decode = tokenizer.decode
+
+    def counting(ids: list[int], **kw: bool) -> str:
+        nonlocal decoded
+        decoded += len(ids)
+        return plain_decode(ids, **kw)
+
+    tokenizer.decode = counting
+    rng = random.Random(0)
+    text_ids = tokenizer("héllo wörld 😀 日本語 <|im_start|> \n\n  x, y.")["input_ids"]
+    specials = tokenizer.all_special_ids
+    for trial in range(200):
+        memo, skip = RenderMemo(), trial % 2 == 0
+        ids: list[int] = []
+        for _ in range(rng.randrange(1, 12)):
+            if rng.random() < 0.1:  # the request restarted: other ids under the sent prefix
+                ids = ids[: rng.randrange(len(ids) + 1)] + [rng.randrange(300)]
+            for _ in range(rng.randrange(1, 6)):
+                pick = rng.random()
+                pool = specials if pick < 0.15 else text_ids if pick < 0.6 else range(400)
+                ids.append(rng.choice(pool))  # ids < 400: single bytes, many not UTF-8 alone
+            got = memo.text(facts, list(ids), skip)
+            want = plain_decode(ids, skip_special_tokens=skip)
+            assert stable_text(got) == stable_text(want), (trial, ids)
+    memo, decoded = RenderMemo(), 0
+    long_ids = (text_ids * 30)[:600]
+    for n in range(1, len(long_ids) + 1):
+        memo.text(facts, long_ids[:n], True)
+    assert decoded < 2 * len(long_ids), decoded
+    tokenizer.decode = plain_decode
+    tokenizer.clean_up_tokenization_spaces = True  # " ." → ".": not a join of the tokens
+    assert not ModelFacts.read(tiny_dir, tokenizer, 2048).joins_bytes
+
+
 def test_sglangs_launch_flags_set_the_engine_options() -> None:
     """A launch line ported from SGLang: its names for the batch and step limits, the radix
     cache and CUDA graph switches, next to agentrl's own names."""
