@@ -58,7 +58,7 @@ def hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-_FLOAT64: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, float, float]] = {}
+_FLOAT64: dict[tuple[int, tuple[int, ...]], tuple[PreTrainedModel, torch.Tensor, float, float]] = {}
 
 
 def assert_matches_transformers(
@@ -82,15 +82,18 @@ def assert_matches_transformers(
       transformers) the error model.
     """
     key = (id(hf), tuple(ids))
-    if key not in _FLOAT64:  # parametrized tests share one model and one set of ids
+    cached = _FLOAT64.get(key)
+    # parametrized tests share one model and one set of ids; the entry holds its model, so
+    # that a later model given the same id() (the first one freed) is never taken for it
+    if cached is None or cached[0] is not hf:
         hf64 = float64_transformers(hf)
         want, e32 = emulated_rounding_error(lambda: hf_logits(hf64, ids))
         _, e64 = emulated_rounding_error(
             lambda: hf_logits(hf64, ids), emulate=torch.float64, reference=want
         )
         _FLOAT64.clear()
-        _FLOAT64[key] = want, float(e32.max()), float(e64.max())
-    want, e32, e64 = _FLOAT64[key]
+        _FLOAT64[key] = hf, want, float(e32.max()), float(e64.max())
+    _, want, e32, e64 = _FLOAT64[key]
     # CausalLM.forward returns fp32 logits whatever its dtype: one more rounding of each
     float64_bound = 2 * EMULATION_SAFETY * e64 + unit_roundoff(torch.float32) * want.abs()
     fp32_bound = EMULATION_SAFETY * (e32 + e64)
