@@ -1,7 +1,7 @@
 """``ByteBudget``: the bytes the sandbox service holds for requests at once (bodies, answers).
 
 A request reserves its body before reading it (a chunked one as it arrives) and its answer
-before it runs, settles the answer's part to what its results take once they are known
+before it runs, settles everything to what its results take once they are known
 (``Reservation.settle``: charged even past the capacity, since they are in memory already),
 and gives everything back when its answer is sent. Reserving never waits: a reservation that
 does not fit now fails, and the service answers 503 with ``Retry-After`` (nothing ran), so a
@@ -23,7 +23,7 @@ class ByteBudget:
         self.peak = 0
         self.refusals = 0
         self.overdrafts = 0
-        """Times a ``charge`` took ``held`` past ``capacity``."""
+        """``charge`` calls that left ``held`` past ``capacity``."""
 
     def try_reserve(self, n: int) -> bool:
         """Take ``n`` bytes if they fit now; False (and nothing taken) otherwise."""
@@ -42,10 +42,10 @@ class ByteBudget:
         more is admitted until it is back under."""
         if n < 0:
             raise ValueError(f"cannot charge {n} bytes")
+        if n and self.held + n > self.capacity:
+            self.overdrafts += 1
         self.held += n
         self.peak = max(self.peak, self.held)
-        if self.held > self.capacity:
-            self.overdrafts += 1
 
     def release(self, n: int) -> None:
         if not 0 <= n <= self.held:

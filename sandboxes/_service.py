@@ -26,8 +26,9 @@ Bearer <token>`` (one such header, compared as bytes in constant time).
 **The service's own memory.** Each POST reserves its body (``Content-Length``; a chunked body
 as it arrives) before reading it, and its answer (2 × ``output_limit_bytes`` per item) before
 running it, each ``COPIES`` times, from one ``ByteBudget`` of ``max_inflight_bytes``. Once the
-results are known the answer's part is settled to what they take (``held_bytes``: a text at 1,
-2 or 4 bytes a character), charged past the budget when it is more (``_settle``). The answer
+results are known, and the request's values dropped, the whole reservation is settled to what
+they take (``held_bytes``: a text at 1, 2 or 4 bytes a character), charged past the budget when
+it is more (``_settle``). The answer
 is streamed by the middleware (within ``send_timeout_s``), each text escaped a slice at a time
 (``result_pieces``), and only then is the reservation released. So the memory the service
 holds for requests stays near ``max_inflight_bytes``.
@@ -137,7 +138,9 @@ def held_bytes(result: RunResult) -> int:
     return sys.getsizeof(result) + sum(map(sys.getsizeof, msgspec.structs.astuple(result)))
 
 
-def result_pieces(result: RunResult, slice_chars: int = _SLICE_CHARS) -> Iterator[bytes]:
+def result_pieces(
+    result: RunResult, slice_chars: int = _SLICE_CHARS
+) -> Iterator[bytes | memoryview]:
     """``encode(result)`` in pieces: stdout and stderr are escaped ``slice_chars`` characters
     at a time, so that no more than one slice's JSON (up to 6 bytes a character) exists at once
     besides the result itself."""
@@ -149,7 +152,7 @@ def result_pieces(result: RunResult, slice_chars: int = _SLICE_CHARS) -> Iterato
         assert found, key
         yield head + key
         for start in range(0, len(text), slice_chars):
-            yield msgspec.json.encode(text[start : start + slice_chars])[1:-1]
+            yield memoryview(msgspec.json.encode(text[start : start + slice_chars]))[1:-1]
         rest = b'"' + rest
     yield rest
 
@@ -165,7 +168,7 @@ class _StreamedAnswer(web.StreamResponse):
         self.results = results
         self.batch = batch
 
-    def pieces(self) -> Iterator[bytes]:
+    def pieces(self) -> Iterator[bytes | memoryview]:
         if self.batch:
             yield b'{"results":['
         for i, result in enumerate(self.results):
@@ -366,10 +369,10 @@ def _invalid(exc: InvalidRequest | MalformedJSON, state: ServiceState) -> _Refus
     return _Refusal(error_response(400, "invalid_request", exc.message, exc.field))
 
 
-def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what: str) -> int:
+def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what: str) -> None:
     """Refuse up front an answer that could exceed ``max_answer_bytes`` (413) or that does not
-    fit the budget now (503); otherwise hold its bytes (``COPIES`` × ``answer``, returned) until
-    the results are known (``_settle``)."""
+    fit the budget now (503); otherwise hold its bytes (``COPIES`` × ``answer``) until the
+    results are known (``_settle``)."""
     limit = state.config.max_answer_bytes
     if answer > limit:
         raise _Refusal(
@@ -384,19 +387,18 @@ def _reserve_answer(request: web.Request, state: ServiceState, answer: int, what
         )
     if not state.reservation(request).grow(COPIES * answer):
         raise _overloaded(state, "its answer", COPIES * answer)
-    return COPIES * answer
 
 
-def _settle(
-    request: web.Request, state: ServiceState, reserved: int, results: list[RunResult]
-) -> None:
-    """Hold what the results take, instead of what was reserved for them, until they are sent:
-    usually much less; more when their text is wider than a byte a character, which is then
-    charged even past ``max_inflight_bytes`` (it is in memory already), and no new request is
-    admitted until the budget is back under."""
+def _settle(request: web.Request, state: ServiceState, results: list[RunResult]) -> None:
+    """Once the request's values are dropped, hold what its results take (and one slice of
+    them being sent) instead of everything reserved for its body and answer, until they are
+    sent: usually much less; more when their text is wider than a byte a character, which is
+    then charged even past ``max_inflight_bytes`` (it is in memory already), and no new request
+    is admitted until the budget is back under."""
     longest = max((len(text) for r in results for text in (r.stdout, r.stderr)), default=0)
     actual = sum(map(held_bytes, results)) + _SENDING_BYTES_PER_CHAR * min(longest, _SLICE_CHARS)
-    state.reservation(request).settle(reserved, actual)
+    reservation = state.reservation(request)
+    reservation.settle(reservation.bytes, actual)
 
 
 def _busy(state: ServiceState, exc: PoolBusy) -> web.Response:
@@ -423,15 +425,16 @@ async def handle_run(request: web.Request) -> web.Response:
         req = request_from_json(parse_json(body), state.pool.request_limits)  # (empties body)
     except (InvalidRequest, MalformedJSON) as exc:
         raise _invalid(exc, state) from None
-    reserved = _reserve_answer(request, state, 2 * req.output_limit_bytes, "this request")
+    _reserve_answer(request, state, 2 * req.output_limit_bytes, "this request")
     try:
         result = await state.pool.run(req)
     except PoolBusy as exc:
         return _busy(state, exc)
     except InvalidRequest as exc:  # validated above with the same function and limits
         raise _invalid(exc, state) from None
+    del req, body  # the body's values: from here on only the result is held
     _record(state, result)
-    _settle(request, state, reserved, [result])
+    _settle(request, state, [result])
     return _StreamedAnswer([result], batch=False)
 
 
@@ -482,7 +485,7 @@ async def handle_run_batch(request: web.Request) -> web.Response:
             valid.append((i, req))
             answer += 2 * req.output_limit_bytes
     del items
-    reserved = _reserve_answer(request, state, answer, f"the batch of {len(results)}")
+    _reserve_answer(request, state, answer, f"the batch of {len(results)}")
     if valid:
         try:
             ran = await state.pool.run_batch([req for _, req in valid])
@@ -490,11 +493,13 @@ async def handle_run_batch(request: web.Request) -> web.Response:
             return _busy(state, exc)
         for (i, _), result in zip(valid, ran, strict=True):
             results[i] = result
+        del ran
+    del valid, body  # the body's values: from here on only the results are held
     done = [result for result in results if result is not None]
     assert len(done) == len(results)
     for result in done:
         _record(state, result)
-    _settle(request, state, reserved, done)
+    _settle(request, state, done)
     del done
     return _StreamedAnswer(results, batch=True)
 

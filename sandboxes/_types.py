@@ -89,12 +89,15 @@ bytes a control byte). ``from_supervisor`` makes the ``RunResult``."""
 
 
 def from_supervisor(wire: Any) -> RunResult:
-    """The ``RunResult`` of a ``SupervisorResult``: its outputs decoded as UTF-8, an invalid
-    byte replaced by U+FFFD."""
-    fields = msgspec.structs.asdict(wire)
-    for name in _OUTPUTS:
-        fields[name] = fields[name].decode("utf-8", "replace")
-    return RunResult(**fields)
+    """The ``RunResult`` of a ``SupervisorResult`` (whose outputs it empties): its outputs
+    decoded as UTF-8, an invalid byte replaced by U+FFFD."""
+    texts = {}
+    for name in _OUTPUTS:  # each output's bytes are dropped before the next is decoded
+        raw = getattr(wire, name)
+        setattr(wire, name, b"")
+        texts[name] = raw.decode("utf-8", "replace")
+        del raw
+    return RunResult(**{**msgspec.structs.asdict(wire), **texts})
 
 
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):

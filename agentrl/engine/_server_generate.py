@@ -37,15 +37,18 @@ class BadRequest(EngineError):
 
 def decodes_by_joining_bytes(tokenizer: Any) -> bool:
     """Whether ``tokenizer``'s text of some ids is the UTF-8 of their tokens' bytes joined, no
-    more: a fast tokenizer whose decoder is byte-level BPE's alone, with no clean-up of spaces
-    (SmolLM2, Qwen, Llama 3, GPT-2...). Then the text of ``a + b`` is the text of ``a`` followed
-    by that of ``b`` wherever ``a``'s ends a character. A SentencePiece decoder (a token's
-    leading space depends on what precedes it) or a clean-up step (``" ."`` → ``"."``) is not."""
+    more: a fast tokenizer of transformers' own (no class that decodes its own way), whose
+    decoder is byte-level BPE's alone, with no clean-up of spaces (SmolLM2, Qwen, GPT-2...).
+    Then the text of ``a + b`` is the text of ``a`` followed by that of ``b`` wherever ``a``'s
+    ends a character. A SentencePiece decoder (a token's leading space depends on what precedes
+    it) or a clean-up step (``" ."`` → ``"."``) is not."""
     try:
         from tokenizers.decoders import ByteLevel
     except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
         return False
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not type(tokenizer).__module__.startswith("transformers."):
+        return False
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return False
     return isinstance(getattr(backend, "decoder", None), ByteLevel)

@@ -457,6 +457,8 @@ def test_an_answer_is_charged_what_its_results_take():
     answer.settle(answer.bytes, held_bytes(astral))  # 400 kB more than reserved: past 500 kB
     assert budget.held == 300_000 + held_bytes(astral) > budget.capacity
     assert budget.overdrafts == 1 and budget.peak == budget.held
+    answer.settle(answer.bytes, answer.bytes)  # nothing more: not another overdraft
+    assert budget.overdrafts == 1
     late = Reservation(budget)
     assert not late.grow(1)  # nothing is admitted while the budget is overdrawn
     answer.close()
