@@ -158,9 +158,9 @@ class ServiceConfig(_Model):
     it arrives) and, once parsed, its answer (2 × ``output_limit_bytes`` per
     item: stdout and stderr) from one budget of ``max_inflight_bytes``, twice each (the service
     holds a body as bytes, then text, then values; an answer's output as it comes from the
-    sandbox, then as text), settles the answer's part to what the results take once they are
-    known (their texts at 1, 2 or 4 bytes a character: charged even past the budget), and gives
-    it all back once the answer is sent. A request that can never fit is
+    sandbox, then as text), settles all of it to what the results take once they are known and
+    the request's own values dropped (their texts at 1, 2 or 4 bytes a character: charged even
+    past the budget), and gives it back once the answer is sent. A request that can never fit is
     refused with 413; one that does not fit *now* with 503 and ``Retry-After`` (nothing ran).
     The memory the service holds for requests thus stays near ``max_inflight_bytes``."""
 

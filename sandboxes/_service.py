@@ -28,9 +28,9 @@ as it arrives) before reading it, and its answer (2 × ``output_limit_bytes`` pe
 running it, each ``COPIES`` times, from one ``ByteBudget`` of ``max_inflight_bytes``. Once the
 results are known, and the request's values dropped, the whole reservation is settled to what
 they take (``held_bytes``: a text at 1, 2 or 4 bytes a character), charged past the budget when
-it is more (``_settle``). The answer
-is streamed by the middleware (within ``send_timeout_s``), each text escaped a slice at a time
-(``result_pieces``), and only then is the reservation released. So the memory the service
+it is more (``_settle``). The answer is streamed by the middleware (within ``send_timeout_s``),
+each text escaped a slice at a time (``result_pieces``), and only then is the reservation
+released. So the memory the service
 holds for requests stays near ``max_inflight_bytes``.
 """
 

@@ -72,16 +72,17 @@ class RunResult(msgspec.Struct, omit_defaults=False):
 
 
 _OUTPUTS = ("stdout", "stderr")
+
+
+def _wire_field(f: msgspec.structs.FieldInfo) -> tuple[Any, ...]:
+    """``RunResult``'s field ``f`` as the supervisor sends it: the outputs as bytes."""
+    if f.name in _OUTPUTS:
+        return f.name, bytes, b""
+    return (f.name, f.type) if f.required else (f.name, f.type, f.default)
+
+
 SupervisorResult = msgspec.defstruct(
-    "SupervisorResult",
-    [
-        (f.name, bytes, b"")
-        if f.name in _OUTPUTS
-        else (f.name, f.type, f.default)
-        if f.default is not msgspec.NODEFAULT
-        else (f.name, f.type)
-        for f in msgspec.structs.fields(RunResult)
-    ],
+    "SupervisorResult", [_wire_field(f) for f in msgspec.structs.fields(RunResult)]
 )
 """A ``RunResult`` as the supervisor sends it (``_supervisor.wire``): stdout and stderr are the
 program's raw bytes (base64 in JSON, at most 4/3 of the output: JSON text would take up to 6

@@ -46,9 +46,9 @@ def decodes_by_joining_bytes(tokenizer: Any) -> bool:
         from tokenizers.decoders import ByteLevel
     except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
         return False
-    backend = getattr(tokenizer, "backend_tokenizer", None)
     if not type(tokenizer).__module__.startswith("transformers."):
         return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return False
     return isinstance(getattr(backend, "decoder", None), ByteLevel)
