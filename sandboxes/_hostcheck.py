@@ -120,12 +120,47 @@ def as_uid(uid: int | None, argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _AS_UID, str(uid), *argv]
 
 
+# bubblewrap with a pid namespace leaves its namespace's init for its own parent's parent to
+# reap: for the probe that would be PID 1 (a zombie for good where PID 1 reaps no orphans, as
+# a Python service's does in a container). So the probe runs under this shim: a child subreaper
+# that starts bwrap (as the uid named, or "-" as itself), reaps every process that comes back
+# to it, and exits with bwrap's status (128 + N for signal N).
+_REAPING_SHIM = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    try:\n"
+    "        if sys.argv[1] != '-':\n"
+    "            u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u)\n"
+    "        os.execv(sys.argv[2], sys.argv[2:])\n"
+    "    finally:\n"
+    "        os._exit(127)\n"
+    "status = 127 << 8\n"
+    "while True:\n"
+    "    try:\n"
+    "        done, st = os.wait()\n"
+    "    except ChildProcessError:\n"
+    "        break\n"
+    "    if done == pid:\n"
+    "        status = st\n"
+    "code = os.waitstatus_to_exitcode(status)\n"
+    "sys.exit(code if code >= 0 else 128 - code)\n"
+)
+
+
+def reaped(uid: int | None, argv: list[str]) -> list[str]:
+    """``argv`` (as ``uid``, if given) under a shim that reaps every orphan it leaves."""
+    return [sys.executable, "-I", "-S", "-c", _REAPING_SHIM, "-" if uid is None else str(uid),
+            *argv]  # fmt: skip
+
+
 def _probe_bwrap(bwrap: str, uid: int | None) -> tuple[bool, str]:
     """Run ``true`` in the sandbox the backend uses, as ``uid`` (a user namespace is needed)."""
     cmd = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
     cmd += [*bwrap_mounts(), "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"]
     try:
-        proc = subprocess.run(as_uid(uid, cmd), capture_output=True, timeout=30, env={})
+        proc = subprocess.run(reaped(uid, cmd), capture_output=True, timeout=30, env={})
     except (OSError, subprocess.SubprocessError) as exc:
         return False, f"bubblewrap could not run: {exc}"
     if proc.returncode != 0:

@@ -257,7 +257,11 @@ async def _serve_tool(client, container_id: str, action: str, data: str = "") ->
         return code, output.decode(errors="replace")
 
     code, output = await anyio.to_thread.run_sync(run)
-    assert code == 0 and "done" in output, output
+    # after a kill the pool may recycle the container before this exec has exited: the exec
+    # then ends with SIGKILL (137) too, once it has said it is done
+    assert f"done {action}" in output and code in ((0, 137) if action == "kill" else (0,)), (
+        code, output
+    )  # fmt: skip
 
 
 async def test_each_container_serves_every_request_through_one_exec(container_backend, client):

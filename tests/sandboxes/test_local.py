@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -120,6 +121,29 @@ def test_guarantees_report_this_host():
     off = {g.name: g for g in LocalBackend(LocalConfig(cgroups=False)).guarantees()}
     assert not off["memory_limit"].available and "disabled" in off["memory_limit"].detail
     assert off["pids_limit"].available  # RLIMIT_NPROC on the sandbox's own uid
+
+
+def test_probing_the_host_leaves_no_process_to_reap():
+    # bubblewrap's namespace init outlives bwrap for a moment: without a reaper of its own it
+    # went to PID 1, a zombie for good where PID 1 reaps no orphans (a Python service as a
+    # container's PID 1). Checked at once, not polled: nothing is left for anyone to reap.
+    uid = UID_BASE + 999
+    for _ in range(3):
+        facts = probe_host(uid)
+        assert facts.userns, facts.userns_detail
+        assert host_processes(uid, uid + 1) == []
+
+
+def test_the_probe_shim_passes_on_the_status_and_the_uid():
+    from agentrl.sandboxes._hostcheck import reaped
+
+    def run(uid, *argv):
+        return subprocess.run(reaped(uid, list(argv)), capture_output=True, text=True, timeout=30)
+
+    assert run(None, "/bin/sh", "-c", "exit 3").returncode == 3
+    assert run(None, "/bin/sh", "-c", "kill -9 $$").returncode == 128 + 9
+    assert run(None, "/no/such/program").returncode == 127
+    assert run(UID_BASE + 999, "/usr/bin/id", "-u").stdout == f"{UID_BASE + 999}\n"
 
 
 @pytest.mark.parametrize(
