@@ -8,10 +8,12 @@ may be tied to the embeddings. Qwen2 adds biases on the q/k/v projections; Llama
 ``attention_bias`` / ``mlp_bias`` flags add them on every projection of the block.
 
 Weights load from Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...), are
-checked by name and shape before anything is replaced, and are stored fused and transposed
-(``[in, out]``): q, k and v as one ``[hidden, (heads + 2 * kv_heads) * head_dim]`` matrix, gate
-and up as one ``[hidden, 2 * intermediate]`` matrix, so a layer runs four GEMMs over all tokens
-of a step. The LM head is a transposed copy of the embeddings when they are tied.
+checked by name and shape before anything is replaced, and are stored fused: q, k and v as one
+matrix of ``(heads + 2 * kv_heads) * head_dim`` outputs, gate and up as one of
+``2 * intermediate`` outputs, so a layer runs four GEMMs over all tokens of a step. On the CPU the
+matrices keep HF's ``[out, in]`` layout and a tied LM head is the embedding matrix itself; on a
+GPU they are stored transposed (``[in, out]``) and a tied head is a transposed copy
+(``CausalLM.project`` multiplies in either layout).
 
 A step's tokens from every sequence (decode rows and prefill chunks alike) are packed into one
 ``[tokens, hidden]`` matrix: the GEMMs see one batch, only attention is per sequence (``_kv``).
@@ -39,6 +41,13 @@ from ._kv import AttentionBatch, KVPool, paged_attention
 from ._weight_values import check_weight_values
 
 _FAMILIES = ("llama", "qwen2", "mistral")
+SKINNY_ROWS = 64
+"""On the CPU, the most rows a step may have to project as ``(weight @ x.T).T``."""
+
+
+def _rows_out(device: torch.device) -> bool:
+    """Whether a model on ``device`` keeps its projections ``[out, in]`` (``CausalLM.project``)."""
+    return device.type == "cpu"
 
 
 @dataclass(frozen=True)
@@ -165,10 +174,10 @@ class ForwardBatch(NamedTuple):
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights (model dtype), projections stored transposed (``[in, out]``):
-    fused ``qkv`` ``[hidden, (H + 2K) * D]``, ``o`` ``[H * D, hidden]``, fused ``gate_up``
-    ``[hidden, 2 * I]``, ``down`` ``[I, hidden]``; norms ``[hidden]``; biases ``None`` when the
-    architecture has none."""
+    """One decoder layer's weights (model dtype): fused ``qkv`` (``(H + 2K) * D`` outputs),
+    ``o``, fused ``gate_up`` (``2 * I`` outputs), ``down``; norms ``[hidden]``; biases ``None``
+    when the architecture has none. Projections are ``[out, in]`` as HF stores them on the CPU
+    and ``[in, out]`` (transposed) on a GPU: see ``CausalLM.project``."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -199,6 +208,9 @@ class CausalLM:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.rows_out = _rows_out(self.device)
+        """Projection weights (and the LM head) are ``[out, in]``, HF's layout (on the CPU),
+        else ``[in, out]``; ``project`` multiplies either way."""
         self.fused_ops = False
         """Run RMSNorm (with its residual add), rotary embedding and SiLU·mul as the fused
         Triton kernels of ``agentrl.kernels`` (``EngineOptions.fused_ops``; the engine sets it)."""
@@ -302,6 +314,9 @@ class CausalLM:
             parts = [state[n].detach().to(device=device, dtype=dtype) for n in names]
             return torch.cat(parts).contiguous()
 
+        def laid_out(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> this device's layout
+            return weight if self.rows_out else weight.t().contiguous()
+
         c = self.config
         layers = []
         for i in range(c.num_layers):
@@ -311,20 +326,21 @@ class CausalLM:
             layers.append(
                 _Layer(
                     input_norm=get(p + "input_layernorm.weight"),
-                    qkv=cat(*(n + ".weight" for n in attn)).t().contiguous(),
+                    qkv=laid_out(cat(*(n + ".weight" for n in attn))),
                     qkv_bias=cat(*(n + ".bias" for n in attn)) if c.qkv_bias else None,
-                    o=get(p + "self_attn.o_proj.weight").t().contiguous(),
+                    o=laid_out(get(p + "self_attn.o_proj.weight")),
                     o_bias=get(p + "self_attn.o_proj.bias") if c.o_bias else None,
                     post_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=cat(*(n + ".weight" for n in mlp)).t().contiguous(),
+                    gate_up=laid_out(cat(*(n + ".weight" for n in mlp))),
                     gate_up_bias=cat(*(n + ".bias" for n in mlp)) if c.mlp_bias else None,
-                    down=get(p + "mlp.down_proj.weight").t().contiguous(),
+                    down=laid_out(get(p + "mlp.down_proj.weight")),
                     down_bias=get(p + "mlp.down_proj.bias") if c.mlp_bias else None,
                 )
             )
         embed = get("model.embed_tokens.weight")
         head = state.get("lm_head.weight") if not c.tie_word_embeddings else None
-        lm_head = (embed if head is None else get("lm_head.weight")).t().contiguous()
+        # tied on the CPU: the head is the embedding itself, as in HF (one copy in memory)
+        lm_head = laid_out(embed if head is None else get("lm_head.weight"))
         norm = get("model.norm.weight")
         if not self.layers:
             self.embed, self.lm_head, self.norm, self.layers = embed, lm_head, norm, layers
@@ -337,6 +353,29 @@ class CausalLM:
                     pairs.append((target, value))
         for target, value in pairs:
             target.copy_(value)
+
+    def project(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [T, in]`` times a projection weight (``+ bias``): ``[T, out]``, contiguous.
+
+        On a GPU the weight is ``[in, out]``: ``x @ weight``. On the CPU it is ``[out, in]``,
+        and a step of up to ``SKINNY_ROWS`` rows (a decode step) is computed as
+        ``(weight @ x.T).T``: MKL streams a tall weight against a few columns close to memory
+        bandwidth, where ``x @ weight.T`` with few rows ran 2-4x slower (bench/projection_bench.py;
+        a single row runs as two, which beats the matrix-vector kernels there). Longer steps
+        (prefill) take ``F.linear``."""
+        if not self.rows_out:
+            return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
+        rows = x.shape[0]
+        if rows > SKINNY_ROWS:
+            return F.linear(x, weight, bias)
+        cols = torch.cat([x, x]) if rows == 1 else x  # one row runs as two: the same kernel
+        if bias is None:
+            out = torch.mm(weight, cols.t())
+        else:
+            out = torch.addmm(bias.unsqueeze(1), weight, cols.t())
+        return out[:, :rows].t().contiguous()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(-1, keepdim=True)
@@ -365,16 +404,16 @@ class CausalLM:
         split = [(heads + kv_heads) * dim, kv_heads * dim]
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            qk, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
+            qk, v = self.project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
             # q and k rotate together: one set of elementwise kernels per layer, not two
             qk = _rotate(qk.view(tokens, heads + kv_heads, dim), cos, sin)
             o = self._attend(index, qk, v, batch, kv, attention)
-            x = x + _project(o, layer.o, layer.o_bias)
+            x = x + self.project(o, layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)
-            gate, up = _project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + _project(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = self.project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + self.project(F.silu(gate) * up, layer.down, layer.down_bias)
         x = self._rms_norm(x.index_select(0, batch.logits_rows), self.norm)
-        return torch.matmul(x, self.lm_head).float()
+        return self.project(x, self.lm_head, None).float()
 
     def _forward_fused(
         self, batch: ForwardBatch, kv: KVPool, attention: AttentionKernelChooser | str | None
@@ -389,20 +428,20 @@ class CausalLM:
         layers = self.layers
         _, h = fused.rms_norm(x, layers[0].input_norm, eps) if layers else (None, x)
         for index, layer in enumerate(layers):
-            qk, v = _project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
+            qk, v = self.project(h, layer.qkv, layer.qkv_bias).split(split, dim=-1)
             qk = fused.rotary(
                 qk.view(tokens, heads + kv_heads, dim), batch.positions, self.cos, self.sin
             )
             o = self._attend(index, qk, v, batch, kv, attention)
-            x, h = fused.rms_norm(x, layer.post_norm, eps, _project(o, layer.o, layer.o_bias))
-            act = fused.silu_mul(_project(h, layer.gate_up, layer.gate_up_bias))
-            down = _project(act, layer.down, layer.down_bias)
+            x, h = fused.rms_norm(x, layer.post_norm, eps, self.project(o, layer.o, layer.o_bias))
+            act = fused.silu_mul(self.project(h, layer.gate_up, layer.gate_up_bias))
+            down = self.project(act, layer.down, layer.down_bias)
             if index + 1 < len(layers):
                 x, h = fused.rms_norm(x, layers[index + 1].input_norm, eps, down)
             else:
                 x = x + down
         _, x = fused.rms_norm(x.index_select(0, batch.logits_rows), self.norm, eps)
-        return torch.matmul(x, self.lm_head).float()
+        return self.project(x, self.lm_head, None).float()
 
     def _attend(
         self,
@@ -432,15 +471,6 @@ class CausalLM:
             q, k_cache, v_cache, attn, scale, decode_kernel=kernel, prefill_kernel=prefill
         )
         return o.reshape(tokens, heads * dim)
-
-
-def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight_t (+ bias)`` with the weight stored transposed, ``[in, out]`` contiguous:
-    MKL runs the small-batch GEMMs of decode steps ~1.5-2x faster in this layout than
-    ``F.linear``'s ``x @ W.T`` (measured on this box at 4-16 rows)."""
-    if bias is None:
-        return torch.matmul(x, weight_t)
-    return torch.addmm(bias, x, weight_t)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from numerics import (
     EMULATION_SAFETY,
     assert_within,
+    dot_bound,
     emulated_rounding_error,
     float64_transformers,
     unit_roundoff,
@@ -26,9 +27,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwe
 
 from agentrl._errors import EngineError
 from agentrl._models import resolve_model
+from agentrl.engine import _model as model_module
 from agentrl.engine._batch import Row, build_forward_batch
 from agentrl.engine._kv import KVPool
-from agentrl.engine._model import CausalLM, ModelConfig, rope_frequencies
+from agentrl.engine._model import SKINNY_ROWS, CausalLM, ModelConfig, rope_frequencies
 
 
 def our_logits(model: CausalLM, ids: list[int], chunks: list[int], block_size: int = 16):
@@ -125,6 +127,46 @@ def test_smollm2_matches_transformers() -> None:
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = random_ids(100, reference.config.vocab_size, seed=2)
     assert_matches_transformers(partial(CausalLM.from_folder, folder), reference, ids, [60, 39, 1])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_each_projection_path_is_the_product(bias: bool) -> None:
+    # one row (run as two), the skinny rows of decode steps, and prefill's F.linear on either
+    # side of SKINNY_ROWS: each within the fp32 accumulation bound of the float64 product
+    model = ours_of(small_hf(Qwen2Config(**SMALL, rope_theta=1e4), seed=11))(torch.float32)
+    assert model.rows_out  # HF's [out, in] on the CPU
+    generator = torch.Generator().manual_seed(12)
+    weight = torch.randn(384, 96, generator=generator)
+    b = torch.randn(384, generator=generator) if bias else None
+    for rows in (1, 2, 3, SKINNY_ROWS, SKINNY_ROWS + 1, 200):
+        x = torch.randn(rows, 96, generator=generator)
+        got = model.project(x, weight, b)
+        assert got.shape == (rows, 384) and got.is_contiguous()
+        want = x.double() @ weight.double().T + (b.double() if bias else 0)
+        bound = dot_bound(x, weight.T, u=unit_roundoff(torch.float32))
+        bound = bound + unit_roundoff(torch.float32) * want.abs() * (2 if bias else 1)
+        assert_within(got, want, bound, f"{rows} rows")
+        # a row's result does not depend on which rows share its step
+        alone = torch.cat([model.project(x[i : i + 1], weight, b) for i in range(rows)])
+        assert_within(alone, want, bound, f"{rows} rows, one at a time")
+
+
+def test_the_transposed_layout_a_gpu_uses_matches_transformers(
+    tiny_dir: Path, reference_model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on a GPU the projections are stored [in, out]: the same forward, checked here on the CPU
+    monkeypatch.setattr(model_module, "_rows_out", lambda device: False)
+    made = CausalLM.from_folder(tiny_dir)
+    assert not made.rows_out and made.lm_head.shape[0] == made.config.hidden_size
+    ids = random_ids(90, reference_model.config.vocab_size, seed=13)
+    make = partial(CausalLM.from_folder, tiny_dir)
+    assert_matches_transformers(make, reference_model, ids, [70, 1, 19], "[in, out]")
+
+
+def test_a_tied_head_is_the_embedding_on_the_cpu(tiny_dir: Path) -> None:
+    model = CausalLM.from_folder(tiny_dir)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.data_ptr() == model.embed.data_ptr()  # one copy in memory
 
 
 def small_hf(config: LlamaConfig | Qwen2Config, seed: int) -> PreTrainedModel:
