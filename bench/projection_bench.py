@@ -27,35 +27,25 @@ import torch
 import torch.nn.functional as F
 
 from agentrl._models import resolve_model
-from agentrl.engine._model import SKINNY_ROWS, CausalLM
+from agentrl.engine._model import SKINNY_ROWS, CausalLM, ModelConfig
 
 
-def shapes(folder: Path) -> dict[str, tuple[int, int]]:
+def shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """``name -> (out, in)`` of one layer's fused projections, and the LM head."""
-    c = json.loads((folder / "config.json").read_text())
-    hidden, inter = c["hidden_size"], c["intermediate_size"]
-    heads, kv_heads = (
-        c["num_attention_heads"],
-        c.get("num_key_value_heads", c["num_attention_heads"]),
-    )
-    dim = c.get("head_dim") or hidden // heads
+    c = config
     return {
-        "qkv": ((heads + 2 * kv_heads) * dim, hidden),
-        "o": (hidden, heads * dim),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-        "head": (c["vocab_size"], hidden),
+        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+        "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+        "head": (c.vocab_size, c.hidden_size),
     }
 
 
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+def elapsed_ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -69,11 +59,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = resolve_model(args.model)
-    config = json.loads((folder / "config.json").read_text())
-    layers = args.layers or config["num_hidden_layers"]
+    config = ModelConfig.from_folder(resolve_model(args.model))
+    layers = args.layers or config.num_layers
     generator = torch.Generator().manual_seed(0)
-    mats = shapes(folder)
+    mats = shapes(config)
     weights = [  # (name, [out, in], [in, out]) for every projection a step runs
         (name, w, w.t().contiguous())
         for index in range(layers)
@@ -101,10 +90,13 @@ def main() -> None:
             want = ways["x @ W_in_out"](n, w, wt)
             for way in ways.values():
                 assert ((way(n, w, wt) - want).abs() <= bound).all(), n
+        steps = {k: lambda f=f: [f(n, w, wt) for n, w, wt in weights] for k, f in ways.items()}
+        for step in steps.values():
+            step()  # warm-up
         ms = {k: float("inf") for k in ways}
         for _ in range(args.repeats):  # the ways alternate: drift on the box hits each alike
-            for k, f in ways.items():
-                ms[k] = min(ms[k], best_ms(lambda f=f: [f(n, w, wt) for n, w, wt in weights], 1))
+            for k, step in steps.items():
+                ms[k] = min(ms[k], elapsed_ms(step))
         base, linear, ours = ms["x @ W_in_out"], ms["F.linear"], ms["project"]
         results[rows] = {
             **ms,

@@ -103,10 +103,8 @@ def _probe_cgroups(root: bool) -> tuple[dict[str, str], str | None, str, bool]:
     return v1, v2, "; ".join(notes), memsw
 
 
-_AS_UID = (
-    "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u); "
-    "os.execv(sys.argv[2], sys.argv[2:])"
-)
+_BECOME_UID = "u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u)"
+_AS_UID = f"import os, sys; {_BECOME_UID}; os.execv(sys.argv[2], sys.argv[2:])"
 
 
 def as_uid(uid: int | None, argv: list[str]) -> list[str]:
@@ -132,7 +130,7 @@ _REAPING_SHIM = (
     "if pid == 0:\n"
     "    try:\n"
     "        if sys.argv[1] != '-':\n"
-    "            u = int(sys.argv[1]); os.setgroups([]); os.setgid(u); os.setuid(u)\n"
+    f"            {_BECOME_UID}\n"
     "        os.execv(sys.argv[2], sys.argv[2:])\n"
     "    finally:\n"
     "        os._exit(127)\n"
