@@ -1,22 +1,35 @@
-"""``import deepspeed`` without MLflow.
+"""``import deepspeed`` without MLflow, and ``deepspeed.initialize`` without Muon.
 
 DeepSpeed's autotuner imports MLflow at DeepSpeed's import time when MLflow is installed, which
 adds ~2.4 s (MLflow and its dependencies) to the start of every rank of every run on a machine
 that has MLflow, for a feature agentrl never runs. ``import_deepspeed`` hides MLflow for the
 duration of that one import (the autotuner then records that MLflow is absent); afterwards
 ``import mlflow`` works as before, and agentrl's MLflow tracker imports it itself.
+
+``deepspeed.initialize`` imports DeepSpeed's Muon optimizer only to ask whether the engine's
+optimizer is one (its ZeRO support check, the ZeRO-3 and bf16 optimizers' set-up). That module
+wraps its kernels in ``torch.compile`` when it is imported, which loads TorchInductor: ~4 s of
+CPU at the start of every rank. agentrl's engines are built with the optimizer agentrl writes
+into the DeepSpeed config (AdamW; a ``deepspeed.optimizer`` override is refused), never Muon, so
+``initialize`` answers those questions with a stand-in class that no optimizer is an instance
+of, for the duration of the call. Muon itself stays importable: afterwards
+``import deepspeed.runtime.zero.muon.muon_optimizer`` loads the real module.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from types import ModuleType
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 _lock = threading.Lock()
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
-def import_deepspeed() -> ModuleType:
+def import_deepspeed() -> types.ModuleType:
     """The ``deepspeed`` module, imported on first call with MLflow hidden from it."""
     with _lock:
         module = sys.modules.get("deepspeed")
@@ -31,3 +44,31 @@ def import_deepspeed() -> ModuleType:
             if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
                 del sys.modules["mlflow"]
         return deepspeed
+
+
+class NotMuon:
+    """Stands in for ``MuonWithAuxAdam`` while ``initialize`` runs: nothing is an instance."""
+
+
+@contextmanager
+def _muon_stand_in() -> Iterator[None]:
+    with _lock:
+        if _MUON in sys.modules:  # imported already (by the user): nothing to save
+            stand_in = None
+        else:
+            stand_in = types.ModuleType(_MUON, "agentrl: Muon is not imported by initialize")
+            stand_in.MuonWithAuxAdam = NotMuon  # type: ignore[attr-defined]
+            sys.modules[_MUON] = stand_in
+    try:
+        yield
+    finally:
+        with _lock:
+            if stand_in is not None and sys.modules.get(_MUON) is stand_in:
+                del sys.modules[_MUON]
+
+
+def initialize(**kwargs: Any) -> tuple[Any, ...]:
+    """``deepspeed.initialize(**kwargs)`` for an engine whose optimizer is not Muon."""
+    deepspeed = import_deepspeed()
+    with _muon_stand_in():
+        return deepspeed.initialize(**kwargs)

@@ -31,7 +31,7 @@ import torch
 from ._attention import use_varlen_attention, varlen_kwargs
 from ._batch import PackedBatch, model_inputs
 from ._config import OptimizerConfig
-from ._deepspeed_import import import_deepspeed
+from ._deepspeed_import import import_deepspeed, initialize
 from ._logprob import TokenLogprobs, token_logprobs_and_entropy
 from ._schedule import LRSchedule, lr_multiplier
 
@@ -356,11 +356,9 @@ def _trained_engine(
     scorer: TokenScorer, optimizer: OptimizerConfig, config: dict[str, Any], total_updates: int
 ) -> ModelEngine:
     """DeepSpeed around a trained ``scorer``: its trainable parameters, the LR schedule."""
-    deepspeed = import_deepspeed()
-
     scorer.train()
     multiplier = lr_multiplier(optimizer, total_updates)
-    engine, *_ = deepspeed.initialize(
+    engine, *_ = initialize(
         model=scorer,
         model_parameters=[p for p in scorer.parameters() if p.requires_grad],
         config=config,
@@ -380,8 +378,7 @@ def open_reference(
 ) -> ModelEngine:
     """The frozen reference: every parameter ``requires_grad=False``, no optimizer section in
     its DeepSpeed config (ZeRO-3 inference), eval mode, scored under ``torch.no_grad``."""
-    deepspeed = import_deepspeed()
-
+    import_deepspeed()
     lm = _load_lm(model_path, gradient_checkpointing=False)
     lm.requires_grad_(False)
     scorer = TokenScorer(
@@ -390,7 +387,7 @@ def open_reference(
     scorer.eval()
     overrides = {k: v for k, v in (overrides or {}).items() if k not in ("optimizer", "scheduler")}
     config = deepspeed_config(optimizer=None, bf16=torch.cuda.is_available(), overrides=overrides)
-    engine, *_ = deepspeed.initialize(model=scorer, config=config)
+    engine, *_ = initialize(model=scorer, config=config)
     engine.eval()
     return ModelEngine(engine, scorer, trainable=False)
 

@@ -247,3 +247,29 @@ def test_a_lone_learner_binds_no_port(tmp_path):
     )
     seen = run_worker(worker, 1, tmp_path / "out.pt", timeout=300)
     assert seen == {"world": 1, "sum": [1.0, 1.0], "port_kept": True}
+
+
+def test_engines_are_built_without_loading_muon_or_inductor(tmp_path, tiny_model_path):
+    """DeepSpeed's ZeRO set-up imports its Muon optimizer, whose ``torch.compile`` wrappers load
+    TorchInductor (seconds of CPU on every rank), only to ask whether the optimizer is Muon:
+    agentrl's policy and reference engines are built without either, and the real Muon module
+    still imports afterwards."""
+    worker = tmp_path / "no_muon.py"
+    worker.write_text(
+        "import sys, torch\n"
+        "from agentrl.trainer import OptimizerConfig, init_distributed, open_policy,"
+        " open_reference\n"
+        "init_distributed(num_threads=1)\n"
+        "policy = open_policy(sys.argv[2], optimizer=OptimizerConfig(), total_updates=1,"
+        " temperature=1.0)\n"
+        "reference = open_reference(sys.argv[2], temperature=1.0)\n"
+        "muon = 'deepspeed.runtime.zero.muon.muon_optimizer'\n"
+        "loaded = [m for m in (muon, 'torch._inductor.compile_fx') if m in sys.modules]\n"
+        "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam\n"
+        "torch.save({'loaded': loaded,\n"
+        "            'real': issubclass(MuonWithAuxAdam, torch.optim.Optimizer),\n"
+        "            'trains': policy.trainable, 'frozen': not reference.trainable},"
+        " sys.argv[1])\n"
+    )
+    seen = run_worker(worker, 1, tmp_path / "out.pt", str(tiny_model_path), timeout=300)
+    assert seen == {"loaded": [], "real": True, "trains": True, "frozen": True}
