@@ -22,14 +22,7 @@ import pydantic
 from agentrl._errors import ConfigError
 from agentrl._outfiles import check_writable, write_file
 from agentrl._runner import config_diff, is_training_config
-from agentrl.trainer import (
-    LoopState,
-    find_intact_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    save_checkpoint,
-    verify_state,
-)
+from agentrl.trainer import LoopState, find_intact_checkpoint, latest_checkpoint, list_checkpoints
 
 from ._config import TrainConfig, dump_config
 from ._runfiles import record_lengths, restore_run_files
@@ -64,6 +57,8 @@ class Checkpointer:
         return bool(every and step % every == 0) or final
 
     def save(self, step: int, learner: Any, tasks: dict[str, Any], cursor: int) -> None:
+        from agentrl.trainer import save_checkpoint
+
         t0 = time.perf_counter()
         state = LoopState(
             step=step,
@@ -155,6 +150,8 @@ def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
     """The checkpoint to resume from, refused early (before any model is built) when it
     belongs to another tokenizer or configuration; None when the run never reached one (it
     then starts over: its files are emptied)."""
+    from agentrl.trainer import verify_state
+
     if not (out / "config.yaml").is_file():
         raise ConfigError(f"--resume: {out} is not a training run (no config.yaml)")
     found = find_intact_checkpoint(checkpoint_root(cfg, out))

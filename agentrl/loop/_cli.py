@@ -82,6 +82,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from agentrl._interrupt import run_until_interrupted
 
     cfg, out = _train_config(args)  # before torch loads: a bad config is refused at once
+    from ._checkpointer import check_out
+
+    check_out(cfg, out, resume=bool(args.resume))  # and an --out a run must not write into
 
     from ._runtime import atrain
 
