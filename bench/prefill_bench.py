@@ -12,6 +12,7 @@ ratios grouped / per-row.
 
 ``--cached K``: each prompt's first ``K`` tokens are already in the KV pool (a chunk after a
 cached prefix, as a session's next turn or a chunked prompt's later chunk): only the rest is fed.
+Several values (``--cached 0 112``) run one after the other in the same process.
 ``--causal``: instead, one prompt at a time alone in its group, attended as a *causal row* (no
 mask tensor: ``make_attention_batch(causal_rows=True)``) against the folded, masked call
 (``causal_rows=False``); ratios causal / masked.
@@ -54,7 +55,7 @@ from agentrl.engine._model import CausalLM  # noqa: E402
 BLOCK = 16
 
 
-def make_rows(batch: int, args: argparse.Namespace, vocab: int) -> list[Row]:
+def make_rows(batch: int, args: argparse.Namespace, vocab: int, cached: int) -> list[Row]:
     rng = random.Random(0)
     rows, next_block = [], 0
     for _ in range(batch):
@@ -62,8 +63,8 @@ def make_rows(batch: int, args: argparse.Namespace, vocab: int) -> list[Row]:
         blocks = list(range(next_block, next_block + -(-n // BLOCK)))
         next_block += len(blocks)
         ids = [rng.randrange(100, vocab) for _ in range(n)]
-        cached = min(args.cached, n - 1)
-        rows.append(Row(ids, cached, n - cached, blocks, True))
+        fed_from = min(cached, n - 1)
+        rows.append(Row(ids, fed_from, n - fed_from, blocks, True))
     return rows
 
 
@@ -116,7 +117,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--prompt-max", type=int, default=0, help="lengths drawn up to this")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cached", type=int, default=0, help="tokens already in the KV pool")
+    parser.add_argument(
+        "--cached", type=int, nargs="+", default=[0], help="tokens already in the KV pool"
+    )
     parser.add_argument(
         "--causal", action="store_true", help="compare causal rows with masked ones instead"
     )
@@ -126,8 +129,8 @@ def main() -> None:
     args = parser.parse_args()
     model = model_from_args(args)
     lengths = f"{args.prompt}" + (f"..{args.prompt_max}" if args.prompt_max > args.prompt else "")
-    if args.cached:
-        lengths += f" ({args.cached} of them cached)"
+    if args.cached != [0]:
+        lengths += f" ({' / '.join(map(str, args.cached))} of them cached)"
     print(
         f"model {args.model} on {model.device} ({args.dtype}), prompts of {lengths} tokens, "
         f"one prefill step (median ms of {args.repeats}, best of {args.rounds} rounds)"
@@ -141,8 +144,8 @@ def main() -> None:
     if args.triton:  # the engine's SDPA path against the kernel
         configs = [("sdpa", PREFILL_PAD, None, "sdpa"), ("triton", PREFILL_PAD, None, "triton")]
     report: dict[str, Any] = {"args": vars(args), "rows": []}
-    for batch in args.batches:
-        rows = make_rows(batch, args, model.config.vocab_size)
+    for cached, batch in ((c, b) for c in args.cached for b in args.batches):
+        rows = make_rows(batch, args, model.config.vocab_size, cached)
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
             for name, pad, causal, prefill in configs:
@@ -152,17 +155,18 @@ def main() -> None:
         (base_name, *_), (new_name, *_) = configs
         base, new = best[base_name], best[new_name]
         delta = (base.pop("logits") - new.pop("logits")).abs().max().item()
+        at = f"cached {cached:4d} " if len(args.cached) > 1 else ""
         for name, row in best.items():
             print(
-                f"B={batch:4d} {name:8s} groups {row['groups']:4d}  "
+                f"{at}B={batch:4d} {name:8s} groups {row['groups']:4d}  "
                 f"build {row['build']:8.2f}  forward {row['forward']:9.2f}"
             )
         print(
-            f"B={batch:4d} {new_name} / {base_name}: "
+            f"{at}B={batch:4d} {new_name} / {base_name}: "
             f"forward {new['forward'] / base['forward']:.3f}x, "
             f"build {new['build'] / base['build']:.3f}x; max |dlogit| {delta:.3g}"
         )
-        report["rows"].append({"batch": batch, **best, "max_dlogit": delta})
+        report["rows"].append({"batch": batch, "cached": cached, **best, "max_dlogit": delta})
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 
