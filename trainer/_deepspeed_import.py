@@ -25,8 +25,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+@contextmanager
+def _standing_in(name: str, module: types.ModuleType | None) -> Iterator[None]:
+    """``sys.modules[name]`` is ``module`` within (``None``: importing ``name`` raises
+    ``ImportError``), unless ``name`` was imported already; taken out again afterwards, so that a
+    later ``import name`` loads the real module."""
+    with _lock:
+        placed = name not in sys.modules
+        if placed:
+            sys.modules[name] = module  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        with _lock:
+            if placed and name in sys.modules and sys.modules[name] is module:
+                del sys.modules[name]
 
 
 def import_deepspeed() -> types.ModuleType:
@@ -35,14 +52,8 @@ def import_deepspeed() -> types.ModuleType:
         module = sys.modules.get("deepspeed")
         if module is not None:
             return module
-        hide = "mlflow" not in sys.modules
-        if hide:
-            sys.modules["mlflow"] = None  # type: ignore[assignment]  # import: ImportError
-        try:
+        with _standing_in("mlflow", None):
             import deepspeed
-        finally:
-            if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
-                del sys.modules["mlflow"]
         return deepspeed
 
 
@@ -50,25 +61,10 @@ class NotMuon:
     """Stands in for ``MuonWithAuxAdam`` while ``initialize`` runs: nothing is an instance."""
 
 
-@contextmanager
-def _muon_stand_in() -> Iterator[None]:
-    with _lock:
-        if _MUON in sys.modules:  # imported already (by the user): nothing to save
-            stand_in = None
-        else:
-            stand_in = types.ModuleType(_MUON, "agentrl: Muon is not imported by initialize")
-            stand_in.MuonWithAuxAdam = NotMuon  # type: ignore[attr-defined]
-            sys.modules[_MUON] = stand_in
-    try:
-        yield
-    finally:
-        with _lock:
-            if stand_in is not None and sys.modules.get(_MUON) is stand_in:
-                del sys.modules[_MUON]
-
-
 def initialize(**kwargs: Any) -> tuple[Any, ...]:
     """``deepspeed.initialize(**kwargs)`` for an engine whose optimizer is not Muon."""
     deepspeed = import_deepspeed()
-    with _muon_stand_in():
+    stand_in = types.ModuleType(_MUON, "agentrl: Muon is not imported by initialize")
+    stand_in.MuonWithAuxAdam = NotMuon  # type: ignore[attr-defined]
+    with _standing_in(_MUON, stand_in):
         return deepspeed.initialize(**kwargs)
