@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=["batch", "concurrent"])
     p.add_argument("--wait", type=float, default=0.0, help="wait this long for /health first")
     p.add_argument("--json", default=None)
+    p.add_argument("--each", action="store_true", help="print every timed round's split too")
     args = p.parse_args(argv)
     report: dict = {"url": args.url, "prompt": args.prompt, "new": args.new}
     if args.wait:
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 walls.append(wall)
                 splits.append(step_split(before, after, wall) if before and after else None)
+                if args.each:
+                    split = f" | {split_text(splits[-1])}" if splits[-1] else ""
+                    print(f"  round {len(walls)}: {wall * 1e3:.1f} ms{split}", flush=True)
             best = min(range(len(walls)), key=walls.__getitem__)
             row = {"tok_s": batch * args.new / walls[best], "walls": walls}
             line = f"B={batch:4} {mode:10} {row['tok_s']:9.1f} tok/s"

@@ -57,8 +57,8 @@ import os
 import uuid
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -519,6 +519,19 @@ class EmbeddedEngine:
         item = FlushCache(anyio.lowlevel.current_token(), anyio.Event())
         await self._submit_and_wait(item)
         return item.flushed
+
+    @contextmanager
+    def admitted_together(self) -> Iterator[None]:
+        """Requests whose ``generate`` is called inside this block (from this event loop, as
+        tasks that run before it ends) are admitted together: the worker takes none of them
+        until the block ends, then all at once, so one step prefills them all (as far as
+        ``max_step_tokens`` allows) wherever the worker thread was. Requests already running
+        are not held up."""
+        self._worker.hold()
+        try:
+            yield
+        finally:
+            self._worker.release()
 
     async def _submit_and_wait(
         self, item: Request | WeightUpdate | CloseSession | FlushCache

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pydantic
 from aiohttp import web
@@ -204,7 +205,7 @@ class _Server:
             return await self._stream(request, items, single, started)
         results: list[w.WireGenerateResp | None] = [None] * len(items)
         try:
-            async with anyio.create_task_group() as tg:
+            async with anyio.create_task_group() as tg, self._admitted_together(turns=1):
                 for index, item in enumerate(items):
                     tg.start_soon(self._run_item, item, index, results, started)
         except BaseExceptionGroup as group:
@@ -215,6 +216,18 @@ class _Server:
             encoded = await anyio.to_thread.run_sync(w.encoder.encode, payload)
             return web.Response(body=encoded, content_type=_JSON)
         return _json(payload)
+
+    @contextlib.asynccontextmanager
+    async def _admitted_together(self, turns: int) -> AsyncIterator[None]:
+        """The samples whose tasks start inside are admitted by the engine in one step (its
+        ``admitted_together``, where it has one): the block's end lets this event loop run
+        each task up to its submission, ``turns`` passes of the loop (``_run_item`` awaits
+        nothing before ``generate``, and ``generate`` nothing before it submits)."""
+        together = getattr(self.engine, "admitted_together", None)
+        with together() if together is not None else contextlib.nullcontext():
+            yield
+            for _ in range(turns):
+                await anyio.lowlevel.checkpoint()
 
     def _plan(self, body: bytes) -> tuple[w.WireGenerateReq, list[Item], bool]:
         with w.gc_paused():
@@ -352,7 +365,8 @@ class _Server:
 
         results: list[w.WireGenerateResp | None] = [None] * len(items)
         try:
-            async with anyio.create_task_group() as tg:
+            # a stream's sample submits from a task of its own: two passes of the loop
+            async with anyio.create_task_group() as tg, self._admitted_together(turns=2):
                 for index, item in enumerate(items):
                     at = None if single else index
                     tg.start_soon(self._stream_item, item, index, at, results, started, write)

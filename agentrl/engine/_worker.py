@@ -235,6 +235,8 @@ class Worker:
         self.broken: BaseException | None = None
         self._cond = threading.Condition()
         self._inbox: collections.deque[Command] = collections.deque()
+        self._holds = 0
+        """Open ``hold``s: while any is, the inbox is left for later (running work steps on)."""
         self._closing = False
         self._updates: collections.deque[WeightUpdate] = collections.deque()
         self._outbox: list[Command] = []
@@ -258,6 +260,20 @@ class Worker:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()
+
+    def hold(self) -> None:
+        """Leave what is submitted in the inbox until the matching ``release``, so that items
+        submitted one by one from an event loop (a batch request's samples) reach the scheduler
+        together and are admitted in one step, instead of split across steps by when this
+        thread got the GIL. Requests already running go on stepping meanwhile."""
+        with self._cond:
+            self._holds += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._holds -= 1
+            if not self._holds:
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
@@ -293,10 +309,10 @@ class Worker:
     def _iterate(self) -> bool:
         sessions = self.scheduler.sessions
         with self._cond:
-            while not (self._inbox or self._closing or self._has_work()):
+            while not ((self._inbox and not self._holds) or self._closing or self._has_work()):
                 if not self._cond.wait(timeout=sessions.expire()):
                     break  # a TTL ran out
-            while self._inbox:
+            while self._inbox and not self._holds:
                 item = self._inbox.popleft()
                 match item:
                     case Request():

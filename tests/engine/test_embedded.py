@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from numerics import LogprobError, assert_within
@@ -427,3 +428,38 @@ async def test_statistics_count_the_tokens_of_waiting_requests(tiny_dir: Path) -
                 for mask in itertools.product((0, 1), repeat=len(contexts))}  # fmt: skip
     assert all(tokens in possible for _, tokens in seen), seen
     assert any(waiting == 2 and tokens in possible - {0} for waiting, tokens in seen), seen
+
+
+async def test_requests_started_together_are_admitted_in_one_step(tiny_dir: Path) -> None:
+    """Inside ``admitted_together`` the worker takes none of the requests submitted (however
+    long the block lasts: here until it has run three more steps), while a request already
+    running goes on decoding; when the block ends, one step prefills them all."""
+    contexts = [[(7 * i + j) % 49000 + 3 for j in range(8)] for i in range(24)]  # 192 tokens
+    greedy = SamplingParams(max_new_tokens=2, temperature=0)
+    results: dict[int, GenerateResult] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await engine.generate(contexts[i], greedy)
+
+    async def long() -> None:
+        results[-1] = await engine.generate(PROMPT, SamplingParams(max_new_tokens=300, seed=1))
+
+    async with open_embedded_engine(tiny_dir, max_batch_size=32, num_threads=1) as engine:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long)
+            await wait_until(lambda: engine.statistics().tokens_generated >= 2)  # decoding
+            with engine.admitted_together():
+                for i in range(len(contexts)):
+                    tg.start_soon(one, i)
+                for _ in range(2):  # each task runs up to its submission
+                    await anyio.lowlevel.checkpoint()
+                held = engine.statistics()
+                await wait_until(lambda: engine.statistics().steps >= held.steps + 3)
+                during = engine.statistics()
+            assert (held.waiting, during.waiting, during.running) == (24, 24, 1)
+            assert during.prefill_steps == held.prefill_steps  # the long one only decodes
+            await wait_until(lambda: len(results) >= len(contexts))
+            after = engine.statistics()
+    assert after.prefill_steps - during.prefill_steps == 1
+    assert all(len(r.token_ids) == 2 for i, r in results.items() if i >= 0)
+    assert len(results[-1].token_ids) == 300

@@ -4,6 +4,7 @@ embedded engine on tiny-random, real HTTP through httpx. asyncio only (aiohttp i
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -539,3 +540,36 @@ async def test_metrics_are_prometheus_text(served: Served) -> None:
     for name in ("sglang:cached_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs"):
         assert _metric(text, name) >= 0
     assert _metric(text, "agentrl:engine_prefill_tokens") > 0
+
+
+async def test_a_batch_request_is_prefilled_in_one_step(tiny_dir: Path) -> None:
+    """A batch request's samples reach the engine together (plain and streamed), so one step
+    prefills them all, however the worker thread and the event loop share the GIL (a 1 µs
+    switch interval makes the worker grab it between two submissions)."""
+    async with open_embedded_engine(tiny_dir, max_batch_size=32, num_threads=1) as engine:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+        server = TestServer(create_app(engine, tokenizer, tiny_dir), host="127.0.0.1", port=0)
+        await server.start_server()
+        interval = sys.getswitchinterval()
+        try:
+            base = str(server.make_url("")).rstrip("/")
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                sys.setswitchinterval(1e-6)
+                for r, stream in enumerate([False, True, False, True]):
+                    prompts = [[(7 * i + j + r) % 49000 + 3 for j in range(8)] for i in range(24)]
+                    before = engine.statistics()
+                    response = await client.post(
+                        "/generate",
+                        json={
+                            "input_ids": prompts,
+                            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                            "stream": stream,
+                        },
+                    )
+                    assert response.status_code == 200, response.text
+                    after = engine.statistics()
+                    assert after.requests_done - before.requests_done == 24
+                    assert (after.prefill_steps - before.prefill_steps, stream) == (1, stream)
+        finally:
+            sys.setswitchinterval(interval)
+            await server.close()
