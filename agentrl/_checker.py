@@ -12,8 +12,8 @@ from typing import Any
 
 import anyio
 
-from ._config import short_repr
-from ._env import Episode, Reward
+from ._env import Episode
+from ._env_values import REPLY_ROLES, check_messages, check_reward, check_task_ids
 from ._errors import EnvError
 from ._registry import EnvSpec, spec
 from ._tools import collect_tools
@@ -38,12 +38,9 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
         again = list(es.make(**kwargs).tasks(split, seed=0))
         if not first:
             raise fail(f"tasks({split!r}) is empty")
-        ids = [str(getattr(t, "id", "")) for t in first]
-        if any(not i for i in ids):
-            raise fail(f"every task of {split!r} needs a non-empty string id")
-        if len(set(ids)) != len(ids):
-            raise fail(f"task ids of {split!r} are not unique")
-        if ids != [str(t.id) for t in again]:
+        check_task_ids(first, es.id, split)
+        ids = [str(t.id) for t in first]
+        if ids != [str(getattr(t, "id", None)) for t in again]:
             raise fail(f"tasks({split!r}, seed=0) is not deterministic")
     train_ids = {str(t.id) for t in env.tasks("train", seed=0)}
     if train_ids & {str(t.id) for t in env.tasks("eval", seed=0)}:
@@ -53,12 +50,7 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
     for bound in tools.values():
         json.dumps(bound.spec.schema())  # must be JSON-serialisable
     task = env.tasks("train", seed=0)[0]
-    messages = await env.reset(task)
-    if not isinstance(messages, list) or not messages:
-        raise fail("reset() must return a non-empty list of Message")
-    for m in messages:
-        if not isinstance(m, Message):
-            raise fail(f"reset() returned {type(m).__name__}, not Message")
+    messages = check_messages(await env.reset(task), f"{where}: reset()")
     if messages[-1].role not in ("user", "tool"):
         raise fail(f"reset() must end with a user turn, not {messages[-1].role!r}")
     episode = Episode(
@@ -69,15 +61,12 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
         termination_reason="stop",
         prompt_messages=len(messages),
     )
-    value = await env.reward(episode)
-    total = value.total if isinstance(value, Reward) else value
-    if not isinstance(total, int | float) or total != total:
-        raise fail(f"reward() must return a float or Reward, got {short_repr(value)}")
+    check_reward(await env.reward(episode), f"{where}: reward()")
     respond = getattr(env, "respond", None)
     if respond is not None:
         reply = await respond(Message("assistant", "I am not sure."))
-        if reply is not None and not all(isinstance(m, Message) for m in reply):
-            raise fail("respond() must return a list of Message or None")
+        if reply is not None:
+            check_messages(reply, f"{where}: respond()", REPLY_ROLES, none_ends=True)
     await env.close()
 
 

@@ -13,6 +13,7 @@ logprob kept); template and tool-output ids come from the format (mask 0, logpro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import hashlib
@@ -24,9 +25,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 
 from ._config import RolloutConfig
-from ._env import Episode, Responder, Reward, TurnRewarder
+from ._env import Episode, Responder, TurnRewarder
+from ._env_values import (
+    REPLY_ROLES,
+    check_messages,
+    check_reward,
+    finite,
+    lone_surrogate,
+    replace_surrogates,
+)
 from ._errors import EnvError
 from ._registry import EnvSpec
 from ._threads import ThreadTimeout, abandoned_threads, run_in_daemon_thread
@@ -181,6 +191,8 @@ class _Run:
         self.pending: list[Message] = []
         self.status: TrajectoryStatus = "done"
         self.reason: TerminationReason = "stop"
+        self.ended = False
+        """``finish`` was called: ``reason`` is the episode's, not a provisional one."""
         self.error: TrajectoryError | None = None
         self.timing = Timing()
         self.policy_version: int | None = None
@@ -207,18 +219,19 @@ class _Run:
         )
 
     def episode(self) -> Episode:
+        """What a hook sees: copies, so a hook that edits them cannot change the record."""
         return Episode(
             task=self.task,
-            messages=list(self.messages),
-            tool_calls=list(self.tool_calls),
+            messages=[Message(m.role, m.content, m.name) for m in self.messages],
+            tool_calls=[msgspec.structs.replace(r) for r in self.tool_calls],
             num_turns=self.turn,
-            termination_reason=self.reason,
+            termination_reason=self.reason if self.ended else None,
             prompt_messages=self.prompt_messages,
-            truncated=self.status == "truncated",
+            truncated=self.ended and self.status == "truncated",
         )
 
     def finish(self, status: TrajectoryStatus, reason: TerminationReason) -> State:
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.ended = status, reason, True
         return State.DONE if status == "done" else State.TRUNCATED
 
 
@@ -252,9 +265,11 @@ async def run_trajectory(
                     state = await _step(run, env, state)
             if deadline.cancelled_caught:
                 state = run.finish("truncated", "deadline")
-        except Exception as exc:  # a bad rollout is data
+        except BaseException as exc:  # a bad rollout is data
+            if not own_exception(exc):
+                raise  # cancellation, Ctrl-C: not this trajectory's failure
             state = State.ERROR
-            run.status, run.reason = "error", "error"
+            run.status, run.reason, run.ended = "error", "error", True
             run.error = trajectory_error(exc, _where(run, exc), run.turn)
         finally:
             with anyio.CancelScope(shield=True):
@@ -269,11 +284,10 @@ async def run_trajectory(
         t0 = time.perf_counter()
         try:
             value = await call_env(run, "reward", env.reward, run.episode())
-            if isinstance(value, Reward):
-                reward, breakdown = float(value.total), dict(value.breakdown)
-            else:
-                reward = float(value)
-        except Exception as exc:
+            reward, breakdown = check_reward(value, f"{ctx.spec.id}: reward()")
+        except BaseException as exc:
+            if not own_exception(exc):
+                raise
             run.status, run.reason = "error", "error"
             run.error = trajectory_error(exc, "reward", run.turn)
         run.timing.reward_s = time.perf_counter() - t0
@@ -290,36 +304,71 @@ async def run_trajectory(
     run.timing.wall_s = time.perf_counter() - started
     while len(run.turn_rewards) < run.turn:
         run.turn_rewards.append(0.0)
-    return Trajectory(
-        id=f"{group_id}/{sample_index}",
-        env=ctx.spec.id,
-        task_id=str(getattr(task, "id", task)),
-        group_id=group_id,
-        policy_version=_policy_version(run),
-        status=run.status,
-        termination_reason=run.reason,
-        reward=reward,
-        turn_rewards=run.turn_rewards,
-        error=run.error,
-        sampling=run.sampling(ctx.max_new_tokens, seed),
-        tokenizer_fingerprint=ctx.tokenizer_fingerprint,
-        token_ids=run.buf.token_ids,
-        loss_mask=run.buf.loss_mask,
-        logprobs=run.buf.logprobs,
-        spans=run.buf.spans,
-        model=ctx.model_name,
-        sample_index=sample_index,
-        messages=run.messages,
-        tool_calls=run.tool_calls,
-        reward_breakdown=breakdown,
-        num_turns=run.turn,
-        prompt_len=run.buf.spans[0].end if run.buf.spans else 0,
-        prompt_messages=run.prompt_messages,
-        format=ctx.fmt.name,
-        timing=run.timing,
-        info=_info(run),
-        token_versions=run.buf.token_versions,
+    return writable(
+        Trajectory(
+            id=f"{group_id}/{sample_index}",
+            env=ctx.spec.id,
+            task_id=str(getattr(task, "id", task)),
+            group_id=group_id,
+            policy_version=_policy_version(run),
+            status=run.status,
+            termination_reason=run.reason,
+            reward=reward,
+            turn_rewards=run.turn_rewards,
+            error=run.error,
+            sampling=run.sampling(ctx.max_new_tokens, seed),
+            tokenizer_fingerprint=ctx.tokenizer_fingerprint,
+            token_ids=run.buf.token_ids,
+            loss_mask=run.buf.loss_mask,
+            logprobs=run.buf.logprobs,
+            spans=run.buf.spans,
+            model=ctx.model_name,
+            sample_index=sample_index,
+            messages=run.messages,
+            tool_calls=run.tool_calls,
+            reward_breakdown=breakdown,
+            num_turns=run.turn,
+            prompt_len=run.buf.spans[0].end if run.buf.spans else 0,
+            prompt_messages=run.prompt_messages,
+            format=ctx.fmt.name,
+            timing=run.timing,
+            info=_info(run),
+            token_versions=run.buf.token_versions,
+        )
     )
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def writable(traj: Trajectory) -> Trajectory:
+    """``traj``, or when a text in it is not valid Unicode (which JSON cannot hold: a task id
+    or an exception message with a lone surrogate) a copy with its lone surrogates replaced by
+    U+FFFD, marked as an error (``where="runtime"`` unless it already failed), so that one
+    trajectory's text never stops the batch or its file."""
+    try:
+        _encoder.encode(traj)
+        return traj
+    except UnicodeEncodeError as exc:
+        reason = str(exc)
+    cleaned = msgspec.convert(_clean(msgspec.to_builtins(traj)), Trajectory)
+    message = f"the trajectory held text that is not valid Unicode ({reason}); replaced by U+FFFD"
+    return msgspec.structs.replace(
+        cleaned,
+        status="error",
+        termination_reason="error",
+        error=cleaned.error or TrajectoryError("UnicodeEncodeError", message, "runtime", None),
+    )
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, str):
+        return replace_surrogates(value)
+    if isinstance(value, dict):
+        return {_clean(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
 
 
 def _policy_version(run: _Run) -> int:
@@ -355,7 +404,33 @@ def _info(run: _Run) -> dict[str, str]:
     return info
 
 
-def _where(run: _Run, exc: Exception) -> str:
+def own_exception(exc: BaseException) -> bool:
+    """Did env, tool or engine code raise ``exc`` itself, so that it is the trajectory's
+    failure? Every ``Exception``; and an ``asyncio.CancelledError`` (or ``GeneratorExit``) that
+    such code raised while nobody was cancelling this task. A real cancellation, a
+    ``KeyboardInterrupt`` or ``SystemExit`` in this thread are the run's, not the
+    trajectory's."""
+    if isinstance(exc, Exception):
+        return True
+    if isinstance(exc, GeneratorExit):
+        return True
+    if isinstance(exc, asyncio.CancelledError):
+        if _asyncio_running():
+            task = asyncio.current_task()
+            return task is not None and not task.cancelling()
+        return True  # under trio an asyncio.CancelledError cannot be a cancellation
+    return False
+
+
+def _asyncio_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _where(run: _Run, exc: BaseException) -> str:
     from ._errors import EngineError
 
     if isinstance(exc, EngineError):
@@ -386,7 +461,7 @@ async def call_env(run: _Run, where: str, hook: Callable[..., Any], *args: Any) 
         else:
             try:
                 result = await run_in_daemon_thread(
-                    lambda: hook(*args),
+                    lambda: _own_call(hook, args, f"{run.ctx.spec.id}: {where}()"),
                     name=f"{run.ctx.spec.id}.{where}",
                     timeout_s=timeout_s,
                     max_abandoned=cfg.max_abandoned_threads,
@@ -402,13 +477,26 @@ async def call_env(run: _Run, where: str, hook: Callable[..., Any], *args: Any) 
     return result
 
 
+def _own_call(hook: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any:
+    """``hook(*args)`` in a hook's own thread: whatever it raises is its failure, also a
+    ``KeyboardInterrupt`` or ``CancelledError`` (no signal or cancellation reaches this thread),
+    which would otherwise stop the whole rollout when re-raised in the event loop."""
+    try:
+        return hook(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise EnvError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
 async def _step(run: _Run, env: Any, state: State) -> State:
     ctx = run.ctx
     match state:
         case State.PROMPT:
-            messages = await call_env(run, "reset", env.reset, run.task)
-            if not messages or not all(isinstance(m, Message) for m in messages):
-                raise TypeError(f"{ctx.spec.id}.reset() must return a non-empty list of Message")
+            reply = await call_env(run, "reset", env.reset, run.task)
+            run.hook = "reset"  # a bad value is reset()'s failure
+            messages = check_messages(reply, f"{ctx.spec.id}: reset()")
+            run.hook = None
             schemas = [b.spec.schema() for b in run.tools.values()]
             run.messages = ctx.fmt.prepare(messages, schemas)
             run.prompt_messages = len(run.messages)
@@ -455,17 +543,25 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                 raise _engine_error("the engine aborted the request")
             if result.finish_reason == "length":
                 reason = "context_limit" if run.reason == "context_limit" else "max_tokens"
-                await _turn_reward(run, env)
-                return run.finish("truncated", reason)
+                ended = run.finish("truncated", reason)
+                await _turn_reward(run, env)  # it sees the episode cut
+                return ended
             parsed = ctx.fmt.parse(content)
             if parsed.has_calls:
                 return State.TOOL
             await _turn_reward(run, env)
             if isinstance(env, Responder):
-                reply = await call_env(run, "respond", env.respond, run.messages[-1])
+                last = run.messages[-1]
+                reply = await call_env(
+                    run, "respond", env.respond, Message(last.role, last.content, last.name)
+                )
                 if reply is None:
                     return run.finish("done", "stop")
-                run.pending = list(reply)
+                run.hook = "respond"
+                run.pending = check_messages(
+                    reply, f"{ctx.spec.id}: respond()", REPLY_ROLES, none_ends=True
+                )
+                run.hook = None
                 return State.APPEND
             return run.finish("done", "stop")
 
@@ -501,6 +597,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                     bound = run.tools.get(call.name)
                     if record.error_kind == "tool_timeout" and bound and _in_thread(bound):
                         run.abandoned_threads += 1  # a thread cannot be stopped: it runs on
+                record = _valid_output(record)
                 run.tool_calls.append(record)
                 observations.append(Message("tool", record.output, name=call.name or None))
             await _turn_reward(run, env)
@@ -509,14 +606,20 @@ async def _step(run: _Run, env: Any, state: State) -> State:
 
         case State.APPEND:
             pending, run.pending = run.pending, []
-            run.messages.extend(pending)
-            for piece in ctx.fmt.render_observation(pending):
-                _add_piece(run, piece)
+            pieces = ctx.fmt.render_observation(pending)
+            fits = len(run.buf.token_ids) + sum(len(p.token_ids) for p in pieces) < ctx.max_context
+            if fits:  # else the ids and messages end with the assistant turn: the sequence
+                # stays within the context, and the tool calls keep their outputs
+                run.messages.extend(pending)
+                for piece in pieces:
+                    _add_piece(run, piece)
             failures = sum(1 for r in run.tool_calls if not r.ok)
             if failures > ctx.config.tool_error_budget:
                 return run.finish("truncated", "tool_error_budget")
             if run.turn >= ctx.max_turns:
                 return run.finish("truncated", "max_turns")
+            if not fits:  # no room to generate after it
+                return run.finish("truncated", "context_limit")
             return State.GENERATE
 
     raise AssertionError(f"no transition from {state}")
@@ -529,8 +632,26 @@ def _add_piece(run: _Run, piece: Piece) -> None:
 async def _turn_reward(run: _Run, env: Any) -> None:
     value = 0.0
     if isinstance(env, TurnRewarder):
-        value = float(await call_env(run, "turn_reward", env.turn_reward, run.episode()))
+        returned = await call_env(run, "turn_reward", env.turn_reward, run.episode())
+        run.hook = "turn_reward"
+        value = finite(returned, f"{run.ctx.spec.id}: turn_reward()")
+        run.hook = None
     run.turn_rewards.append(value)
+
+
+def _valid_output(record: ToolCallRecord) -> ToolCallRecord:
+    """``record``, or a failed one when its output is not valid text (a lone surrogate, which
+    no tokenizer or JSON line takes): the model is told, the trajectory goes on."""
+    at = lone_surrogate(record.output)
+    if at is None:
+        return record
+    return msgspec.structs.replace(
+        record,
+        ok=False,
+        output=f"Error (tool_exception): the tool's result is not valid Unicode (a lone "
+        f"surrogate at character {at})",
+        error_kind="tool_exception",
+    )
 
 
 def _in_thread(bound: BoundTool) -> bool:

@@ -20,6 +20,7 @@ import anyio
 
 from ._config import RolloutConfig
 from ._config_file import read_json_value
+from ._env_values import check_task_ids
 from ._errors import ConfigError
 from ._outfiles import write_file
 from ._registry import spec as env_spec
@@ -192,10 +193,22 @@ def _resolved_config(
 
 
 def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
-    """What must match for an append: env, model, split and what decides the samples."""
+    """What must match for an append: env, model, engine, split and what decides the samples
+    (a run written before ``config.json`` named its engine ran the embedded one)."""
     rollout = {k: v for k, v in dict(config.get("rollout") or {}).items() if k not in _APPEND_FREE}
     keys = ("env", "model", "split")
-    return {**{k: config.get(k) for k in keys}, "rollout": rollout}
+    part = {k: config.get(k) for k in keys}
+    return {**part, "engine": config.get("engine", "embedded"), "rollout": rollout}
+
+
+def engine_label(engine: Any) -> str:
+    """How ``config.json`` names the engine a rollout ran on: ``embedded`` when ``arollout``
+    opened it, else the engine's ``label`` (the scripted engine: ``scripted:FILE``) or its
+    class name."""
+    if engine is None:
+        return "embedded"
+    label = getattr(engine, "label", None)
+    return label if isinstance(label, str) else type(engine).__name__
 
 
 def read_config_json(path: Path, what: str) -> dict[str, Any]:
@@ -333,6 +346,12 @@ async def arollout(
     resources = dict(env_resources or {})
     # the env's arguments are checked before a model is fetched or torch is imported
     tasks = list(spec.make(**cfg.env_kwargs, **resources).tasks(split, seed=cfg.seed))
+    check_task_ids(tasks, spec.id, split)
+    if task_offset >= len(tasks):
+        raise ConfigError(
+            f"task_offset {task_offset}: {spec.id}'s {split!r} split has {len(tasks)} tasks "
+            f"(offsets 0-{len(tasks) - 1}); nothing to run"
+        )
     tasks = tasks[task_offset : task_offset + n]
 
     from ._models import load_tokenizer, resolve_model, tokenizer_fingerprint
@@ -350,6 +369,7 @@ async def arollout(
     if out is not None:  # refused before a model is loaded
         out_dir = Path(out)
         resolved = _resolved_config(spec.id, model, model_path, n, split, task_offset, cfg)
+        resolved["engine"] = engine_label(engine)
         first_sample, previous = prepare_run_dir(out_dir, resolved, if_exists)
     async with AsyncExitStack() as stack:
         if engine is None:

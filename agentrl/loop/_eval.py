@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 
+from agentrl._env_values import check_task_ids
 from agentrl._errors import ConfigError
 from agentrl._outfiles import write_file
 from agentrl._rollout import RolloutContext
@@ -77,6 +78,7 @@ async def aevaluate(
     tokenizer = load_tokenizer(model_path)
     env = spec.make(**cfg.rollout.env_kwargs)
     tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+    check_task_ids(tasks, spec.id, cfg.eval.split)
     rollout = eval_rollout(cfg)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

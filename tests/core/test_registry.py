@@ -387,7 +387,7 @@ class _RespondReturnsStrings(_MinimalEnv):
         (_RewardNotANumber, r"reward\(\) must return a float or Reward"),
         (_RewardNaN, r"reward\(\) must return a float or Reward"),
         (_NoClose, r"missing required method close\(\)"),
-        (_RespondReturnsStrings, r"respond\(\) must return a list of Message or None"),
+        (_RespondReturnsStrings, r"respond\(\) returned str, not Message"),
     ],
 )
 def test_check_env_rejects_broken_envs(temp_ids, cls, match):
