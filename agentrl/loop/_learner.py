@@ -68,6 +68,11 @@ class StepData:
     refill_rounds: int = 0
     fill_rounds: int = 0
     wait_s: float = 0.0
+    sampling_s: float = 0.0
+    """The wall time the step's samples had to be made in: the collection itself when
+    sampling waits for the learner (sync), else the time since the previous step's collection
+    ended (async: the actors sample while the learner trains). What ``gen_tokens_per_s``
+    divides by."""
 
     @property
     def trained(self) -> list[GroupView]:
@@ -143,6 +148,9 @@ class LearnerRole:
         self.submitted = 0
         self.primary: dict[int, list[int]] = {}
         self.busy_s = 0.0
+        self.sampling_started: float | None = None
+        self.collected_at: float | None = None
+        """When the last collection ended (None before the first: sampling starts then)."""
         alg = learner.settings.algorithm
         self.refill = cfg.train.refill_rounds if alg.dynamic_sampling else 0
 
@@ -150,6 +158,8 @@ class LearnerRole:
         """Start the groups of every step up to ``step + k`` not started yet."""
         self.submitted = max(self.submitted, step - 1)
         last = min(step + self.max_lag, self.cfg.train.max_steps)
+        if self.sampling_started is None and self.submitted < last:
+            self.sampling_started = time.perf_counter()
         while self.submitted < last:
             self.submitted += 1
             self.primary[self.submitted] = self.actor.submit(
@@ -174,7 +184,11 @@ class LearnerRole:
             data.refill_rounds += 1
             await self._extra_round(data, step, need)
         self.buffer.take(step)
-        data.wait_s = time.perf_counter() - started
+        ended = time.perf_counter()
+        data.wait_s = ended - started
+        since = self.collected_at or self.sampling_started or started
+        data.sampling_s = data.wait_s if self.max_lag == 0 else ended - since
+        self.collected_at = ended
         return data
 
     async def _extra_round(self, data: StepData, step: int, n: int) -> None:

@@ -39,6 +39,7 @@ _GROUPS = {
     "eval_reward_mean": "eval/reward_mean",
     "eval_pass_rate": "eval/pass_rate",
     "gen_tokens_per_s": "throughput/gen_tokens_per_s",
+    "sampling_s": "throughput/sampling_s",
     "learner_tokens": "throughput/learner_tokens",
     "learner_tokens_per_s": "throughput/learner_tokens_per_s",
     "version_lag": "policy/version_lag",

@@ -33,11 +33,12 @@ def step_record(
         "version_lag": sum(lags) / len(lags),
         "version_lag_max": max(lags),
         "rollout_s": data.wait_s,
+        "sampling_s": data.sampling_s,
         "trajectories_trained": len(trained),
     }
     if data.extra:
         record["extra_task_slots"] = list(data.extra)
-    record.update(rollout_metrics(trajs, pass_threshold=threshold, elapsed_s=data.wait_s))
+    record.update(rollout_metrics(trajs, pass_threshold=threshold, elapsed_s=data.sampling_s))
     return record
 
 

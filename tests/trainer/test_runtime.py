@@ -4,6 +4,7 @@ ledger fields and interval records."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from pathlib import Path
@@ -259,3 +260,18 @@ def test_resume_refuses_a_run_file_that_lost_records_unless_told(tmp_path, capsy
     assert "--accept-lost-records" in capsys.readouterr().out
     trajs = read_trajectories(str(path))  # whole lines only: the 3 kept, then step 3's
     assert len(trajs) == 3 + 2 * 2 and all(t.info["step"] == "3" for t in trajs[3:])
+
+
+def test_async_generation_throughput_counts_the_time_the_actors_sampled_in(async_run):
+    """The actors sample while the learner trains: a step's samples were made over the time
+    since the previous step's collection, not only the learner's wait for them (which may be
+    next to nothing), so ``gen_tokens_per_s`` is ``gen_tokens / sampling_s`` with that time."""
+    out, _ = async_run
+    ledger = read_ledger(out / "ledger.jsonl")
+    for previous, record in itertools.pairwise(ledger):
+        assert record["sampling_s"] >= record["rollout_s"]
+        # the learner trained the previous step inside this step's sampling time
+        assert record["sampling_s"] >= previous["update_s"]
+        assert record["gen_tokens_per_s"] == pytest.approx(
+            record["gen_tokens"] / record["sampling_s"]
+        )
