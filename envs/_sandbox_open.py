@@ -343,10 +343,12 @@ def check_env_sandbox(spec: Any, env_id: str, factory: Any, where: str = "sandbo
     loaded)."""
     wants = wants_sandbox(factory)
     if spec is None and wants:
+        # `agentrl rollout` takes --sandbox; a training or eval config takes `sandbox:`
+        how = "--sandbox KIND" if where == "--sandbox" else "--set sandbox=KIND"
         raise ConfigError(
             f"{env_id} runs code in a sandbox and none is configured: set `sandbox:` in the "
             "config (local | docker | gvisor | http(s)://HOST:PORT | a PoolConfig file | the "
-            "pool's options), or pass --sandbox"
+            f"pool's options), or pass {how}"
         )
     if spec is not None and not wants:
         raise ConfigError(

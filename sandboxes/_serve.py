@@ -296,7 +296,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(
         prog="agentrl sandbox serve", description="Serve a sandbox pool over HTTP."
     )
-    parser.add_argument("--backend", choices=("docker", "gvisor", "local"), default=None)
+    parser.add_argument(
+        "--backend",
+        choices=("docker", "gvisor", "local"),
+        default=None,
+        help="where programs run (default: the --config file's backend, else docker)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument(
@@ -305,7 +310,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help=f"bearer token every request must carry (default ${TOKEN_ENV}); required when "
         "--host is not a loopback address",
     )
-    parser.add_argument("--config", default=None, help="PoolConfig as a JSON file")
+    parser.add_argument(
+        "--config", default=None, help="PoolConfig as a JSON file (JSON only: no YAML here)"
+    )
     parser.add_argument("--image", default=None, help="image for docker/gvisor")
     parser.add_argument("--size", type=int, default=None, help="warm sandboxes (default 4)")
     parser.add_argument("--max-queue", type=int, default=None, help="waiting requests (64)")

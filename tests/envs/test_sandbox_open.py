@@ -57,3 +57,19 @@ async def _spread(spec: str, urls: list[str]) -> None:
     # per replica: what each answered, and that both are up
     assert [interval.counts[f"replica{i}/requests"] for i in (0, 1)] == execs
     assert interval.gauges == {"replica0/up": 1, "replica1/up": 1}
+
+
+@pytest.mark.parametrize(
+    ("where", "hint"),
+    [("--sandbox", "or pass --sandbox KIND"), ("sandbox", "or pass --set sandbox=KIND")],
+)
+def test_a_missing_sandbox_names_the_way_to_give_one_that_the_command_takes(where, hint):
+    """`agentrl rollout` takes --sandbox; `agentrl train` and `eval` take `--set sandbox=`."""
+    import agentrl
+    from agentrl._errors import ConfigError
+    from agentrl.envs import check_env_sandbox
+
+    factory = agentrl.spec("python-math-v0").entry_point
+    with pytest.raises(ConfigError, match="none is configured") as caught:
+        check_env_sandbox(None, "python-math-v0", factory, where=where)
+    assert str(caught.value).endswith(hint)
