@@ -11,22 +11,142 @@ renamed over the name, so a reader sees the old contents or the new ones, never 
 ``open_append`` opens with ``O_NOFOLLOW``: the check and the open are one system call.
 ``replace_page`` guards the HTML outputs a user names (``--out FILE``, ``--html FILE``):
 an existing file there is replaced only when it is a page agentrl wrote (``GENERATOR``).
+
+The readers of run folders someone else may have made (``inspect``, ``dashboard``, ``plan
+capacity --from-run``) open their files with ``open_run_file``: it never blocks (a FIFO, a
+terminal, ``/proc/kmsg`` under a run file's name) and refuses anything but a regular file with
+one line naming it (``RunFileError``). ``display_text`` turns a name that is not UTF-8 (a folder
+name's stray bytes) into text a page or a terminal can show.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
-from ._errors import OutputError
+from ._errors import ConfigError, OutputError
 
 GENERATOR = '<meta name="generator" content="agentrl">'
 """The tag every HTML page agentrl writes carries in its head."""
 _PAGE_HEAD = 4096
+_CHUNK = 1 << 20
+MAX_CONFIG_BYTES = 16 << 20
+"""Most bytes ``read_run_file`` reads (a run's config.yaml or config.json is kilobytes)."""
+
+
+class RunFileError(ConfigError):
+    """A run file that cannot be read as one: not a regular file, not permitted, or one whose
+    read would block (``/proc/kmsg``). The message is one line naming it."""
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def display_text(text: str | os.PathLike[str]) -> str:
+    """``text`` (or a path) with lone surrogates -- the bytes of a file name that is not
+    UTF-8, as Python decodes them -- written as U+FFFD, so a page or a terminal can show it."""
+    text = os.fspath(text)
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate no file name has (e.g. one JSON wrote)
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def open_run_file(path: str | os.PathLike[str]) -> IO[bytes]:
+    """``path`` opened for binary reading, never blocking: a FIFO, a device or a terminal
+    under the name is refused before anything is read, and a read that would block on a file
+    that claims to be regular (``/proc/kmsg``) raises ``BlockingIOError`` (``run_file_lines``
+    turns it into a ``RunFileError``). ``FileNotFoundError`` when nothing has the
+    name; ``RunFileError`` for anything else that is not a readable regular file."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise RunFileError(f"{display_text(path)}: cannot read it ({exc.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, a device or another special file"
+        raise RunFileError(f"{display_text(path)} is not a regular file (it is {what})")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _unreadable(path: str | os.PathLike[str], exc: OSError) -> RunFileError:
+    why = "its read would block" if isinstance(exc, BlockingIOError) else exc.strerror
+    return RunFileError(f"{display_text(path)}: not a readable run file ({why})")
+
+
+def run_file_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of the run file ``path`` (``open_run_file``), read unbuffered
+    so that a read that would block (``EAGAIN`` from a procfs file) or fails (``EIO``) is a
+    ``RunFileError`` rather than a silent end of file."""
+    with open_run_file(path) as fh:
+        fd, lineno, parts = fh.fileno(), 0, []
+        while True:
+            try:
+                data = os.read(fd, _CHUNK)
+            except OSError as exc:
+                raise _unreadable(path, exc) from None
+            if not data:
+                break
+            start = 0
+            while (end := data.find(b"\n", start)) >= 0:
+                parts.append(data[start : end + 1])
+                lineno += 1
+                yield lineno, b"".join(parts)
+                parts, start = [], end + 1
+            if start < len(data):
+                parts.append(data[start:])
+        if parts:
+            yield lineno + 1, b"".join(parts)
+
+
+def read_run_file(path: str | os.PathLike[str], *, limit: int = MAX_CONFIG_BYTES) -> bytes:
+    """The whole of the run file ``path`` (``open_run_file``): a config, not a log; one
+    larger than ``limit`` bytes, or whose read would block or fails, is a ``RunFileError``."""
+    with open_run_file(path) as fh:
+        parts, size = [], 0
+        while size <= limit:
+            try:
+                data = os.read(fh.fileno(), min(_CHUNK, limit + 1 - size))
+            except OSError as exc:
+                raise _unreadable(path, exc) from None
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+            size += len(data)
+    raise RunFileError(f"{display_text(path)}: larger than {limit} bytes: not a run's config")
+
+
+def read_run_config(path: str | os.PathLike[str]) -> Any:
+    """The value of a run's config file (YAML; ``.json``: JSON) as ``read_config_file``
+    parses it, read with ``read_run_file``: ``FileNotFoundError`` when missing, else a
+    ``ConfigError`` naming the file when it cannot be read or parsed."""
+    from ._config_file import decode_utf8, load_json, load_yaml
+
+    where = display_text(path)
+    text = decode_utf8(read_run_file(path), where)
+    return (load_json if Path(path).suffix == ".json" else load_yaml)(text, where)
+
+
+def json_record(line: bytes) -> dict[str, Any] | None:
+    """The JSON object on ``line``, or None when it is not one: torn, not UTF-8, nested past
+    the parser's depth (``RecursionError``), or another JSON value."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def regular_or_missing(

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ._outfiles import display_text
 from ._types import Trajectory
 
 if TYPE_CHECKING:
@@ -40,8 +41,10 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c n
 
 
 def terminal_safe(text: str) -> str:
-    """``text`` with control characters written as visible escapes (``\\x1b``)."""
-    return text.translate(_CONTROLS)
+    """``text`` with control characters written as visible escapes (``\\x1b``), and lone
+    surrogates (a folder name's bytes that are not UTF-8) as U+FFFD: whatever a run folder
+    holds, printing it neither drives the terminal nor fails to encode."""
+    return display_text(text.translate(_CONTROLS))
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str:
@@ -229,7 +232,8 @@ def _share(value: float | None) -> str:
 
 
 def _counts(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "-"
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{terminal_safe(str(k))}={v}" for k, v in ordered) or "-"
 
 
 def render_summary(summary: Summary, console: Console) -> None:
@@ -265,5 +269,5 @@ def render_summary(summary: Summary, console: Console) -> None:
         ("generated tokens/s", rate),
     ]
     for metric, value in rows:
-        table.add_row(metric, Text(value))
+        table.add_row(metric, Text(terminal_safe(value)))  # keys and counts from the run
     console.print(table)

@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from ._outfiles import open_append
+from ._outfiles import open_append, run_file_lines
 
 Role = Literal["system", "user", "assistant", "tool"]
 SpanSource = Literal["prompt", "model", "tool", "template"]
@@ -294,6 +294,8 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
         for span in self.spans:
             if span.start != pos or span.end < span.start:
                 raise ValueError(f"trajectory {self.id}: span {span} does not start at {pos}")
+            if span.end > n:
+                raise ValueError(f"trajectory {self.id}: span {span} ends past the {n} tokens")
             for i in range(span.start, span.end):
                 want = 1 if span.source == "model" else 0
                 if self.loss_mask[i] != want:
@@ -354,16 +356,19 @@ def decode_trajectory(line: bytes | str) -> Trajectory:
 
 
 def read_trajectories(path: str) -> list[Trajectory]:
-    """Read a trajectories JSONL file; a malformed line raises ``ValueError`` naming the line."""
+    """Read a trajectories JSONL file; a malformed line (nested past the decoder's depth
+    included) raises ``ValueError`` naming the line. The file is opened without blocking and
+    must be a regular file (``run_file_lines``: a ``ConfigError`` otherwise)."""
     out: list[Trajectory] = []
-    with open(path, "rb") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(_trajectory_decoder.decode(line))
-            except msgspec.DecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a trajectory: {exc}") from None
+    for lineno, line in run_file_lines(path):
+        if not line.strip():
+            continue
+        try:
+            out.append(_trajectory_decoder.decode(line))
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not a trajectory: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{lineno}: not a trajectory: nested too deep") from None
     return out
 
 

@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _safe(text: str) -> str:
+    """``text`` fit for the terminal (``terminal_safe``): what it quotes from a run folder or
+    a trajectory (ids, error types, paths) cannot move the cursor, set the title or link."""
+    from ._report_term import terminal_safe
+
+    return terminal_safe(text)
+
+
 def _console():
     from rich.console import Console
 
@@ -213,8 +221,11 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     args.engine_options = engine_options(engine_data)
     console.print(
-        f"[bold]rollout[/] {args.env} on {args.model}: {args.num_tasks} tasks × "
-        f"{cfg.group_size} samples → {out}" + (" (appending)" if args.append else "")
+        _safe(
+            f"rollout {args.env} on {args.model}: {args.num_tasks} tasks × "
+            f"{cfg.group_size} samples → {out}" + (" (appending)" if args.append else "")
+        ),
+        markup=False,
     )
     done = [0]
     total = args.num_tasks * cfg.group_size
@@ -222,9 +233,11 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     def progress(traj) -> None:
         done[0] += 1
         console.print(
-            f"  [{done[0]}/{total}] {traj.id}: {traj.status}/{traj.termination_reason} "
-            f"reward={traj.reward} turns={traj.num_turns} tokens={len(traj.token_ids)}"
-            + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else ""),
+            _safe(
+                f"  [{done[0]}/{total}] {traj.id}: {traj.status}/{traj.termination_reason} "
+                f"reward={traj.reward} turns={traj.num_turns} tokens={len(traj.token_ids)}"
+                + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else "")
+            ),
             markup=False,
         )
 
@@ -257,8 +270,10 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     )
     if result.interrupted:
         console.print(
-            f"interrupted: {len(result.trajectories)}/{result.planned} trajectories saved "
-            f"({out / 'trajectories.jsonl'}; summary: {out / 'summary.json'})",
+            _safe(
+                f"interrupted: {len(result.trajectories)}/{result.planned} trajectories saved "
+                f"({out / 'trajectories.jsonl'}; summary: {out / 'summary.json'})"
+            ),
             markup=False,
         )
         return 130
@@ -267,12 +282,12 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         first = failed[0].error
         where = f"{first.where} {first.type}: {first.message}" if first else "unknown"
         console.print(
-            f"every trajectory failed ({len(failed)}); first: {failed[0].id}: {where}",
+            _safe(f"every trajectory failed ({len(failed)}); first: {failed[0].id}: {where}"),
             style="red",
             markup=False,
         )
         if first is not None and first.traceback:
-            console.print(first.traceback, markup=False, highlight=False)
+            console.print(_safe(first.traceback), markup=False, highlight=False)
         return 1
     return code
 
@@ -360,29 +375,54 @@ def _present(
     html_path = html or (str(out / "report.html") if (dry_run and out is not None) else None)
     if html_path:
         write_html_report(trajectories, tokenizer, html_path)
-        console.print(f"HTML mask report: {html_path}")
+        console.print(_safe(f"HTML mask report: {html_path}"), markup=False)
     if out is not None:
-        console.print(f"trajectories: {out / 'trajectories.jsonl'}")
+        console.print(_safe(f"trajectories: {out / 'trajectories.jsonl'}"), markup=False)
     if check:
-        from .formats import check_boundary, get_format
+        return _check(trajectories, tokenizer, console)
+    return 0
 
-        fmt = get_format("chatml-hermes", tokenizer)
-        bad = 0
-        for traj in trajectories:
-            try:
-                traj.validate()
-            except ValueError as exc:
-                bad += 1
-                console.print(f"[red]invalid[/] {exc}")
-                continue
+
+def _check(trajectories, tokenizer, console) -> int:
+    """``--check``: every trajectory's invariants and its boundary re-render; a trajectory
+    without messages (an error trajectory whose ``reset()`` raised) has nothing to re-render
+    and is counted as not checked. Exit 1 when any fails."""
+    from rich.text import Text
+
+    from .formats import check_boundary, get_format
+
+    def failed(label: str, message: str) -> None:
+        console.print(Text.assemble((label, "red"), " ", _safe(message)))
+
+    fmt = get_format("chatml-hermes", tokenizer)
+    bad = unchecked = 0
+    for traj in trajectories:
+        try:
+            traj.validate()
+        except ValueError as exc:
+            bad += 1
+            failed("invalid", str(exc))
+            continue
+        if not traj.messages:
+            unchecked += 1
+            continue
+        try:
             report = check_boundary(fmt, traj)
-            if not report.ok:
-                bad += 1
-                console.print(f"[red]boundary[/] {report.message}")
-        if bad:
-            console.print(f"[red]{bad} of {len(trajectories)} trajectories failed the check[/]")
-            return 1
-        console.print(f"boundary check: all {len(trajectories)} trajectories match the re-render")
+        except AgentRLError as exc:  # the template refuses this conversation
+            bad += 1
+            failed("boundary", f"trajectory {traj.id}: cannot re-render: {exc}")
+            continue
+        if not report.ok:
+            bad += 1
+            failed("boundary", report.message)
+    checked = len(trajectories) - unchecked
+    if unchecked:
+        plural = "trajectory" if unchecked == 1 else "trajectories"
+        console.print(f"not checked: {unchecked} {plural} without messages", markup=False)
+    if bad:
+        console.print(Text(f"{bad} of {checked} trajectories failed the check", "red"))
+        return 1
+    console.print(f"boundary check: all {checked} trajectories match the re-render", markup=False)
     return 0
 
 
@@ -406,15 +446,15 @@ def _trajectories_file(path: Path) -> Path:
 def _read_for_inspect(path: Path) -> list:
     """The trajectories in ``path``, or a one-line ConfigError saying what the file is."""
     from ._errors import ConfigError
+    from ._outfiles import run_file_lines
     from ._types import read_trajectories
 
-    with open(path, "rb") as fh:
-        first = next((line for line in fh if line.strip()), None)
+    first = next((line for _, line in run_file_lines(path) if line.strip()), None)
     if first is None:
         raise ConfigError(f"{path} holds no trajectories (empty)")
     try:
         head = json.loads(first)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ConfigError(f"{path} is not JSON lines (its first line is not JSON)") from None
     if isinstance(head, dict) and "step" in head and "token_ids" not in head:
         raise ConfigError(
@@ -428,17 +468,35 @@ def _read_for_inspect(path: Path) -> list:
         raise ConfigError(f"cannot inspect {message}") from None
 
 
+def _run_config_json(path: Path) -> dict[str, Any]:
+    """A run folder's ``config.json`` as an object, read without blocking (``/proc/kmsg``
+    under its name is refused); a one-line ConfigError naming it otherwise."""
+    from ._errors import ConfigError
+    from ._outfiles import read_run_config
+
+    try:
+        config = read_run_config(path)
+    except FileNotFoundError:
+        raise ConfigError(f"inspect: {path}: no such file") from None
+    except ConfigError as exc:
+        raise ConfigError(f"inspect: cannot read {path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"inspect: cannot read {path}: JSON nested too deep") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"inspect: {path} is not a JSON object (got {type(config).__name__})")
+    return config
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ._errors import ConfigError
     from ._models import resolve_model
-    from ._runner import read_config_json
 
     path = _trajectories_file(Path(args.path))
     trajectories = _read_for_inspect(path)
     model = args.model
     config = path.parent / "config.json"
     if model is None and config.is_file():
-        model = read_config_json(config, "inspect").get("model_path")
+        model = _run_config_json(config).get("model_path")
         if model is not None and not isinstance(model, str):
             raise ConfigError(f"inspect: {config}: model_path must be a string, got {model!r}")
     if model is None:
@@ -649,12 +707,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(
             exc, AgentRLError
         ):  # every error agentrl raises on purpose (sandbox ones too)
-            print(f"agentrl: error: {exc}", file=sys.stderr)
+            print(f"agentrl: error: {_safe(str(exc))}", file=sys.stderr)
             return int(getattr(exc, "exit_code", 2))
         if isinstance(exc, ModuleNotFoundError):
             hint = missing_dependency_message(exc, command)
             if hint is not None:
-                print(f"agentrl: error: {hint}", file=sys.stderr)
+                print(f"agentrl: error: {_safe(hint)}", file=sys.stderr)
                 return 2
         raise
 

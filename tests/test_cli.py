@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from agentrl import read_trajectories
@@ -603,3 +604,120 @@ def test_inspect_gives_one_line_for_what_it_cannot_read(what, tmp_path):
     proc = agentrl("inspect", str(path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+
+
+# -- inspect: a trajectories file someone else made ------------------------------------------------
+
+
+def _written(path: Path, trajectories) -> Path:
+    from agentrl._types import TrajectoryWriter
+
+    with TrajectoryWriter(str(path)) as writer:
+        for trajectory in trajectories:
+            writer.write(trajectory)
+    return path
+
+
+def test_inspect_prints_run_text_as_text_never_markup_or_escapes(
+    tmp_path, tiny_model_path, capsys, monkeypatch
+):
+    """Ids, error types and tool error kinds reach the terminal through ``terminal_safe`` and
+    never as Rich markup: ``x[/]`` crashed --check, ``[link=...]`` became a hyperlink, an OSC
+    sequence set the terminal's title."""
+    from trajectories import trajectory_from_pieces
+
+    from agentrl._types import ToolCallRecord, TrajectoryError
+    from agentrl.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    ids = ["x[/]", "[link=https://evil.example]L[/link]\x1b]0;PWNED\x07\x9b31m"]
+    trajectories = []
+    for id_ in ids:
+        trajectory = trajectory_from_pieces(
+            [("prompt", [1, 2], 0), ("model", [3], 0)],
+            id=id_,
+            status="error",
+            error=TrajectoryError(type="\x1b[2JBoom", message="m", where="env\x1b]0;T\x07"),
+            tool_calls=[
+                ToolCallRecord(0, "t", "{}", ok=False, output="", error_kind="\x1b[31mkind")
+            ],
+        )
+        trajectory.loss_mask[0] = 1  # invalid: --check quotes the id
+        trajectories.append(trajectory)
+    path = _written(tmp_path / "trajectories.jsonl", trajectories)
+    assert main(["inspect", str(path), "--model", "tiny-random", "--check", "--show", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out, out
+    assert "invalid trajectory x[/]: loss_mask[0]=1" in out
+    assert "invalid trajectory [link=https://evil.example]L[/link]\\x1b]0;PWNED\\x07\\x9b31m" in out
+    assert "env\\x1b]0;T\\x07:\\x1b[2JBoom=2" in out and "\\x1b[31mkind=2" in out
+
+
+def test_inspect_check_skips_trajectories_without_messages(tiny_run, tmp_path):
+    """An error trajectory whose reset() raised has no messages: the chat template refused to
+    render it and the whole --check ended with exit 2; now it is counted as not checked and
+    every other trajectory is still checked."""
+    from agentrl._types import TrajectoryError
+
+    _, out = tiny_run
+    trajectories = read_trajectories(str(out / "trajectories.jsonl"))
+    failed = msgspec.structs.replace(
+        trajectories[0],
+        id="reset-raised",
+        status="error",
+        termination_reason="error",
+        messages=[],
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        token_versions=[],
+        spans=[],
+        tool_calls=[],
+        error=TrajectoryError(type="RuntimeError", message="boom", where="reset"),
+    )
+    path = _written(tmp_path / "trajectories.jsonl", [failed, *trajectories])
+    proc = agentrl("inspect", str(path), "--check", "--show", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not checked: 1 trajectory without messages" in proc.stdout
+    assert f"boundary check: all {len(trajectories)} trajectories match" in proc.stdout
+
+
+@pytest.mark.parametrize("what", ["deep-first", "deep-later", "fifo", "kmsg", "span-past-ids"])
+def test_inspect_refuses_odd_files_in_one_line(what, tmp_path, tiny_model_path, capsys):
+    """JSON nested past the parser's depth, a FIFO or /proc/kmsg (a read that blocks: the
+    command hung) under the file's name: one line, exit 2. A span that ends past the ids is
+    an invalid trajectory (it was an IndexError)."""
+    from trajectories import trajectory_from_pieces
+
+    from agentrl.cli import main
+
+    path = tmp_path / "trajectories.jsonl"
+    deep = b'{"id": "x", "unknown": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    if what == "deep-first":
+        path.write_bytes(deep)
+        needle = "is not JSON lines"
+    elif what == "deep-later":
+        good = trajectory_from_pieces([("prompt", [1], 0), ("model", [2], 0)])
+        _written(path, [good])
+        with path.open("ab") as fh:
+            fh.write(deep)
+        needle = "trajectories.jsonl:2: not a trajectory: nested too deep"
+    elif what == "fifo":
+        os.mkfifo(path)
+        needle = "trajectories.jsonl is not a file"
+    elif what == "kmsg":
+        if not os.access("/proc/kmsg", os.R_OK):
+            pytest.skip("needs a readable /proc/kmsg (root)")
+        path.symlink_to("/proc/kmsg")
+        needle = "not a readable run file (its read would block)"
+    else:
+        bad = trajectory_from_pieces([("prompt", [1], 0), ("model", [2], 0)])
+        bad.spans[-1] = msgspec.structs.replace(bad.spans[-1], end=5)
+        _written(path, [bad])
+        args = ["inspect", str(path), "--model", "tiny-random", "--check", "--show", "1"]
+        assert main(args) == 1
+        assert "span Span(start=1, end=5" in capsys.readouterr().out
+        return
+    assert main(["inspect", str(path), "--model", "tiny-random"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from agentrl._report_term import terminal_safe
+
 from ._page import write_dashboard
 
 
@@ -24,5 +26,5 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", default=None, help="the page's path (default RUN/dashboard.html)")
     args = parser.parse_args(list(argv))
     path = write_dashboard(args.run, compare=args.compare, out=args.out)
-    print(f"wrote {path}")
+    print(terminal_safe(f"wrote {path}"))  # a folder name is run data too
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl._errors import ConfigError
-from agentrl._outfiles import GENERATOR, replace_page
+from agentrl._outfiles import GENERATOR, display_text, replace_page
 
 from ._panels import Panel, build_panels
 from ._read import RunData, finite, load_run
@@ -79,6 +79,10 @@ def _script_json(value: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is no step count
+
+
 def _header(runs: list[RunData]) -> str:
     lines = []
     for run in runs:
@@ -93,10 +97,10 @@ def _header(runs: list[RunData]) -> str:
             f"algorithm {algorithm}" if algorithm else "",
             f"mode {mode}" if mode else "",
         ]
-        steps = [r["step"] for r in run.ledger if isinstance(r.get("step"), int) and "step_s" in r]
+        steps = [r["step"] for r in run.ledger if _is_step(r.get("step")) and "step_s" in r]
         facts.append(f"{max(steps)} steps" if steps else "no training step yet")
-        text = f"<b>{html.escape(run.name)}</b> ({html.escape(str(run.path))}): "
-        text += html.escape(", ".join(f for f in facts if f))
+        text = f"<b>{html.escape(run.name)}</b> ({html.escape(display_text(run.path))}): "
+        text += html.escape(display_text(", ".join(f for f in facts if f)))
         lines.append(f"<p>{text}</p>")
         for name, count in run.skipped.items():
             lines.append(

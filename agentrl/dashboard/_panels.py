@@ -39,9 +39,28 @@ class _Spec:
 
 
 def _number(value: Any) -> float | None:
+    """``value`` as a finite float; None for anything else (a bool, text, NaN, an integer too
+    large for a float: the plot has a gap there)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def plotly_text(text: str) -> str:
+    """``text`` shown as itself by plotly.js, which reads trace names, legends, hover labels,
+    titles and annotations as its own HTML subset (``<a href>``, ``<span style>``, ``<br>``
+    and entities): ``&``, ``<`` and ``>`` become entities, which plotly draws as the
+    characters."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _lag_key(key: Any) -> int | None:
+    """A version-lag histogram key: the digits of a lag (``"3"``), nothing looser."""
+    return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
 
 
 def series(rows: Iterable[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
@@ -143,12 +162,13 @@ def lag_histogram(run: RunData) -> dict[int, float]:
             hist = row.get("version_lag_hist")
             if not isinstance(hist, dict):
                 continue
-            for lag, count in hist.items():
-                n = _number(count)
+            for key, count in hist.items():
                 try:
-                    total[int(lag)] = total.get(int(lag), 0.0) + (n or 0.0)
-                except ValueError:
+                    lag = _lag_key(key)
+                except ValueError:  # more digits than int() takes
                     continue
+                if lag is not None:
+                    total[lag] = total.get(lag, 0.0) + (_number(count) or 0.0)
         if total:
             return dict(sorted(total.items()))
     return {}
@@ -159,6 +179,19 @@ def _lag(run: RunData) -> list[Trace]:
     if not hist:
         return []
     return [{"type": "bar", "name": "groups", "x": list(hist), "y": list(hist.values())}]
+
+
+LAG_TICKS_EVERY_VERSION = 50
+"""A lag axis spanning at most this many versions has a tick per version; a wider one
+(a run's hostile or broken histogram: 1e15) gets plotly's own ticks, not millions of them."""
+
+
+def _lag_layout(runs: list[RunData]) -> dict[str, Any]:
+    lags = [lag for run in runs for lag in lag_histogram(run)]
+    axis: dict[str, Any] = {"title": {"text": "versions behind"}}
+    if lags and max(lags) - min(lags) <= LAG_TICKS_EVERY_VERSION:
+        axis["dtick"] = 1
+    return {"xaxis": axis}
 
 
 STEP_TIME = {
@@ -285,7 +318,7 @@ def _specs() -> list[_Spec]:
             "Version lag of consumed groups",
             _lag,
             "version_lag_hist",
-            {"xaxis": {"title": {"text": "versions behind"}, "dtick": 1}, "barmode": "group"},
+            {"barmode": "group"},
         ),
         _Spec(
             "discarded",
@@ -376,12 +409,14 @@ def build_panels(runs: list[RunData]) -> list[Panel]:
                     trace["legendgroup"] = f"run{index}"
                     if trace["type"] == "scatter":
                         trace["line"] = {**trace.get("line", {}), "dash": DASHES[index % 4]}
+                trace["name"] = plotly_text(str(trace["name"]))  # names come from run data
                 traces.append(trace)
         layout = {
             "margin": {"l": 55, "r": 55, "t": 10, "b": 45},
             "legend": {"orientation": "h", "y": -0.25},
             "hovermode": "x unified",
             **spec.layout,
+            **(_lag_layout(runs) if spec.id == "version_lag" else {}),
         }
         missing = None
         if not traces:

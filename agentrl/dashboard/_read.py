@@ -1,11 +1,13 @@
 """Reading a run folder for the dashboard: the step ledger, the runtime's interval records,
 and a per-step summary of the trajectories. Lines that do not parse (a torn last line of a
-killed run, a corrupted record) are skipped and counted, never fatal."""
+killed run, a corrupted record, JSON nested past the parser's depth) are skipped and counted,
+never fatal. A run file that is not a readable regular file (a FIFO, ``/proc/kmsg`` under its
+name, one without read permission) is refused with one line naming it (``RunFileError``)."""
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 import msgspec
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import display_text, json_record, read_run_config, run_file_lines
 
 RUN_FILES = ("ledger.jsonl", "runtime.jsonl", "trajectories.jsonl")
 
@@ -58,35 +61,50 @@ class RunData:
 
 
 def finite(value: Any) -> Any:
-    """JSON's NaN/Infinity extensions become None (the page's JSON has no such numbers)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
+    """JSON's NaN/Infinity extensions become None (the page's JSON has no such numbers).
+    Iterative: a record nested deeper than Python's recursion limit is still walked."""
+    if not isinstance(value, dict | list | tuple):
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+    root: list[Any] = [value]
+    stack: list[tuple[Any, list[Any] | dict[Any, Any], Any]] = [(value, root, 0)]
+    while stack:
+        node, parent, slot = stack.pop()
+        if isinstance(node, dict):
+            copy: dict[Any, Any] | list[Any] = {}
+            items: Iterable[tuple[Any, Any]] = node.items()
+        elif isinstance(node, list | tuple):
+            copy, items = [None] * len(node), enumerate(node)
+        elif isinstance(node, float) and not math.isfinite(node):
+            parent[slot] = None
+            continue
+        else:
+            parent[slot] = node
+            continue
+        parent[slot] = copy
+        stack.extend((child, copy, key) for key, child in items)
+    return root[0]
+
+
+def _lines(path: Path) -> Iterable[tuple[int, bytes]]:
+    """The lines of the run file ``path``; none when nothing has its name."""
+    try:
+        yield from run_file_lines(path)
+    except FileNotFoundError:
+        return
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The JSON objects of a JSONL file, and how many non-blank lines were not one."""
-    if not path.is_file():
-        return [], 0
     rows: list[dict[str, Any]] = []
     bad = 0
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except ValueError:  # torn or corrupted (bad UTF-8 included)
-                bad += 1
-                continue
-            if not isinstance(row, dict):
-                bad += 1
-                continue
-            rows.append(finite(row))
+    for _, raw in _lines(path):
+        if not raw.strip():
+            continue
+        row = json_record(raw)
+        if row is None:  # torn or corrupted (bad UTF-8 and too deep included), or not an object
+            bad += 1
+            continue
+        rows.append(finite(row))
     return rows, bad
 
 
@@ -94,35 +112,34 @@ def read_step_rewards(path: Path) -> tuple[dict[int, StepRewards], int]:
     """Per step, the rewards and fates of its trajectories; and the lines skipped."""
     steps: dict[int, StepRewards] = {}
     bad = 0
-    if not path.is_file():
-        return steps, 0
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                traj = _TRAJECTORY.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                bad += 1
-                continue
-            try:
-                step = int(traj.info.get("step"))  # written as text by the learner role
-            except (TypeError, ValueError):
-                continue  # not a training trajectory of a step (e.g. written by `rollout`)
-            into = steps.setdefault(step, StepRewards())
-            if traj.reward is not None and math.isfinite(traj.reward):
-                into.rewards.append(traj.reward)
-            fate = str(traj.info.get("fate") or "unknown")
-            into.fates[fate] = into.fates.get(fate, 0) + 1
+    for _, raw in _lines(path):
+        if not raw.strip():
+            continue
+        try:
+            traj = _TRAJECTORY.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            bad += 1
+            continue
+        step = traj.info.get("step")  # written as text by the learner role
+        if isinstance(step, bool) or not isinstance(step, int | str):
+            continue  # not a training trajectory of a step (e.g. written by `rollout`)
+        try:
+            step = int(step)
+        except ValueError:
+            continue
+        into = steps.setdefault(step, StepRewards())
+        if traj.reward is not None and math.isfinite(traj.reward):
+            into.rewards.append(traj.reward)
+        fate = traj.info.get("fate")
+        fate = fate if isinstance(fate, str) and fate else "unknown"
+        into.fates[fate] = into.fates.get(fate, 0) + 1
     return steps, bad
 
 
 def _config(run: Path) -> dict[str, Any]:
-    from .._config_file import read_config_file
-
     try:
-        config = read_config_file(run / "config.yaml")
-    except ConfigError:
+        config = read_run_config(run / "config.yaml")
+    except (FileNotFoundError, ConfigError):  # the header then leaves the settings out
         return {}
     return config if isinstance(config, dict) else {}
 
@@ -150,7 +167,7 @@ def load_run(path: str | Path, name: str | None = None) -> RunData:
     }
     return RunData(
         path=run,
-        name=name or run.resolve().name,
+        name=display_text(name or run.resolve().name),
         ledger=ledger,
         runtime=runtime,
         steps=steps,

@@ -5,16 +5,21 @@ each assistant message replaced by a sentinel. Non-model text between sentinels 
 compared **by id** with the trajectory; the sampled ids are spliced in for model spans, whose
 decoded text must equal the assistant message **as text** (BPE may legally tokenize the same
 text differently from what the model sampled, so model spans are never compared by id).
+
+The sentinels carry a nonce drawn afresh for each check, and the rendered text must hold each
+exactly once: no conversation can contain them (a tool asked to echo an earlier fixed marker,
+``\\x1fAGENTRL-MODEL-1\\x1f``, echoes text that matches no sentinel).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 from .._types import Message, Trajectory
 from ._template import TemplateFormat
 
-_SENTINEL = "\x1fAGENTRL-MODEL-{}\x1f"
+_SENTINEL = "\x1fAGENTRL-MODEL-{nonce}-{k}\x1f"
 
 
 @dataclass(frozen=True)
@@ -63,16 +68,22 @@ def check_boundary(fmt: TemplateFormat, traj: Trajectory) -> BoundaryReport:
             message=f"{len(turns)} model turns in the ids but {len(assistant_idx)} assistant "
             "messages",
         )
+    nonce = secrets.token_hex(16)  # unknown to whoever wrote the conversation
+    sentinels = [_SENTINEL.format(nonce=nonce, k=k) for k in range(len(assistant_idx))]
     placeholder: list[Message] = list(messages)
     for k, i in enumerate(assistant_idx):
-        placeholder[i] = Message("assistant", _SENTINEL.format(k))
+        placeholder[i] = Message("assistant", sentinels[k])
     add_gen = bool(messages) and messages[-1].role != "assistant"
     text = fmt.render_text(placeholder, add_gen)
+    for k, sentinel in enumerate(sentinels):
+        if text.count(sentinel) != 1:
+            what = "dropped" if sentinel not in text else "repeated"
+            return BoundaryReport(False, message=f"template {what} assistant message {k}")
 
     expected: list[int] = []
     pos = 0
     for k, (start, end) in enumerate(turns):
-        sentinel = _SENTINEL.format(k)
+        sentinel = sentinels[k]
         at = text.find(sentinel, pos)
         if at < 0:
             return BoundaryReport(False, message=f"template dropped assistant message {k}")

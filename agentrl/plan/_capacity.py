@@ -14,14 +14,20 @@ waits for whom.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from .._errors import ConfigError
 
 MAX_STEPS = 10_000
 MAX_SAMPLES_PER_STEP = 1_000_000
+MAX_GROUPS = 200_000
+"""Groups one simulation admits at most: ``tasks_per_step × (steps + max_version_lag + 1)``.
+Every group is an object and an event, and a plan simulates up to ~16 actor counts: the bound
+keeps a plan to seconds and its memory small, whatever a run's config says."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,14 @@ class CapacitySettings:
                 f"group_size × tasks_per_step = {self.group_size * self.tasks_per_step}: at "
                 f"most {MAX_SAMPLES_PER_STEP} samples per step"
             )
+        groups = self.tasks_per_step * (self.steps + self.max_version_lag + 1)
+        if groups > MAX_GROUPS:
+            raise ConfigError(
+                f"tasks_per_step × (steps + max_version_lag + 1) = {self.tasks_per_step} × "
+                f"({self.steps} + {self.max_version_lag} + 1) = {groups} groups to simulate: "
+                f"at most {MAX_GROUPS} (fewer --steps or a lower --max-version-lag, or "
+                "--tasks-per-step for a smaller run of the same shape)"
+            )
 
 
 @dataclass
@@ -95,43 +109,52 @@ class CapacityResult:
 @dataclass
 class _Group:
     step: int
-    remaining: float
     version: int = -1
     """Updates done when the group started generating (the policy version that samples it)."""
-    done_at: float | None = None
 
 
 class _Sim:
-    """Event-exact simulation of one actor count."""
+    """Event-exact simulation of one actor count.
+
+    Processor sharing serves every running group alike, so one counter, ``served`` (tokens
+    each running group has received so far), stands for all of them: a group started at
+    ``served = s`` finishes at ``s + work``, and the running groups are a heap by that finish
+    point. Each event then costs O(log groups), and the backlog is a difference of counts.
+    """
 
     def __init__(self, s: CapacitySettings, actors: int) -> None:
         self.s, self.actors, self.t = s, actors, 0.0
         self.rate = actors * s.actor_tokens_per_s
         self.slots = max(1, actors * s.concurrency // s.group_size)  # groups in flight
+        self.work = s.group_size * s.gen_tokens
         self.updates, self.admitted = 0, 0
-        self.waiting: list[_Group] = []
-        self.running: list[_Group] = []
+        self.waiting: deque[_Group] = deque()
+        self.running: list[tuple[float, int, _Group]] = []
+        self.served = 0.0
+        self.started = itertools.count()
         self.done: dict[int, int] = Counter()
+        self.finished = 0
+        self.step_lags: dict[int, Counter[int]] = defaultdict(Counter)
+        """Per step not yet trained: its finished groups by version lag."""
         self.learner_until: float | None = None
         self.backlog_area = self.actor_idle = self.learner_idle = 0.0
         self.backlog_max, self.lags = 0, Counter()
-        self.finished_groups: list[_Group] = []
 
     def admit(self) -> None:
         while self.admitted <= self.updates + self.s.max_version_lag:
-            for _ in range(self.s.tasks_per_step):
-                work = self.s.group_size * self.s.gen_tokens
-                self.waiting.append(_Group(self.admitted, work))
+            self.waiting.extend(_Group(self.admitted) for _ in range(self.s.tasks_per_step))
             self.admitted += 1
         while self.waiting and len(self.running) < self.slots:
-            group = self.waiting.pop(0)
+            group = self.waiting.popleft()
             group.version = self.updates
-            self.running.append(group)
+            finish = self.served + self.work
+            heapq.heappush(self.running, (finish, next(self.started), group))
 
     def backlog(self) -> int:
-        """Finished groups the learner has not taken (it takes a step's groups as it starts)."""
+        """Finished groups the learner has not taken (it takes a step's groups as it starts;
+        every step before the ones it has taken was complete when taken)."""
         taken = self.updates + (self.learner_until is not None)
-        return sum(1 for g in self.finished_groups if g.step >= taken)
+        return self.finished - taken * self.s.tasks_per_step
 
     def advance(self, dt: float) -> None:
         self.backlog_area += self.backlog() * dt
@@ -140,9 +163,7 @@ class _Sim:
         if self.learner_until is None:
             self.learner_idle += dt
         if self.running:
-            share = self.rate / len(self.running) * dt
-            for g in self.running:
-                g.remaining -= share
+            self.served += self.rate / len(self.running) * dt
         self.t += dt
 
     def run(self) -> CapacityResult:
@@ -151,7 +172,10 @@ class _Sim:
         self.admit()
         while self.updates < s.steps:
             self.maybe_train()
-            events = [g.remaining / (self.rate / len(self.running)) for g in self.running]
+            events = []
+            if self.running:
+                remaining = self.running[0][0] - self.served
+                events.append(remaining / (self.rate / len(self.running)))
             if self.learner_until is not None:
                 events.append(self.learner_until - self.t)
             dt = max(0.0, min(events))
@@ -169,16 +193,16 @@ class _Sim:
         if self.learner_until is None and self.done[self.updates] == self.s.tasks_per_step:
             tokens = self.s.tasks_per_step * self.s.group_size * self.s.learner_tokens
             self.learner_until = self.t + tokens / self.s.learner_tokens_per_s + self.s.publish_s
-            for g in self.finished_groups:
-                if g.step == self.updates:
-                    self.lags[g.step - g.version] += 1
+            self.lags.update(self.step_lags.pop(self.updates, Counter()))
 
     def finish_groups(self) -> None:
-        for g in [g for g in self.running if g.remaining <= 1e-9]:
-            self.running.remove(g)
-            g.done_at = self.t
+        while self.running and self.running[0][0] - self.served <= _finish_tolerance(
+            self.running[0][0]
+        ):
+            _, _, g = heapq.heappop(self.running)
             self.done[g.step] += 1
-            self.finished_groups.append(g)
+            self.finished += 1
+            self.step_lags[g.step][g.step - g.version] += 1
         self.backlog_max = max(self.backlog_max, self.backlog())
         self.admit()
 
@@ -201,6 +225,12 @@ class _Sim:
             backlog_max=self.backlog_max,
             lag_hist={k: v / total for k, v in sorted(self.lags.items())},
         )
+
+
+def _finish_tolerance(finish: float) -> float:
+    """Tokens left at which a group counts as finished: rounding of the shared counter, which
+    grows over the run (relative), and never less than the old absolute 1e-9."""
+    return max(1e-9, 1e-12 * finish)
 
 
 def simulate(s: CapacitySettings, actors: int) -> CapacityResult:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from .._errors import ConfigError
+from .._report_term import terminal_safe
 from ._capacity import CapacityResult, CapacitySettings, plan_capacity, simulate
 
 _RATES = {
@@ -91,7 +92,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(_render(out))
+    print(terminal_safe(_render(out)))
     return 0
 
 

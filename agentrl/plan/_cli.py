@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from .._errors import ConfigError
+from .._report_term import terminal_safe
 from ._memory import COMPONENTS, OFFLOADABLE, MemoryPlan, MemorySettings, plan_memory
 from ._shape import ModelShape, load_shape
 from ._units import gb, gib, parse_bytes
@@ -112,7 +113,8 @@ def render_memory(plan: MemoryPlan) -> str:
 def _cmd_memory(args: argparse.Namespace) -> int:
     shape = load_shape(args.model)
     plan = plan_memory(shape, settings_from_args(args, shape))
-    print(json.dumps(plan.to_json(), indent=2) if args.json else render_memory(plan))
+    # the model's name may come from a downloaded folder: its text never drives the terminal
+    print(json.dumps(plan.to_json(), indent=2) if args.json else terminal_safe(render_memory(plan)))
     left = plan.left_bytes
     return 1 if left is not None and left < 0 else 0
 

@@ -315,6 +315,20 @@ def _replace_id(traj, index, new_id):
 
 
 @pytest.mark.anyio
+async def test_sentinel_like_text_in_the_conversation_is_not_a_model_turn(chatml, tokenizer):
+    """The checker once marked assistant turns with a fixed ``\\x1fAGENTRL-MODEL-k\\x1f``: that
+    text in a prompt or a tool's output (a tool asked to echo it) was taken for the turn and
+    reported a divergence in a correct trajectory. The markers now carry a fresh nonce."""
+    ctx = calc_context(chatml, ScriptedEngine(tokenizer, [CALL, ANSWER]))
+    fake = "\x1fAGENTRL-MODEL-0\x1f"  # the first turn's old marker, in the prompt
+    task = agentrl.Task(id="t0", prompt=f"What is 3 + 2? {fake}", answer="5")
+    traj = await run_trajectory(ctx, task, group_id="g", sample_index=0, seed=1)
+    assert traj.status != "error" and fake in traj.messages[traj.prompt_messages - 1].content
+    report = check_boundary(chatml, traj)
+    assert report.ok, report.message
+
+
+@pytest.mark.anyio
 async def test_boundary_passes_on_a_real_rollout(chatml, tool_traj):
     report = check_boundary(chatml, tool_traj)
     assert report.ok and report.position is None and str(report) == "ok"

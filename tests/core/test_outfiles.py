@@ -8,7 +8,19 @@ import os
 import pytest
 
 from agentrl import OutputError
-from agentrl._outfiles import GENERATOR, open_append, replace_page, write_file
+from agentrl._outfiles import (
+    GENERATOR,
+    RunFileError,
+    display_text,
+    json_record,
+    open_append,
+    read_run_file,
+    replace_page,
+    run_file_lines,
+    write_file,
+)
+
+KMSG = "/proc/kmsg"  # a procfs file that claims to be regular and blocks a plain read
 
 
 @pytest.fixture
@@ -77,3 +89,76 @@ def test_a_page_replaces_only_a_page_agentrl_wrote(tmp_path, victim):
     link.symlink_to(out)
     with pytest.raises(OutputError, match="is a symlink"):
         replace_page(link, page)
+
+
+# -- reading run files someone else made -----------------------------------------------------------
+
+
+def test_run_file_lines_reads_every_line_with_its_number(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    path.write_bytes(b"a\nbb\n\n" + b"c" * 3_000_000)  # a last line longer than a read
+    assert list(run_file_lines(path)) == [
+        (1, b"a\n"),
+        (2, b"bb\n"),
+        (3, b"\n"),
+        (4, b"c" * 3_000_000),
+    ]
+
+
+def test_a_run_file_that_is_not_regular_is_refused_without_blocking(tmp_path):
+    """A FIFO (an open for reading would wait for a writer), a folder: one line naming it."""
+    fifo = tmp_path / "runtime.jsonl"
+    os.mkfifo(fifo)
+    for path, what in ((fifo, "a FIFO"), (tmp_path, "a folder")):
+        with pytest.raises(RunFileError, match="is not a regular file") as caught:
+            list(run_file_lines(path))
+        assert what in str(caught.value) and str(path) in str(caught.value)
+    with pytest.raises(FileNotFoundError):
+        list(run_file_lines(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.skipif(not os.access(KMSG, os.R_OK), reason="needs a readable /proc/kmsg (root)")
+def test_a_procfs_file_whose_read_would_block_is_not_a_run_file(tmp_path):
+    """``/proc/kmsg`` is S_ISREG but a plain read waits for the next kernel message (forever):
+    read with O_NONBLOCK it says EAGAIN, which is "not a readable run file", not an empty one."""
+    link = tmp_path / "ledger.jsonl"
+    link.symlink_to(KMSG)
+    with pytest.raises(RunFileError, match="not a readable run file .its read would block"):
+        list(run_file_lines(link))
+    with pytest.raises(RunFileError, match="would block"):
+        read_run_file(link)
+
+
+def test_a_run_file_without_permission_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.jsonl"
+    path.write_text("{}\n")
+    real_open = os.open
+
+    def denied(file, flags, *args):  # as a user who may not read it (root may read anything)
+        if os.fspath(file) == os.fspath(path):
+            raise PermissionError(13, "Permission denied")
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(RunFileError, match="ledger.jsonl: cannot read it .Permission denied"):
+        list(run_file_lines(path))
+
+
+def test_read_run_file_is_bounded(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"x" * 101)
+    assert read_run_file(path, limit=101) == b"x" * 101
+    with pytest.raises(RunFileError, match="larger than 100 bytes"):
+        read_run_file(path, limit=100)
+
+
+def test_json_records_that_do_not_parse_are_none():
+    assert json_record(b'{"a": 1}') == {"a": 1}
+    for line in (b"[" * 100_000, b'{"a": ' * 100_000, b"\xff", b"[1]", b'{"a": 1'):
+        assert json_record(line) is None  # too deep (RecursionError), not UTF-8, not an object
+
+
+def test_display_text_shows_a_name_that_is_not_utf8():
+    assert display_text(os.fsdecode(b"run-\xff")) == "run-\ufffd"
+    assert display_text("run-\ud800") == "run-\ufffd\ufffd\ufffd"  # not from a file name
+    assert display_text("r\u00e9sum\u00e9") == "r\u00e9sum\u00e9"

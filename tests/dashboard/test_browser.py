@@ -86,3 +86,35 @@ def test_compare_overlays_two_runs_in_chromium(trained_run, chromium, tmp_path, 
     record_property("screenshot", str(shot))
     panels = {p["id"]: p for p in _check_page(chromium, out, shot)}
     assert panels["step_time"]["traces"] > 8  # both runs' splits
+
+
+LEGENDS = """window.agentrlDashboard.then(() => ({
+  links: document.querySelectorAll("section.panel .plot a").length,
+  styled: document.querySelectorAll("section.panel .plot .legendtext tspan[style]").length,
+  legends: Array.from(document.querySelectorAll("section.panel .plot .legendtext"))
+    .map(e => e.textContent)}))"""
+
+
+def test_names_from_the_run_are_drawn_as_text_in_chromium(chromium, tmp_path):
+    """plotly.js draws trace names as its HTML subset: a ledger key or a termination reason
+    written as a link or a styled span became a live link and 60px text in the legend."""
+    import json
+
+    link = '<a href="https://evil.example">verify</a>&amp;'
+    span = '<span style="font-size:60px">BIG</span>'
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        {"step": s, "step_s": 1.0, f"reward/{link}": 0.5, "reward/format": 1.0,
+         f"eval_reward/{span}": 0.1, "eval_reward_mean": 0.2,
+         "termination": {span: s, "stop": 1}, "version_lag_hist": {"0": 1, "1000000000000000": 1}}
+        for s in (1, 2)
+    ]  # fmt: skip
+    (run / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "page.html"
+    assert main(["dashboard", str(run), "--out", str(out)]) == 0
+    seen = visit(chromium, out, LEGENDS)
+    assert seen.errors == []
+    assert seen.value["links"] == 0 and seen.value["styled"] == 0, seen.value
+    legends = seen.value["legends"]
+    assert link in legends and span in legends and f"reward/{span}" in legends, legends

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ import pytest
 
 from agentrl.cli import main
 from agentrl.dashboard import build_panels, load_run, render, write_dashboard
-from agentrl.dashboard._panels import lag_histogram, reward_quantiles
+from agentrl.dashboard._panels import lag_histogram, plotly_text, reward_quantiles
+
+KMSG = "/proc/kmsg"
 
 
 def _write(path: Path, lines: list[str | bytes]) -> None:
@@ -134,7 +137,7 @@ def test_the_page_is_self_contained_and_data_cannot_inject_markup(tmp_path, rng)
     assert hostile not in page and "alert(" not in page.replace('alert(\\"x\\")', "")
     data = page.split('id="dashboard-data">', 1)[1].split("</script>", 1)[0]
     names = [t["name"] for p in json.loads(data)["panels"] for t in p["traces"]]
-    assert hostile in names  # intact once the browser parses the JSON
+    assert plotly_text(hostile) in names  # intact once parsed, plotly then draws it as text
     head, library = page.split("<script>/* plotly.js v", 1)
     library, rest = library.split("</script>", 1)
     assert len(library) > 1_000_000  # plotly.js is inline, nothing is loaded at view time
@@ -203,3 +206,124 @@ def test_the_page_never_replaces_a_file_it_did_not_write(tmp_path, rng, capsys):
     assert victim.read_text() == "precious\n"
     (run / "dashboard.html").unlink()
     assert main(["dashboard", str(run)]) == main(["dashboard", str(run)]) == 0  # its own page
+
+
+# -- a run folder someone else made ---------------------------------------------------------------
+
+
+def test_names_from_the_run_are_text_to_plotly_everywhere(tmp_path, rng):
+    """plotly.js reads trace names (legends, hover labels) as HTML: ledger keys, termination
+    reasons and run names reach it with ``<``, ``>`` and ``&`` as entities, in every panel."""
+    link = '<a href="https://evil.example">x</a>&amp;'
+    run, _ = make_run(tmp_path, rng)
+    row = {
+        "step": 5,
+        "step_s": 1.0,
+        f"reward/{link}": 1.0,
+        f"eval_reward/{link}": 1.0,
+        "termination": {f"<span style='font-size:90px'>{link}": 2},
+    }
+    with (run / "ledger.jsonl").open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    other = tmp_path / "b" / "<i>other&"
+    other.parent.mkdir()
+    os.rename(make_run(tmp_path / "b", rng)[0], other)
+    for runs in ([load_run(run)], [load_run(run), load_run(other)]):
+        names = [t["name"] for p in build_panels(runs) for t in p.traces]
+        assert not [n for n in names if "<" in n or ">" in n], names
+        assert any(plotly_text(link) in n for n in names)
+    assert any(n.endswith(" · &lt;i&gt;other&amp;") for n in names)
+    assert plotly_text("a<b>&c") == "a&lt;b&gt;&amp;c"
+
+
+def test_json_too_deep_or_too_large_is_skipped_or_a_gap(tmp_path):
+    """Valid JSON a parser cannot hold: nested past the recursion limit (skipped and counted),
+    nested just under it (kept), integers too large for a float (gaps)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    huge = 10**400
+    rows = [
+        '{"step": 1, "kl": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"step": 2, "step_s": 1, "deep": ' + "[" * 900 + "]" * 900 + "}",
+        json.dumps({"step": 3, "step_s": 1, "kl": huge, "entropy": 1.0}),
+        json.dumps({"step": 4, "step_s": 1, "termination": {"stop": huge}}),
+        json.dumps({"step": 5, "step_s": 1, "version_lag_hist": {"0": huge, "1": 2}}),
+    ]
+    _write(run / "ledger.jsonl", rows)
+    _write(run / "runtime.jsonl", [json.dumps({"time_s": huge, "buffer_backlog": huge})])
+    deep = '{"reward": 1, "info": {"step": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    _write(run / "trajectories.jsonl", [deep, _trajectory(1, 0.5)])
+    data = load_run(run)
+    assert data.skipped == {"ledger.jsonl": 1, "trajectories.jsonl": 1}
+    assert len(data.ledger) == 4 and data.steps[1].rewards == [0.5]
+    panels = {p.id: p for p in build_panels([data])}
+    entropy = next(t for t in panels["kl_entropy"].traces if t["name"] == "entropy")
+    assert entropy["x"] == [3] and not [t for t in panels["kl_entropy"].traces if t["name"] == "kl"]
+    assert lag_histogram(data) == {0: 0.0, 1: 2.0}
+    assert write_dashboard(run).read_text().rstrip().endswith("</html>")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "kmsg", "denied"])
+def test_a_run_file_that_cannot_be_read_is_one_line(tmp_path, rng, capsys, monkeypatch, kind):
+    """A FIFO or ``/proc/kmsg`` under a run file's name (both block a plain read: the
+    command hung) or a file it may not read: one line naming it, exit 2, no page."""
+    run, _ = make_run(tmp_path, rng)
+    target = run / "runtime.jsonl"
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+        needle = "runtime.jsonl is not a regular file"
+    elif kind == "kmsg":
+        if not os.access(KMSG, os.R_OK):
+            pytest.skip("needs a readable /proc/kmsg (root)")
+        target.symlink_to(KMSG)
+        needle = "runtime.jsonl: not a readable run file (its read would block)"
+    else:
+        target.write_text("{}\n")
+        real_open = os.open
+
+        def denied(file, flags, *args):  # root may read anything: as a user who may not
+            if os.fspath(file) == os.fspath(target):
+                raise PermissionError(13, "Permission denied")
+            return real_open(file, flags, *args)
+
+        monkeypatch.setattr(os, "open", denied)
+        needle = "runtime.jsonl: cannot read it (Permission denied)"
+    assert main(["dashboard", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+    assert not (run / "dashboard.html").exists()
+
+
+def test_a_folder_name_that_is_not_utf8_or_holds_escapes(tmp_path, rng, capsys):
+    """The page shows U+FFFD for the bytes that are not UTF-8 (writing it failed); the
+    terminal line shows them so too, and escape sequences as text."""
+    run, _ = make_run(tmp_path, rng)
+    odd = tmp_path / os.fsdecode(b"bad\xffname\x1b]0;PWNED\x07")
+    os.rename(run, odd)
+    assert main(["dashboard", str(odd)]) == 0
+    out = capsys.readouterr().out
+    assert "bad\ufffdname\\x1b]0;PWNED\\x07" in out and "\x1b" not in out, out
+    page = (odd / "dashboard.html").read_text("utf-8")
+    assert "bad\ufffdname" in page
+
+
+def test_a_boolean_step_is_no_step_count(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run / "ledger.jsonl", [json.dumps({"step": True, "step_s": 1.0, "kl": 0.1})])
+    page = render([load_run(run)])
+    assert "True steps" not in page and "no training step yet" in page
+
+
+@pytest.mark.parametrize(("lags", "ticks"), [(("0", "3"), 1), (("0", "1000000000000000"), None)])
+def test_the_lag_axis_ticks_every_version_only_over_a_short_range(tmp_path, lags, ticks):
+    """A histogram spanning 1e15 versions with a tick per version took the page 40 s."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(
+        run / "ledger.jsonl", [json.dumps({"step": 1, "version_lag_hist": dict.fromkeys(lags, 1)})]
+    )
+    panel = next(p for p in build_panels([load_run(run)]) if p.id == "version_lag")
+    assert panel.layout["xaxis"].get("dtick") == ticks
+    assert panel.traces[0]["x"] == [int(lag) for lag in lags]

@@ -4,7 +4,9 @@ rules, the actor search, and calibration from a real training run's folder."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 
 import pytest
 
@@ -145,3 +147,120 @@ def test_calibrates_from_a_real_async_run(tiny_async_run, tmp_path, capsys):
     assert out["measured"]["steps"] == 2  # steps 2 and 3: start-up and drain left out
     assert out["evaluated"]["actors"] == 1
     assert set(out["measured"]["lag_hist"]) <= {"0", "1"}
+
+
+# -- a run folder someone else made: every value checked, the work bounded -------------------------
+
+CONFIG = (
+    "rollout:\n  group_size: 2\ntrain:\n  tasks_per_step: 2\n  mode: async\n  max_version_lag: 1\n"
+)
+
+
+def _step(number: int, **kw) -> dict:
+    row = {"step": number, "step_s": 2.0, "update_s": 1.0, "trajectories": 4,
+           "trajectories_trained": 4, "gen_tokens": 40, "learner_tokens": 80,
+           "actor_idle_fraction": 0.5, "version_lag_hist": {"0": 2}}  # fmt: skip
+    return {**row, **kw}
+
+
+def _run(tmp_path, config: str = CONFIG, bad: dict | None = None, runtime: list | None = None):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config)
+    rows = [_step(1), _step(2, **(bad or {})), _step(3), _step(4)]
+    (run / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if runtime is not None:
+        (run / "runtime.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runtime))
+    return run
+
+
+def test_a_well_formed_run_calibrates(tmp_path, capsys):
+    run = _run(tmp_path, runtime=[{"step": 2, "buffer_backlog": 3}])
+    assert main(["plan", "capacity", "--from-run", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["settings"]["group_size"] == 2 and out["measured"]["backlog_mean"] == 3
+
+
+@pytest.mark.parametrize(
+    ("config", "bad", "runtime", "needle"),
+    [
+        (
+            None,
+            {"gen_tokens": "abc"},
+            None,
+            "ledger.jsonl: line 2: gen_tokens: 'abc': expected a number",
+        ),
+        (None, {"step_s": None}, None, "ledger.jsonl: line 2: step_s: missing"),
+        (
+            None,
+            {"step_s": float("nan")},
+            None,
+            "line 2: step_s: nan: expected a finite number >= 0",
+        ),
+        (None, {"step_s": True}, None, "line 2: step_s: True: expected a number"),
+        (None, {"gen_tokens": 10**400}, None, "line 2: gen_tokens: "),
+        (None, {"step": None}, [], "ledger.jsonl: line 2: step: missing"),
+        (None, {"version_lag_hist": {"x": 1}}, None, "version_lag_hist: 'x': expected lags"),
+        (None, {"version_lag_hist": {" 1_0 ": 1}}, None, "version_lag_hist: ' 1_0 ': expected"),
+        (None, {"version_lag_hist": [1, 2]}, None, "version_lag_hist: [1, 2]: expected a mapping"),
+        (
+            None,
+            {"version_lag_hist": {"0": "x"}},
+            None,
+            "version_lag_hist.0: 'x': expected a number",
+        ),
+        (None, {"actor_idle_fraction": "x"}, None, "actor_idle_fraction: 'x': expected a number"),
+        (None, None, [{"step": "1"}], "runtime.jsonl: line 1: step: '1': expected an integer"),
+        (None, None, [{"step": 2, "buffer_backlog": []}], "runtime.jsonl: line 1: buffer_backlog"),
+        ("rollout:\n  group_size: eight\n", None, None, "config.yaml: rollout.group_size: 'eight'"),
+        ("rollout:\n  group_size: true\n", None, None, "rollout.group_size: True: expected an"),
+        ("train: [1]\n", None, None, "config.yaml: train: [1]: expected a mapping"),
+        ("server:\n  urls: http://x\n", None, None, "server.urls: 'http://x': expected a list"),
+    ],
+)
+def test_a_malformed_run_value_is_one_line_naming_it(
+    tmp_path, capsys, config, bad, runtime, needle
+):
+    run = _run(tmp_path, config or CONFIG, bad, runtime)
+    assert main(["plan", "capacity", "--from-run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "rollout:\n  group_size: 1\ntrain:\n  tasks_per_step: 1000000\n",
+        "rollout:\n  group_size: 1000\ntrain:\n  tasks_per_step: 1000\n  mode: async\n"
+        "  max_version_lag: 10000\n",
+    ],
+)
+def test_the_simulated_work_is_bounded(tmp_path, capsys, config):
+    """A run's config sized the simulation: tasks_per_step 1e6 ran for minutes, a lag of 1e4
+    over 1000 tasks took gigabytes. Refused at once with the bound."""
+    run = _run(tmp_path, config)
+    began = time.monotonic()
+    assert main(["plan", "capacity", "--from-run", str(run)]) == 2
+    assert time.monotonic() - began < 10
+    err = capsys.readouterr().err
+    assert "groups to simulate: at most 200000" in err and err.count("\n") == 1, err
+
+
+def test_a_large_simulation_within_the_bound_takes_seconds():
+    """Every event used to scan every group finished so far (quadratic): at the bound with
+    many actors a plan took far longer than it was worth."""
+    s = settings(tasks_per_step=4000, group_size=1, max_version_lag=8, steps=40)
+    began = time.monotonic()
+    simulate(s, actors=64)
+    assert time.monotonic() - began < 20
+
+
+@pytest.mark.skipif(not os.access("/proc/kmsg", os.R_OK), reason="needs a readable /proc/kmsg")
+@pytest.mark.parametrize("name", ["ledger.jsonl", "runtime.jsonl", "config.yaml"])
+def test_a_run_file_that_would_block_is_refused(tmp_path, capsys, name):
+    run = _run(tmp_path, runtime=[])
+    (run / name).unlink()
+    (run / name).symlink_to("/proc/kmsg")
+    assert main(["plan", "capacity", "--from-run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{name}: not a readable run file (its read would block)" in err, err
