@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -704,6 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("agentrl: interrupted", file=sys.stderr)
             return 130
         exc = _single(caught)
+        if isinstance(exc, BrokenPipeError):  # the reader went away (`agentrl … | head`)
+            _stdout_to_devnull()
+            return 128 + signal.SIGPIPE  # what a command killed by SIGPIPE reports
         if isinstance(
             exc, AgentRLError
         ):  # every error agentrl raises on purpose (sandbox ones too)
@@ -715,6 +720,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"agentrl: error: {_safe(hint)}", file=sys.stderr)
                 return 2
         raise
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (a test's capture)
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -721,3 +721,20 @@ def test_inspect_refuses_odd_files_in_one_line(what, tmp_path, tiny_model_path, 
     assert main(["inspect", str(path), "--model", "tiny-random"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`agentrl plan memory … | head`: the pipe's reader closed, so the output cannot be
+    written; the command ends as one killed by SIGPIPE would report (141), with no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", "plan", "memory", "--model", "7B",
+             "--gpus", "8", "--gpu-memory", "80GiB"],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
