@@ -11,15 +11,18 @@ import importlib
 import importlib.metadata
 import re
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+from ._config import short_repr
 from ._env import Env
 from ._errors import BadEnvSpec, DuplicateEnv, EnvError, NameNotFound, VersionNotFound
 
 ENTRY_POINT_GROUP = "agentrl.envs"
-_ID_RE = re.compile(r"^(?:(?P<module>[\w.]+):)?(?P<name>[A-Za-z][\w./-]*?)-v(?P<version>\d+)$")
+_ID_RE = re.compile(r"(?:(?P<module>[\w.]+):)?(?P<name>[A-Za-z][\w./-]*?)-v(?P<version>\w+)")
+_VERSION_RE = re.compile(r"0|[1-9][0-9]*")
 
 T = TypeVar("T")
 
@@ -33,7 +36,7 @@ class EnvSpec:
     name: str
     """The id without its version."""
     version: int
-    """N of ``-vN``."""
+    """N of ``-vN``: ``0`` or a decimal number without leading zeros, in ASCII digits."""
     entry_point: Callable[..., Any]
     """A class or a factory; called with ``kwargs`` (merged with ``make`` kwargs) per trajectory."""
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -41,9 +44,9 @@ class EnvSpec:
     description: str = ""
     """One line for ``agentrl envs list`` (default: the first paragraph of the docstring)."""
     max_turns: int = 8
-    """Default turn budget for a trajectory (overridable per rollout)."""
+    """Default turn budget for a trajectory, >= 1 (overridable per rollout)."""
     max_new_tokens: int = 256
-    """Default per-turn token budget."""
+    """Default per-turn token budget, >= 1."""
     tags: tuple[str, ...] = ()
     """Free-form labels."""
     module: str = ""
@@ -69,16 +72,34 @@ _entry_point_errors: list[str] = []
 
 
 def parse_env_id(env_id: str) -> tuple[str | None, str, int]:
-    """Split ``[module:]name-vN`` into (module, name, version); BadEnvSpec if malformed."""
+    """Split ``[module:]name-vN`` into (module, name, version); BadEnvSpec if malformed.
+
+    N is canonical: ``0`` or a decimal number without leading zeros, in ASCII digits, so that
+    one version has one spelling (``calc-v1``, never ``calc-v01``)."""
     if not isinstance(env_id, str):
         raise BadEnvSpec(f"environment id must be a string, got {type(env_id).__name__}")
-    m = _ID_RE.match(env_id)
+    m = _ID_RE.fullmatch(env_id)
     if m is None:
         raise BadEnvSpec(
-            f"malformed environment id {env_id!r}: expected 'name-vN' or 'module:name-vN' "
-            "(e.g. 'calc-v0')"
+            f"malformed environment id {short_repr(env_id)}: expected 'name-vN' or "
+            "'module:name-vN' (e.g. 'calc-v0')"
         )
-    return m["module"], m["name"], int(m["version"])
+    version = m["version"]
+    if not _VERSION_RE.fullmatch(version):
+        canonical = ""
+        if version.isascii() and version.isdigit():
+            canonical = f" (e.g. '{m['name']}-v{version.lstrip('0') or '0'}')"
+        raise BadEnvSpec(
+            f"malformed environment id {short_repr(env_id)}: the version {version!r} must be 0 "
+            f"or a decimal number without leading zeros, in ASCII digits{canonical}"
+        )
+    try:
+        number = int(version)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        raise BadEnvSpec(
+            f"malformed environment id {short_repr(env_id)}: the version has {len(version)} digits"
+        ) from None
+    return m["module"], m["name"], number
 
 
 def register(
@@ -93,16 +114,41 @@ def register(
 ) -> EnvSpec:
     """Register ``entry_point`` under ``env_id``.
 
-    Registering the same id again with the *same* entry point (a module re-imported) is a no-op;
-    with a different one it raises ``DuplicateEnv``.
+    Registering the same id again with the *same* entry point (the same object, or the same
+    class or function defined again: a module re-imported) replaces its settings; with any
+    other it raises ``DuplicateEnv`` naming both (a lambda, a local function, a
+    ``functools.partial`` or an instance is the same entry only as the same object). A bad
+    value raises ``BadEnvSpec`` naming the field: ``max_turns`` and ``max_new_tokens`` are
+    integers >= 1, ``kwargs`` a dict with string keys, ``description`` a string, ``tags``
+    strings.
     """
     module, name, version = parse_env_id(env_id)
     if module is not None:
         raise BadEnvSpec(f"register {env_id!r}: the id must not carry a module prefix")
     if not callable(entry_point):
-        raise BadEnvSpec(f"register {env_id!r}: entry point {entry_point!r} is not callable")
-    if max_turns < 1 or max_new_tokens < 1:
-        raise BadEnvSpec(f"register {env_id!r}: max_turns and max_new_tokens must be >= 1")
+        raise BadEnvSpec(
+            f"register {env_id!r}: entry point {short_repr(entry_point)} is not callable"
+        )
+    for field_name, value in (("max_turns", max_turns), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadEnvSpec(
+                f"register {env_id!r}: {field_name} must be an integer >= 1, "
+                f"got {short_repr(value)}"
+            )
+    if kwargs is not None and (
+        not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)
+    ):
+        raise BadEnvSpec(
+            f"register {env_id!r}: kwargs must be a dict with string keys, got {short_repr(kwargs)}"
+        )
+    if not isinstance(description, str):
+        raise BadEnvSpec(
+            f"register {env_id!r}: description must be a string, got {short_repr(description)}"
+        )
+    if not isinstance(tags, tuple | list) or not all(isinstance(tag, str) for tag in tags):
+        raise BadEnvSpec(
+            f"register {env_id!r}: tags must be a tuple of strings, got {short_repr(tags)}"
+        )
     spec = EnvSpec(
         id=env_id,
         name=name,
@@ -123,17 +169,58 @@ def register(
                 return spec
             raise DuplicateEnv(
                 f"environment {env_id!r} is already registered by "
-                f"{existing.module}.{getattr(existing.entry_point, '__qualname__', '?')}"
+                f"{_describe_entry(existing.entry_point)}; refusing to register "
+                f"{_describe_entry(entry_point)} under the same id (deregister it first, or "
+                "choose another id or version)"
             )
         _registry[env_id] = spec
     return spec
 
 
 def _same_entry(a: Any, b: Any) -> bool:
-    return a is b or (
-        getattr(a, "__module__", None) == getattr(b, "__module__", None)
-        and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", None)
+    """Whether ``b`` is the entry point ``a`` again: the same object, the same importable
+    definition (a module imported again makes new objects at the same module and qualified
+    name), or the same method of the same entry."""
+    if a is b:
+        return True
+    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
+        return _same_entry(a.__self__, b.__self__) and _same_entry(a.__func__, b.__func__)
+    return (
+        _importable_name(a) is not None
+        and _importable_name(a) == _importable_name(b)
+        and isinstance(a, type) == isinstance(b, type)
     )
+
+
+def _importable_name(obj: Any) -> str | None:
+    """``module.qualname`` of a class or function that can be found by that name again; None
+    for anything else (a lambda, a local definition, a ``functools.partial``, an instance):
+    such an entry is the same entry only as the same object."""
+    if not isinstance(obj, type | types.FunctionType | types.BuiltinFunctionType):
+        return None
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    return f"{module}.{qualname}"
+
+
+def _describe_entry(obj: Any) -> str:
+    """An entry point for an error message: its name and, for a function, where it is
+    defined (two lambdas have the same name)."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        try:
+            text = repr(obj)
+        except Exception:
+            text = f"<{type(obj).__name__} object>"
+        return text if len(text) <= 200 else f"{text[:197]}..."
+    code = getattr(obj, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    if isinstance(obj, types.MethodType):  # two instances' methods have one name
+        where += f" of {_describe_entry(obj.__self__)}"
+    return f"{module}.{qualname}{where}"
 
 
 def env(

@@ -19,12 +19,21 @@ a tool runs (``isolation``):
   trajectory fails loudly instead of every later call timing out);
 - ``isolation="process"`` tools (module-level sync functions) run in a worker process that is
   killed at the deadline (``_tool_process.py``): for code that may hold the GIL or never end.
+
+Whatever a tool raises is its own failure, recorded as ``tool_exception``: ``BaseException``s
+too (``SystemExit``, ``GeneratorExit``, a ``KeyboardInterrupt`` from a sync tool's thread, an
+``asyncio.CancelledError`` the tool raised while nobody cancelled its caller). Two propagate: a
+cancellation of the calling task (a trajectory deadline, a failing sibling), and a
+``KeyboardInterrupt`` out of an async tool, which runs in the main thread where a user's Ctrl-C
+lands.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import math
 import numbers
 import re
 import time
@@ -144,6 +153,11 @@ def _build_spec(
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise ToolError(f"tool {tool_name!r}: *args/**kwargs are not allowed ({p.name})")
+        if p.kind == p.POSITIONAL_ONLY:
+            raise ToolError(
+                f"tool {tool_name!r}: positional-only parameters are not allowed ({p.name}): "
+                "a tool is called with the model's arguments by name"
+            )
         if p.name not in hints:
             raise ToolError(f"tool {tool_name!r}: parameter {p.name!r} needs a type annotation")
         default = ... if p.default is p.empty else p.default
@@ -160,6 +174,9 @@ def _build_spec(
         parameters = args_model.model_json_schema()
     except Exception as exc:
         raise ToolError(f"tool {tool_name!r}: cannot build an argument schema: {exc}") from exc
+    for p in params:
+        if p.default is not p.empty:
+            _check_default(tool_name, p.name, hints[p.name], p.default)
     parameters.pop("title", None)
     for prop in parameters.get("properties", {}).values():
         prop.pop("title", None)
@@ -174,6 +191,24 @@ def _build_spec(
         is_method=is_method,
         isolation=isolation,
     )
+
+
+def _check_default(tool_name: str, param: str, annotation: Any, default: Any) -> None:
+    """A default is what the tool receives when the model leaves the argument out: it must be a
+    value of the parameter's type, validated as the model's arguments are (so ``Path = "."`` or
+    ``float = 1`` pass, ``int = "x"`` does not)."""
+    try:
+        pydantic.TypeAdapter(annotation).validate_python(default)
+    except pydantic.ValidationError as exc:
+        reason = "; ".join(err["msg"] for err in exc.errors())
+        raise ToolError(
+            f"tool {tool_name!r}: the default of parameter {param!r} does not match its "
+            f"annotation: {reason} (got {short_repr(default)})"
+        ) from None
+    except Exception as exc:
+        raise ToolError(
+            f"tool {tool_name!r}: cannot check the default of parameter {param!r}: {exc}"
+        ) from exc
 
 
 def _check_isolation(fn: Callable[..., Any], name: str, isolation: Any, is_method: bool) -> None:
@@ -223,18 +258,30 @@ def tool_spec(obj: Any) -> ToolSpec:
 
 def collect_tools(env: Any) -> dict[str, BoundTool]:
     """Tools of an environment instance: decorated methods plus anything in ``env.tools``."""
+    cls = type(env).__name__
     found: dict[str, BoundTool] = {}
+    where: dict[str, str] = {}
+
+    def add(spec: ToolSpec, call: Callable[..., Any], defined_by: str) -> None:
+        if spec.name in found:
+            if found[spec.name].spec is spec:  # one function under two attribute names
+                return
+            raise ToolError(
+                f"tool name {spec.name!r} is defined twice on {cls}: by {where[spec.name]} and "
+                f"by {defined_by} (give one of them another name=)"
+            )
+        found[spec.name] = BoundTool(spec, call)
+        where[spec.name] = defined_by
+
     for attr in dir(type(env)):
         raw = inspect.getattr_static(type(env), attr, None)
         raw = getattr(raw, "__func__", raw)
         spec = getattr(raw, TOOL_ATTR, None)
         if isinstance(spec, ToolSpec):
-            found[spec.name] = BoundTool(spec, getattr(env, attr))
+            add(spec, getattr(env, attr), f"method {attr!r}")
     for item in getattr(env, "tools", None) or ():
         spec = tool_spec(item)
-        if spec.name in found:
-            raise ToolError(f"tool name {spec.name!r} is defined twice on {type(env).__name__}")
-        found[spec.name] = BoundTool(spec, item)
+        add(spec, item, f"{getattr(item, '__qualname__', spec.name)!r} in {cls}.tools")
     return found
 
 
@@ -248,6 +295,15 @@ def env_tool_timeout(env: Any) -> float | None:
             f"{type(env).__name__}.tool_timeout_s must be a number > 0, got {short_repr(value)}"
         )
     return float(value)
+
+
+def _describe_exception(exc: BaseException) -> str:
+    """``Type: message`` of what a tool raised, even when its ``str()`` fails too."""
+    try:
+        message = str(exc)
+    except Exception as error:
+        message = f"<str() of the exception raised {type(error).__name__}>"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _observation_text(value: Any) -> str:
@@ -341,19 +397,63 @@ async def invoke_tool(
     except TooManyAbandonedThreads as exc:
         raise ToolError(str(exc)) from None
     except WorkerFailed as exc:
-        return fail("tool_exception", f"{type(exc).__name__}: {exc}")
+        return fail("tool_exception", _describe_exception(exc))
     except ToolException as exc:
         return fail("tool_exception", str(exc))
-    except (Exception, SystemExit) as exc:
-        return fail("tool_exception", f"{type(exc).__name__}: {exc}")
+    except _RaisedInThread as exc:
+        return fail("tool_exception", _describe_exception(exc.raised))
+    except Exception as exc:
+        return fail("tool_exception", _describe_exception(exc))
+    except BaseException as exc:
+        if _propagates(exc):
+            raise
+        return fail("tool_exception", _describe_exception(exc))
+    try:
+        output = _observation_text(value)
+    except Exception as exc:  # e.g. a result whose __str__ raises
+        return fail(
+            "tool_exception",
+            f"the result of tool {name!r} cannot be turned into text: {_describe_exception(exc)}",
+        )
     return ToolCallRecord(
         turn=turn,
         name=name,
         arguments=raw,
         ok=True,
-        output=_observation_text(value),
+        output=output,
         latency_s=time.perf_counter() - started,
     )
+
+
+def _propagates(exc: BaseException) -> bool:
+    """Whether a ``BaseException`` out of an async tool is not the tool's own failure: a
+    cancellation of the calling task, or a ``KeyboardInterrupt`` (the tool runs in the main
+    thread, where a user's Ctrl-C lands). Anything else (``SystemExit``, ``GeneratorExit``) is
+    recorded."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    cancelled = anyio.get_cancelled_exc_class()
+    if isinstance(exc, BaseExceptionGroup):
+        if exc.subgroup(cancelled) is None:
+            return False
+    elif not isinstance(exc, cancelled):
+        return False  # e.g. an asyncio.CancelledError on trio: an ordinary exception there
+    if cancelled is not asyncio.CancelledError:
+        return True  # trio.Cancelled has no public constructor: only a cancellation raises it
+    # a tool may raise CancelledError itself; it is a cancellation only when one was requested
+    task = asyncio.current_task()
+    return (task is not None and task.cancelling() > 0) or (
+        anyio.current_effective_deadline() == -math.inf  # an enclosing scope is cancelled
+    )
+
+
+class _RaisedInThread(Exception):
+    """A sync tool raised a ``BaseException`` in its worker thread: never a cancellation or a
+    Ctrl-C of the caller, whatever its type (``KeyboardInterrupt``, ``CancelledError``)."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(raised)
+        self.raised = raised
 
 
 class _Timeout(Exception):
@@ -385,9 +485,18 @@ async def _run(
                 return await pool.call(spec.fn, kwargs, timeout_s=deadline)
         except WorkerTimeout:
             raise _Timeout(" (its worker process was killed)") from None
+
+    def call_in_thread() -> Any:
+        try:
+            return bound.call(**kwargs)
+        except Exception:
+            raise
+        except BaseException as exc:  # re-raised in the caller it would read as its own
+            raise _RaisedInThread(exc) from exc
+
     try:
         return await run_in_daemon_thread(
-            lambda: bound.call(**kwargs),
+            call_in_thread,
             name=f"tool {spec.name}",
             timeout_s=deadline,
             limiter=limiter,

@@ -20,20 +20,23 @@ model and must not be trained on.
 File formats (``read_script``): YAML, either a list of turns (one script for every trajectory),
 a mapping ``{turns: [...]}``, or ``{scripts: [{match: TEXT, turns: [...]}, ...]}`` where the
 first script whose ``match`` occurs in a trajectory's prompt is used (a script without ``match``
-is the fallback); or JSONL, one turn per line (a JSON string or ``{"text": ...}``).
+is the fallback); or JSONL, one turn per line (a JSON string or ``{"text": ...}``). Every text
+must be valid Unicode: a JSON or YAML escape of half a surrogate pair (``"\\ud800"``) is
+refused when the file is read, naming its line.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pydantic
 import torch
 
-from agentrl._config import describe_errors
+from agentrl._config import short_repr
 from agentrl._config_file import decode_utf8, load_json, read_config_file
 from agentrl._errors import ConfigError, EngineError
 from agentrl._types import GenerateResult, SamplingParams
@@ -42,15 +45,31 @@ SYNTHETIC_LOGPROB = 0.0
 """The logprob the scripted engine reports for every token it returns."""
 
 
+def _valid_unicode(text: str) -> str:
+    """``text`` unchanged when it can be encoded (and so tokenized); a lone surrogate cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at "
+            f"character {exc.start + 1} (half of a pair, e.g. a \\u{ord(text[exc.start]):04x} "
+            "escape without its partner)"
+        ) from None
+    return text
+
+
+Text = Annotated[str, pydantic.AfterValidator(_valid_unicode)]
+
+
 class Script(pydantic.BaseModel):
     """The assistant turns of one trajectory."""
 
     model_config = pydantic.ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    match: str | None = None
+    match: Text | None = None
     """Use this script for trajectories whose prompt contains this text (None: the fallback
     for prompts no other script matches)."""
-    turns: list[str] = pydantic.Field(min_length=1)
+    turns: list[Text] = pydantic.Field(min_length=1)
     """The assistant's turns in order: plain text, which may hold tool calls
     (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the Hermes format)."""
 
@@ -66,35 +85,104 @@ class ScriptFile(pydantic.BaseModel):
 
 
 def read_script(path: str | Path) -> ScriptFile:
-    """Parse a YAML or JSONL script file; ``ConfigError`` naming the file (and line, or field)."""
+    """Parse a YAML or JSONL script file; ``ConfigError`` naming the file and the line (and
+    the field) of a bad entry."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"no such script file: {file}")
+    # implied: how many leading parts of a ScriptFile location the file does not spell (its
+    # short forms: a list of turns, {turns: ...}); locate: the line of a location's value
+    locate: Callable[[tuple[Any, ...]], int | None]
     if file.suffix == ".jsonl":
-        turns: list[Any] = []
-        for lineno, line in enumerate(decode_utf8(file.read_bytes(), str(file)).splitlines(), 1):
-            if not line.strip():
-                continue
-            item = load_json(line, f"{file}:{lineno}")
-            if isinstance(item, dict) and set(item) == {"text"}:
-                item = item["text"]
-            if not isinstance(item, str):
-                raise ConfigError(
-                    f'{file}:{lineno}: expected a turn (a JSON string or {{"text": ...}}), '
-                    f"got {line.strip()[:80]}"
-                )
-            turns.append(item)
+        turns, turn_lines = _read_jsonl_turns(file)
         data: Any = {"scripts": [{"turns": turns}]}
+        implied = 3
+        locate = functools.partial(_jsonl_line, turn_lines)
     else:
         data = read_config_file(file, what="script file")
         if isinstance(data, list):
-            data = {"scripts": [{"turns": data}]}
+            data, implied = {"scripts": [{"turns": data}]}, 3
         elif isinstance(data, dict) and "turns" in data:
-            data = {"scripts": [data]}
+            data, implied = {"scripts": [data]}, 2
+        else:
+            implied = 0
+        locate = functools.partial(_yaml_line, file, implied)
     try:
         return ScriptFile.model_validate(data)
     except pydantic.ValidationError as exc:
-        raise ConfigError(f"{file}: invalid script: {describe_errors(exc)}") from None
+        lines = sorted({n for err in exc.errors() if (n := locate(tuple(err["loc"])))})
+        where = f"{file}:{lines[0]}" if len(lines) == 1 else str(file)
+        if len(lines) > 1:
+            where += f": lines {', '.join(map(str, lines))}"
+        raise ConfigError(f"{where}: invalid script: {_describe(exc, implied)}") from None
+
+
+def _describe(exc: pydantic.ValidationError, implied: int) -> str:
+    """``describe_errors`` with each location spelled as the file spells it: ``turn N`` in a
+    list of turns (YAML or JSONL), ``turns.N`` or ``scripts.N.turns.M`` in a mapping."""
+    parts = []
+    for err in exc.errors():
+        path = tuple(err["loc"])[implied:]
+        if path and isinstance(path[0], int):
+            loc = ".".join([f"turn {path[0] + 1}", *map(str, path[1:])])
+        else:
+            loc = ".".join(map(str, path))
+        message = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        got = "" if isinstance(value, dict) else f" (got {short_repr(value)})"
+        parts.append(f"{loc}: {message}{got}" if loc else f"{message}{got}")
+    return "; ".join(parts)
+
+
+def _read_jsonl_turns(file: Path) -> tuple[list[str], list[int]]:
+    """The turns of a JSONL script and the line of each."""
+    turns: list[str] = []
+    lines: list[int] = []
+    for lineno, line in enumerate(decode_utf8(file.read_bytes(), str(file)).splitlines(), 1):
+        if not line.strip():
+            continue
+        item = load_json(line, f"{file}:{lineno}")
+        if isinstance(item, dict) and set(item) == {"text"}:
+            item = item["text"]
+        if not isinstance(item, str):
+            raise ConfigError(
+                f'{file}:{lineno}: expected a turn (a JSON string or {{"text": ...}}), '
+                f"got {line.strip()[:80]}"
+            )
+        turns.append(item)
+        lines.append(lineno)
+    return turns, lines
+
+
+def _jsonl_line(turn_lines: list[int], loc: tuple[Any, ...]) -> int | None:
+    """The line of the turn a ``ScriptFile`` error location (``scripts.0.turns.N``) names."""
+    index = loc[3] if len(loc) > 3 else None
+    return turn_lines[index] if isinstance(index, int) else None
+
+
+def _yaml_line(file: Path, implied: int, loc: tuple[Any, ...]) -> int | None:
+    """The line of the value a ``ScriptFile`` error location names in a YAML file, or of the
+    nearest value above it that the file has. ``implied``: how many leading parts of the
+    location the file does not spell (its short forms: a list of turns, ``{turns: ...}``)."""
+    import yaml
+
+    try:  # the file parsed already: this only finds where its values are
+        node = yaml.compose(file.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    for key in loc[implied:]:
+        if isinstance(node, yaml.SequenceNode) and isinstance(key, int):
+            if not 0 <= key < len(node.value):
+                break
+            node = node.value[key]
+        elif isinstance(node, yaml.MappingNode):
+            values = [v for k, v in node.value if getattr(k, "value", None) == key]
+            if not values:
+                break
+            node = values[0]
+        else:
+            break
+    return None if node is None else int(node.start_mark.line) + 1
 
 
 class _Trajectory:

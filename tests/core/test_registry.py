@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import itertools
+import re
 import subprocess
 import sys
 import textwrap
@@ -115,6 +117,102 @@ def test_duplicate_id_with_a_different_object(temp_ids):
     with pytest.raises(agentrl.DuplicateEnv):
         agentrl.env("test-dup-v0")(lambda: _MinimalEnv())
     assert agentrl.spec("test-dup-v0").entry_point is FirstEnv  # the first one stays
+
+
+class _CallableFactory:
+    def __call__(self) -> _MinimalEnv:
+        return _MinimalEnv()
+
+    def build(self) -> _MinimalEnv:
+        return _MinimalEnv()
+
+
+def _local_factory(scale: int):
+    def factory() -> _MinimalEnv:  # the same qualified name on every call, another object
+        return _MinimalEnv(scale)
+
+    return factory
+
+
+def _make_scaled(scale: int) -> _MinimalEnv:
+    return _MinimalEnv(scale)
+
+
+_SHARED_FACTORY = _CallableFactory()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "first_named", "second_named"),
+    [
+        (lambda: _MinimalEnv(1), lambda: _MinimalEnv(2), "test_registry.py:", "test_registry.py:"),
+        (
+            functools.partial(_make_scaled, 1),
+            functools.partial(_make_scaled, 2),
+            "functools.partial",
+            "functools.partial",
+        ),
+        (_local_factory(1), _local_factory(2), "_local_factory.<locals>.factory", "factory"),
+        (_CallableFactory(), _CallableFactory(), "_CallableFactory object", "_CallableFactory"),
+        (_CallableFactory().build, _CallableFactory().build, "_CallableFactory.build", "build"),
+    ],
+    ids=["lambda", "partial", "local-function", "instance", "bound-method"],
+)
+def test_duplicate_id_with_another_object_of_the_same_name(
+    temp_ids, first, second, first_named, second_named
+):
+    """Objects that share a name (two lambdas, two partials, two instances) are different
+    entries: the second registration must not replace the first."""
+    temp_ids.append("test-dup-anon-v0")
+    agentrl.register("test-dup-anon-v0", first)
+    with pytest.raises(agentrl.DuplicateEnv) as caught:
+        agentrl.register("test-dup-anon-v0", second)
+    message = str(caught.value)
+    assert "'test-dup-anon-v0' is already registered by" in message
+    registered_by, refused = message.split("; refusing to register ")
+    assert first_named in registered_by and second_named in refused
+    assert agentrl.spec("test-dup-anon-v0").entry_point is first  # the first one stays
+
+
+def test_reregistering_the_same_bound_method_or_instance_is_a_noop(temp_ids):
+    temp_ids.extend(["test-same-method-v0", "test-same-instance-v0"])
+    factory = _CallableFactory()
+    agentrl.register("test-same-method-v0", factory.build)
+    agentrl.register("test-same-method-v0", factory.build)  # a new bound-method object
+    agentrl.register("test-same-instance-v0", _SHARED_FACTORY)
+    agentrl.register("test-same-instance-v0", _SHARED_FACTORY)
+    assert agentrl.spec("test-same-method-v0").entry_point == factory.build
+
+
+def test_reimporting_a_module_reregisters_its_envs(tmp_path, monkeypatch, temp_ids):
+    """A module imported again defines new objects at the same module and name: the same
+    entries, so the registrations pass and the new definitions replace the old."""
+    module = f"agentrl_test_reimport_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(
+        textwrap.dedent(
+            """
+            import agentrl
+
+
+            @agentrl.env("test-reimport-v0", tags=("test",))
+            class Thing:
+                def tasks(self, split, *, seed=0):
+                    return []
+
+
+            @agentrl.env("test-reimport-factory-v0", tags=("test",))
+            def make_thing():
+                return Thing()
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    temp_ids.extend(["test-reimport-v0", "test-reimport-factory-v0"])
+    first = importlib.import_module(module)
+    old_class = agentrl.spec("test-reimport-v0").entry_point
+    second = importlib.reload(first)
+    assert agentrl.spec("test-reimport-v0").entry_point is second.Thing is not old_class
+    assert agentrl.spec("test-reimport-factory-v0").entry_point is second.make_thing
 
 
 # -- module:name-vN --------------------------------------------------------------------------
@@ -274,6 +372,69 @@ def test_malformed_ids(bad):
         agentrl.spec(bad)
 
 
+@pytest.mark.parametrize("version", ["01", "00", "007", "\u0661", "\u0660", "\uff11", "\u00b2"])
+def test_versions_are_canonical_ascii_decimals(temp_ids, version):
+    """One version, one spelling: 'v01' or Arabic-Indic digits would register an id that no
+    lookup finds (the lookup key is the parsed number) and beside the canonical one."""
+    env_id = f"test-lead-v{version}"
+    with pytest.raises(agentrl.BadEnvSpec, match=f"malformed environment id '{env_id}'"):
+        agentrl.register(env_id, _MinimalEnv)
+    with pytest.raises(agentrl.BadEnvSpec, match="without leading zeros, in ASCII digits"):
+        agentrl.spec(env_id)
+    temp_ids.extend(["test-lead-v0", "test-lead-v1", "test-lead-v12"])
+    for canonical in ("test-lead-v0", "test-lead-v1", "test-lead-v12"):
+        assert agentrl.register(canonical, _MinimalEnv).id == canonical
+        assert agentrl.spec(canonical).id == canonical
+    assert sorted(s.id for s in agentrl.registered() if s.name == "test-lead") == [
+        "test-lead-v0",
+        "test-lead-v1",
+        "test-lead-v12",
+    ]
+
+
+def test_a_leading_zero_suggests_the_canonical_id():
+    with pytest.raises(agentrl.BadEnvSpec, match=r"\(e\.g\. 'calc-v1'\)"):
+        agentrl.spec("calc-v01")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("max_turns", "3", "an integer >= 1"),
+        ("max_turns", 2.5, "an integer >= 1"),
+        ("max_turns", True, "an integer >= 1"),
+        ("max_turns", None, "an integer >= 1"),
+        ("max_turns", 0, "an integer >= 1"),
+        ("max_new_tokens", True, "an integer >= 1"),
+        ("max_new_tokens", 64.0, "an integer >= 1"),
+        ("max_new_tokens", -1, "an integer >= 1"),
+        ("kwargs", [("scale", 2)], "a dict with string keys"),
+        ("kwargs", "scale", "a dict with string keys"),
+        ("kwargs", {1: 2}, "a dict with string keys"),
+        ("description", 3, "a string"),
+        ("description", None, "a string"),
+        ("tags", "math", "a tuple of strings"),
+        ("tags", ("math", 1), "a tuple of strings"),
+        ("tags", None, "a tuple of strings"),
+    ],
+)
+def test_register_rejects_bad_field_values(temp_ids, field, value, expected):
+    temp_ids.append("thing-v0")  # deregistered even if a check fails
+    got = re.escape(f"got {value!r}")
+    with pytest.raises(agentrl.BadEnvSpec, match=f"'thing-v0': {field} must be {expected}, {got}"):
+        agentrl.register("thing-v0", _MinimalEnv, **{field: value})
+    with pytest.raises(agentrl.BadEnvSpec, match=f"{field} must be"):
+        agentrl.env("thing-v0", **{field: value})(_MinimalEnv)
+    with pytest.raises(agentrl.NameNotFound):  # nothing was registered
+        agentrl.spec("thing-v0")
+
+
+def test_register_accepts_lists_and_mappings_for_its_fields(temp_ids):
+    temp_ids.append("test-fields-v0")
+    s = agentrl.register("test-fields-v0", _MinimalEnv, kwargs={"scale": 2}, tags=["a", "b"])
+    assert s.tags == ("a", "b") and s.kwargs == {"scale": 2}
+
+
 def test_register_rejects_bad_definitions():
     with pytest.raises(agentrl.BadEnvSpec, match="module prefix"):
         agentrl.register("mod:thing-v0", _MinimalEnv)
@@ -374,6 +535,18 @@ class _RespondReturnsStrings(_MinimalEnv):
         return ["not a message"]
 
 
+class _TwoToolsOneName(_MinimalEnv):
+    @agentrl.tool
+    def lookup(self, key: str) -> str:
+        """Look a key up."""
+        return key
+
+    @agentrl.tool(name="lookup")
+    def find(self, key: str) -> str:
+        """Find a key."""
+        return key
+
+
 @pytest.mark.parametrize(
     ("cls", "match"),
     [
@@ -396,3 +569,15 @@ def test_check_env_rejects_broken_envs(temp_ids, cls, match):
     agentrl.register(env_id, cls)
     with pytest.raises(agentrl.EnvError, match=f"^{env_id}: {match}"):
         agentrl.check_env(env_id)
+
+
+def test_check_env_rejects_two_tools_with_one_name(temp_ids):
+    """``agentrl envs check`` runs this: one tool of two with a name must not vanish."""
+    temp_ids.append("test-broken-v0")
+    agentrl.register("test-broken-v0", _TwoToolsOneName)
+    with pytest.raises(
+        agentrl.ToolError,
+        match="tool name 'lookup' is defined twice on _TwoToolsOneName: by method 'find' and by "
+        "method 'lookup'",
+    ):
+        agentrl.check_env("test-broken-v0")

@@ -3,10 +3,14 @@ into an observation for the model (never an exception)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+from typing import Literal
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
 import trio.testing
 
@@ -177,6 +181,51 @@ def test_collect_tools_rejects_duplicate_names():
         collect_tools(Twice())
 
 
+def test_collect_tools_rejects_two_methods_with_one_name():
+    class Shouty:
+        @agentrl.tool
+        def shout(self, text: str) -> str:
+            """Upper-case text."""
+            return text.upper()
+
+        @agentrl.tool(name="shout")
+        def other(self, text: str) -> str:
+            """Lower-case text."""
+            return text.lower()
+
+    with pytest.raises(
+        agentrl.ToolError,
+        match="tool name 'shout' is defined twice on Shouty: by method 'other' and by method "
+        "'shout'",
+    ):
+        collect_tools(Shouty())
+
+
+def test_collect_tools_names_a_method_and_a_tools_entry_of_one_name():
+    @agentrl.tool(name="bump")
+    def other_bump(by: int) -> int:
+        return by
+
+    class Twice(Counter):
+        tools = (other_bump,)
+
+    with pytest.raises(
+        agentrl.ToolError,
+        match=r"by method 'increment' and by '.*other_bump' in Twice\.tools",
+    ):
+        collect_tools(Twice())
+
+
+def test_one_tool_under_two_attribute_names_is_one_tool():
+    class Aliased(Counter):
+        bump_alias = Counter.increment
+
+    env = Aliased()
+    tools = collect_tools(env)
+    assert sorted(tools) == ["add", "bump", "peek"]
+    assert tools["bump"].call(by=3) == 3 and env.count == 3
+
+
 def test_tool_spec_of_an_undecorated_function():
     with pytest.raises(agentrl.ToolError, match="not decorated"):
         tool_spec(len)
@@ -202,6 +251,31 @@ def _plain(x: int) -> int:
     return x
 
 
+def _positional_only(x: int, /) -> int:
+    return x
+
+
+class _PositionalOnlyMethod:
+    def count(self, text: str, /, times: int = 1) -> int:
+        return len(text) * times
+
+
+def _str_default(n: int = "x") -> int:  # type: ignore[assignment]
+    return n
+
+
+def _float_default_for_int(n: int = 2.5) -> int:  # type: ignore[assignment]
+    return n
+
+
+def _wrong_list_default(values: list[int] = ["a"]) -> int:  # noqa: B006
+    return len(values)
+
+
+def _none_default_not_optional(label: str = None) -> str:  # type: ignore[assignment]
+    return label
+
+
 @pytest.mark.parametrize(
     ("fn", "options", "match"),
     [
@@ -214,6 +288,16 @@ def _plain(x: int) -> int:
         (_plain, {"name": "x" * 65}, "must match"),
         (_plain, {"timeout_s": 0}, "timeout_s must be > 0"),
         (_plain, {"timeout_s": -1}, "timeout_s must be > 0"),
+        (_positional_only, {}, r"positional-only parameters are not allowed \(x\)"),
+        (
+            _PositionalOnlyMethod.count,
+            {},
+            r"'count': positional-only parameters are not allowed \(text\)",
+        ),
+        (_str_default, {}, r"default of parameter 'n' does not match .*\(got 'x'\)"),
+        (_float_default_for_int, {}, r"default of parameter 'n' does not match .*\(got 2\.5\)"),
+        (_wrong_list_default, {}, r"default of parameter 'values' does not match"),
+        (_none_default_not_optional, {}, r"default of parameter 'label' does not match"),
     ],
 )
 def test_decoration_errors(fn, options, match):
@@ -221,6 +305,22 @@ def test_decoration_errors(fn, options, match):
         agentrl.tool(fn, **options)
     with pytest.raises(agentrl.ToolError):
         tool_spec(fn)  # nothing was attached
+
+
+def test_defaults_of_the_annotated_type_are_accepted():
+    @agentrl.tool
+    def options(
+        ratio: float = 1,
+        label: str | None = None,
+        mode: Literal["fast", "slow"] = "fast",
+        values: tuple[int, ...] = (),
+        flag: bool = False,
+    ) -> str:
+        """Every default here is a value of its parameter's type."""
+        return mode
+
+    props = tool_spec(options).parameters["properties"]
+    assert [props[k]["default"] for k in props] == [1, None, "fast", [], False]
 
 
 def test_a_lambda_is_not_a_valid_tool_name():
@@ -479,6 +579,153 @@ async def test_a_failing_sync_tool_still_reports_its_exception():
     assert record.error_kind == "tool_exception" and "x" in record.output
     record = await invoke_tool(_bound(exits), "exits", "{}", turn=0)
     assert record.error_kind == "tool_exception" and "SystemExit: 3" in record.output
+
+
+class _StrRaises:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+@agentrl.tool
+def unprintable() -> str:
+    """Returns an object whose str() raises."""
+    return _StrRaises()  # type: ignore[return-value]
+
+
+@agentrl.tool
+async def unprintable_in_a_list() -> list:
+    """Returns a list holding such an object (json.dumps falls back to its str())."""
+    return [1, _StrRaises()]
+
+
+@pytest.mark.parametrize("name", ["unprintable", "unprintable_in_a_list"])
+async def test_a_result_that_cannot_become_text_is_a_tool_exception(name):
+    record = await invoke_tool(_bound(unprintable, unprintable_in_a_list), name, "{}", turn=2)
+    assert not record.ok and record.error_kind == "tool_exception"
+    assert record.output == (
+        f"Error (tool_exception): the result of tool {name!r} cannot be turned into text: "
+        "RuntimeError: no text for you"
+    )
+    assert record.turn == 2 and record.name == name
+
+
+class _ToolOwnBaseException(BaseException):
+    """Not an Exception, not a cancellation: a tool's own."""
+
+
+def _base_exceptions():
+    return [
+        KeyboardInterrupt(),
+        GeneratorExit("closed"),
+        asyncio.CancelledError("cancelled by the tool itself"),
+        _ToolOwnBaseException("odd"),
+        SystemExit(4),
+    ]
+
+
+@pytest.mark.parametrize("raised", _base_exceptions(), ids=lambda e: type(e).__name__)
+async def test_a_sync_tool_raising_a_base_exception_is_a_tool_exception(raised):
+    """A sync tool runs in a worker thread: whatever it raises there (even a
+    KeyboardInterrupt or a CancelledError) is its own failure, never the caller's."""
+
+    @agentrl.tool
+    def raising() -> str:
+        """Raises a BaseException."""
+        raise raised
+
+    record = await invoke_tool(_bound(raising), "raising", "{}", turn=0)
+    assert not record.ok and record.error_kind == "tool_exception"
+    assert record.output.startswith(f"Error (tool_exception): {type(raised).__name__}")
+    assert str(raised) in record.output
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [e for e in _base_exceptions() if not isinstance(e, KeyboardInterrupt)],
+    ids=lambda e: type(e).__name__,
+)
+async def test_an_async_tool_raising_a_base_exception_is_a_tool_exception(raised):
+    """Raised by the tool's own code while nobody cancels its caller (on asyncio a
+    CancelledError then ended the trajectory silently; on trio it aborted the rollout)."""
+
+    @agentrl.tool
+    async def raising() -> str:
+        """Raises a BaseException."""
+        await anyio.sleep(0)
+        raise raised
+
+    record = await invoke_tool(_bound(raising), "raising", "{}", turn=0)
+    assert not record.ok and record.error_kind == "tool_exception"
+    assert record.output.startswith(f"Error (tool_exception): {type(raised).__name__}")
+    assert str(raised) in record.output
+    await anyio.sleep(0)  # the calling task was not left cancelled
+
+
+async def test_a_keyboard_interrupt_in_an_async_tool_propagates():
+    """An async tool runs in the main thread, where a user's Ctrl-C is raised."""
+
+    @agentrl.tool
+    async def interrupted() -> str:
+        """Raises KeyboardInterrupt."""
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        await invoke_tool(_bound(interrupted), "interrupted", "{}", turn=0)
+
+
+@pytest.mark.anyio_backends("asyncio")
+async def test_a_cancellation_the_tool_reraises_as_its_own_still_propagates():
+    """A tool that turns the caller's cancellation into a new CancelledError (after some
+    cleanup): the caller is being cancelled, so it is real and must not be recorded."""
+    started = anyio.Event()
+    results = []
+
+    @agentrl.tool
+    async def cleanup_then_cancel() -> str:
+        """Cleans up when cancelled, then raises a fresh CancelledError."""
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        except asyncio.CancelledError:
+            raise asyncio.CancelledError("cleaned up") from None
+        return ""
+
+    async def call() -> None:
+        results.append(
+            await invoke_tool(_bound(cleanup_then_cancel), "cleanup_then_cancel", "{}", turn=0)
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)
+        await started.wait()
+        tg.cancel_scope.cancel()
+    assert results == []
+
+
+async def test_cancelling_the_caller_of_a_sync_tool_is_not_swallowed():
+    release = threading.Event()
+    started = anyio.Event()
+    token = anyio.lowlevel.current_token()
+    results = []
+
+    @agentrl.tool
+    def blocked() -> str:
+        """Waits for the test to release it."""
+        anyio.from_thread.run_sync(started.set, token=token)
+        release.wait(30)
+        return "released"
+
+    async def call() -> None:
+        results.append(await invoke_tool(_bound(blocked), "blocked", "{}", turn=0, timeout_s=60))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await started.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        release.set()
+    assert results == []
 
 
 @pytest.mark.parametrize("value", [0, -1, "5", True, float("nan")])

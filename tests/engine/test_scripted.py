@@ -6,16 +6,18 @@ calc-v0 and python-math-v0 (local sandbox) with the mask and boundary checks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import anyio
+import pydantic
 import pytest
 from cli_helpers import REPO, run_cli
 
 import agentrl
 from agentrl import ConfigError, EngineError, SamplingParams, read_trajectories
-from agentrl.engine import Engine, ScriptedEngine, read_script
+from agentrl.engine import Engine, Script, ScriptedEngine, read_script
 from agentrl.formats import check_boundary
 
 STOP_IDS = [0, 2]  # <|endoftext|>, <|im_end|>
@@ -125,6 +127,65 @@ def test_script_files_yaml_and_jsonl(tmp_path):
             read_script(tmp_path / name)
     with pytest.raises(ConfigError, match="no such script file"):
         read_script(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        (
+            "lone.jsonl",
+            '"fine"\n\n"bad \\ud800 surrogate"\n',
+            "lone.jsonl:3: invalid script: turn 2: the text is not valid Unicode: a lone "
+            "surrogate U+D800 at character 5",
+        ),
+        (
+            "low.jsonl",
+            '{"text": "\\udc00 first"}\n',
+            "low.jsonl:1: invalid script: turn 1: the text is not valid Unicode: a lone "
+            "surrogate U+DC00 at character 1",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_refused_when_the_script_is_read(tmp_path, name, content, needle):
+    """A text that cannot be encoded cannot be tokenized: refused at load, naming the line,
+    not by the tokenizer in every trajectory."""
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        read_script(tmp_path / name)
+
+
+def test_a_lone_surrogate_is_refused_by_the_engine_and_the_model(tokenizer):
+    with pytest.raises(pydantic.ValidationError, match="not valid Unicode: a lone surrogate"):
+        ScriptedEngine(tokenizer, ["fine", "half a pair \ud83d"])
+    with pytest.raises(pydantic.ValidationError, match=r"match\n.*not valid Unicode"):
+        Script(match="\udfff", turns=["fine"])
+    assert Script(match="😀", turns=["a whole pair 😀"]).turns == ["a whole pair 😀"]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("- one\n- two\n- 5\n", "x.yaml:3: invalid script: turn 3: Input should be a valid string"),
+        (
+            "turns:\n  - one\n  - [a]\n",
+            "x.yaml:3: invalid script: turns.1: Input should be a valid",
+        ),
+        (
+            "scripts:\n  - match: a\n    turns: [one]\n  - match: b\n    turns: []\n",
+            "x.yaml:5: invalid script: scripts.1.turns: List should have at least 1 item",
+        ),
+        (
+            "scripts:\n  - turns: [one]\n    matches: a\n  - turns: [two, {x: 1}]\n",
+            "x.yaml: lines 3, 4: invalid script: scripts.0.matches: Extra inputs are not "
+            "permitted (got 'a'); scripts.1.turns.1: Input should be a valid string",
+        ),
+        ("hello\n", "x.yaml:1: invalid script: Input should be a valid dictionary"),
+    ],
+)
+def test_bad_script_entries_name_their_line(tmp_path, content, needle):
+    (tmp_path / "x.yaml").write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        read_script(tmp_path / "x.yaml")
 
 
 def test_no_matching_script_is_an_engine_error(tokenizer, tmp_path):
