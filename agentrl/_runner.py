@@ -328,6 +328,7 @@ async def arollout(
     env_resources: dict[str, Any] | None = None,
     if_exists: IfExists = "error",
     stop: anyio.Event | None = None,
+    on_tasks: Callable[[int], None] | None = None,
 ) -> RolloutResult:
     """Roll out ``n`` tasks × ``config.group_size`` samples of ``env`` on ``model``.
 
@@ -337,7 +338,8 @@ async def arollout(
     ``trajectories.jsonl`` (written as each trajectory finishes); a directory that already
     holds a rollout is refused unless ``if_exists`` is ``"overwrite"`` or ``"append"``. Setting
     ``stop`` cancels the trajectories in flight and returns the finished ones
-    (``interrupted=True``)."""
+    (``interrupted=True``). ``on_tasks`` is called with the number of tasks found from
+    ``task_offset`` (at most ``n``; fewer when the split ends first) before the engine loads."""
     cfg = config or RolloutConfig()
     for name, value, least in (("n", n, 1), ("task_offset", task_offset, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -353,6 +355,8 @@ async def arollout(
             f"(offsets 0-{len(tasks) - 1}); nothing to run"
         )
     tasks = tasks[task_offset : task_offset + n]
+    if on_tasks is not None:
+        on_tasks(len(tasks))
 
     from ._models import load_tokenizer, resolve_model, tokenizer_fingerprint
     from .engine import open_embedded_engine
@@ -426,6 +430,7 @@ def rollout(
     env_resources: dict[str, Any] | None = None,
     if_exists: IfExists = "error",
     backend: Literal["trio", "asyncio"] = "trio",
+    on_tasks: Callable[[int], None] | None = None,
 ) -> RolloutResult:
     """Synchronous ``arollout`` (same parameters but ``stop``, an event of the loop this call
     creates: Ctrl-C ends a synchronous rollout instead) on its own event loop, trio by
@@ -445,6 +450,7 @@ def rollout(
             on_trajectory=on_trajectory,
             env_resources=env_resources,
             if_exists=if_exists,
+            on_tasks=on_tasks,
         ),
         backend=backend,
     )

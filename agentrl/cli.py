@@ -229,14 +229,24 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         ),
         markup=False,
     )
-    done = [0]
-    total = args.num_tasks * cfg.group_size
+    done, total = [0], [args.num_tasks * cfg.group_size]
+
+    def tasks_found(count: int) -> None:
+        total[0] = count * cfg.group_size
+        if count < args.num_tasks:
+            console.print(
+                _safe(
+                    f"  {args.env}'s {args.split!r} split has {count} tasks from offset "
+                    f"{args.task_offset} (-n {args.num_tasks} asked for more): running {count}"
+                ),
+                markup=False,
+            )
 
     def progress(traj) -> None:
         done[0] += 1
         console.print(
             _safe(
-                f"  [{done[0]}/{total}] {traj.id}: {traj.status}/{traj.termination_reason} "
+                f"  [{done[0]}/{total[0]}] {traj.id}: {traj.status}/{traj.termination_reason} "
                 f"reward={traj.reward} turns={traj.num_turns} tokens={len(traj.token_ids)}"
                 + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else "")
             ),
@@ -250,7 +260,9 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     result, _ = anyio.run(
         lambda: run_until_interrupted(
-            lambda stop: _rollout_with_resources(args, cfg, out, progress, if_exists, stop),
+            lambda stop: _rollout_with_resources(
+                args, cfg, out, (progress, tasks_found), if_exists, stop
+            ),
             on_interrupt=stopping,
         ),
         backend=args.backend,
@@ -305,7 +317,7 @@ def _previous_elapsed(out: Path, elapsed_s: float) -> float | None:
 
 
 async def _rollout_with_resources(
-    args: argparse.Namespace, cfg, out: Path, progress, if_exists: str, stop
+    args: argparse.Namespace, cfg, out: Path, callbacks, if_exists: str, stop
 ):
     """Open what the env needs for this rollout (the run's sandbox), then run."""
     from ._registry import spec
@@ -327,10 +339,11 @@ async def _rollout_with_resources(
             config=cfg,
             out=out,
             engine_options=args.engine_options,
-            on_trajectory=progress,
+            on_trajectory=callbacks[0],
             env_resources=resources,
             if_exists=if_exists,
             stop=stop,
+            on_tasks=callbacks[1],
         )
 
 

@@ -271,3 +271,14 @@ def test_check_env_applies_the_same_rules():
     ]:
         with pytest.raises(EnvError, match=re.escape(words)):
             agentrl.check_env("hostile-values-v0", env_kwargs={"mode": mode})
+
+
+async def test_a_split_shorter_than_asked_runs_what_it_has_and_says_so(tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    found: list[int] = []
+    config = agentrl.RolloutConfig(group_size=2)
+    result = await arollout(
+        "hostile-values-v0", engine=engine, tokenizer=tokenizer, n=8, config=config,
+        on_tasks=found.append,
+    )  # fmt: skip
+    assert found == [2] and result.planned == 4 and len(result.trajectories) == 4
