@@ -21,11 +21,11 @@ a tool runs (``isolation``):
   killed at the deadline (``_tool_process.py``): for code that may hold the GIL or never end.
 
 Whatever a tool raises is its own failure, recorded as ``tool_exception``: ``BaseException``s
-too (``SystemExit``, ``GeneratorExit``, a ``KeyboardInterrupt`` from a sync tool's thread, an
-``asyncio.CancelledError`` the tool raised while nobody cancelled its caller). Two propagate: a
-cancellation of the calling task (a trajectory deadline, a failing sibling), and a
-``KeyboardInterrupt`` out of an async tool, which runs in the main thread where a user's Ctrl-C
-lands.
+too (``SystemExit``, anything a sync tool raises in its thread, an ``asyncio.CancelledError``
+an async tool raised while nobody cancelled its caller). Three propagate out of an async tool:
+a cancellation of the calling task (a trajectory deadline, a failing sibling), a
+``KeyboardInterrupt`` (it runs in the main thread, where a user's Ctrl-C lands), and
+``GeneratorExit`` (the calling coroutine is being closed: it must not go on).
 """
 
 from __future__ import annotations
@@ -427,10 +427,11 @@ async def invoke_tool(
 
 def _propagates(exc: BaseException) -> bool:
     """Whether a ``BaseException`` out of an async tool is not the tool's own failure: a
-    cancellation of the calling task, or a ``KeyboardInterrupt`` (the tool runs in the main
-    thread, where a user's Ctrl-C lands). Anything else (``SystemExit``, ``GeneratorExit``) is
+    cancellation of the calling task, a ``KeyboardInterrupt`` (the tool runs in the main
+    thread, where a user's Ctrl-C lands), or ``GeneratorExit`` (the calling coroutine is being
+    closed; one that went on would be a ``RuntimeError``). Anything else (``SystemExit``) is
     recorded."""
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt | GeneratorExit):
         return True
     cancelled = anyio.get_cancelled_exc_class()
     if isinstance(exc, BaseExceptionGroup):

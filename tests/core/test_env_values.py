@@ -282,3 +282,15 @@ async def test_a_split_shorter_than_asked_runs_what_it_has_and_says_so(tokenizer
         on_tasks=found.append,
     )  # fmt: skip
     assert found == [2] and result.planned == 4 and len(result.trajectories) == 4
+
+
+async def test_what_counts_as_the_trajectorys_own_exception():
+    from agentrl._rollout import own_exception
+
+    assert own_exception(ValueError("x")) and own_exception(SystemError("y"))
+    # the run's, never one trajectory's: Ctrl-C, an exit, and a coroutine being closed
+    for exc in (KeyboardInterrupt(), SystemExit(1), GeneratorExit()):
+        assert not own_exception(exc)
+    # nobody is cancelling this task: a CancelledError here is code's own (and under trio it
+    # is never a cancellation)
+    assert own_exception(asyncio.CancelledError("mine"))

@@ -641,7 +641,7 @@ async def test_a_sync_tool_raising_a_base_exception_is_a_tool_exception(raised):
 
 @pytest.mark.parametrize(
     "raised",
-    [e for e in _base_exceptions() if not isinstance(e, KeyboardInterrupt)],
+    [e for e in _base_exceptions() if not isinstance(e, KeyboardInterrupt | GeneratorExit)],
     ids=lambda e: type(e).__name__,
 )
 async def test_an_async_tool_raising_a_base_exception_is_a_tool_exception(raised):
@@ -661,15 +661,17 @@ async def test_an_async_tool_raising_a_base_exception_is_a_tool_exception(raised
     await anyio.sleep(0)  # the calling task was not left cancelled
 
 
-async def test_a_keyboard_interrupt_in_an_async_tool_propagates():
-    """An async tool runs in the main thread, where a user's Ctrl-C is raised."""
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, GeneratorExit])
+async def test_a_keyboard_interrupt_or_generator_exit_in_an_async_tool_propagates(raised):
+    """An async tool runs in the main thread, where a user's Ctrl-C is raised; a
+    GeneratorExit there means the calling coroutine is being closed."""
 
     @agentrl.tool
     async def interrupted() -> str:
-        """Raises KeyboardInterrupt."""
-        raise KeyboardInterrupt
+        """Raises KeyboardInterrupt or GeneratorExit."""
+        raise raised
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(raised):
         await invoke_tool(_bound(interrupted), "interrupted", "{}", turn=0)
 
 
