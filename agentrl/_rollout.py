@@ -401,6 +401,8 @@ def _info(run: _Run) -> dict[str, str]:
     if running:
         # abandoned threads of the whole process (tools and env hooks) still running now
         info["abandoned_threads_running"] = str(running)
+    if getattr(run.ctx.engine, "synthetic_logprobs", False) is True:
+        info["logprobs"] = "synthetic"  # not samples of a model (the scripted engine): no data
     return info
 
 

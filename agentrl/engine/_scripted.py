@@ -15,7 +15,8 @@ the boundary check see what a real model would produce:
 
 Logprobs are **synthetic**: 0.0 for every token (probability 1, as if the script were the
 policy). Trajectories from this engine test environments and masks; they are not samples of any
-model and must not be trained on.
+model and must not be trained on: each says so (``info["logprobs"] = "synthetic"``, from the
+engine's ``synthetic_logprobs``).
 
 File formats (``read_script``): YAML, either a list of turns (one script for every trajectory),
 a mapping ``{turns: [...]}``, or ``{scripts: [{match: TEXT, turns: [...]}, ...]}`` where the
@@ -202,6 +203,10 @@ class ScriptedEngine:
     that closes an assistant turn (default: the chat template's, e.g. ``<|im_end|>``).
     Trajectories are told apart by session when the caller opens one (the runtime does), else by
     their context: a call whose context extends an earlier answer continues that trajectory."""
+
+    synthetic_logprobs = True
+    """What this engine returns as logprobs is not a model's (the runtime marks its
+    trajectories)."""
 
     def __init__(
         self,

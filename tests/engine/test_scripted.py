@@ -233,6 +233,9 @@ def test_rollout_replays_a_script_through_calc_tools(tmp_path, tokenizer, tiny_m
     assert "boundary check: all 4 trajectories match the re-render" in proc.stdout
     trajectories = read_trajectories(str(out / "trajectories.jsonl"))
     _check_masks(trajectories, tokenizer)
+    # not a model's samples: every trajectory and the run's config say so
+    assert all(t.info.get("logprobs") == "synthetic" for t in trajectories)
+    assert json.loads((out / "config.json").read_text())["engine"] == "ScriptedEngine"
     solved = [t for t in trajectories if t.task_id == first.id]
     assert len(solved) == 2
     for t in solved:
