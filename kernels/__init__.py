@@ -13,38 +13,72 @@ on purpose: transformers probes a top-level ``kernels`` package for one.
   causal over the same paged cache, every chunk in one launch.
 - ``_fused_ops``: the embedded engine's per-layer elementwise work (RMSNorm with its residual
   add, rotary embedding, SiLU·mul), one kernel each.
+
+This folder is also a top-level ``kernels`` when a checkout's root is on ``sys.path`` ahead of
+site-packages (``python -m ...`` run from it), where it would hide the ``kernels`` distribution
+that transformers imports; under that name it loads the distribution in its own place
+(``_distribution_in_place``) and defines nothing of its own.
 """
 
-from . import reference as reference
-from ._logprob import FusedLogprobEntropy as FusedLogprobEntropy
-from ._logprob import fused_logprob_entropy as fused_logprob_entropy
-from ._logprob_gemm import GemmLogprobEntropy as GemmLogprobEntropy
-from ._paged_attention import paged_decode_attention as paged_decode_attention
-from ._paged_attention import paged_prefill_attention as paged_prefill_attention
-from ._policy_loss import MAX_LOG_RATIO as MAX_LOG_RATIO
-from ._policy_loss import PolicyLossStats as PolicyLossStats
-from ._policy_loss import fused_policy_loss as fused_policy_loss
-from ._policy_loss import sequence_segments as sequence_segments
-from ._triton import BACKENDS as BACKENDS
-from ._triton import interpreting as interpreting
-from ._triton import triton_available as triton_available
-from ._triton import triton_installed as triton_installed
-from ._triton import use_triton as use_triton
+from __future__ import annotations
 
-__all__ = [
-    "BACKENDS",
-    "FusedLogprobEntropy",
-    "GemmLogprobEntropy",
-    "MAX_LOG_RATIO",
-    "PolicyLossStats",
-    "fused_logprob_entropy",
-    "fused_policy_loss",
-    "interpreting",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "reference",
-    "sequence_segments",
-    "triton_available",
-    "triton_installed",
-    "use_triton",
-]
+
+def _distribution_in_place() -> bool:
+    """Imported as the top-level ``kernels``: find that name on ``sys.path`` outside this
+    checkout and execute it as ``sys.modules["kernels"]``, which is what the import statement
+    then returns. False when no other ``kernels`` is installed (this package then stands in)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        return False
+    ours = sys.modules["kernels"]
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules["kernels"] = ours
+        raise
+    return True
+
+
+if __name__ != "kernels" or not _distribution_in_place():
+    from . import reference as reference
+    from ._logprob import FusedLogprobEntropy as FusedLogprobEntropy
+    from ._logprob import fused_logprob_entropy as fused_logprob_entropy
+    from ._logprob_gemm import GemmLogprobEntropy as GemmLogprobEntropy
+    from ._paged_attention import paged_decode_attention as paged_decode_attention
+    from ._paged_attention import paged_prefill_attention as paged_prefill_attention
+    from ._policy_loss import MAX_LOG_RATIO as MAX_LOG_RATIO
+    from ._policy_loss import PolicyLossStats as PolicyLossStats
+    from ._policy_loss import fused_policy_loss as fused_policy_loss
+    from ._policy_loss import sequence_segments as sequence_segments
+    from ._triton import BACKENDS as BACKENDS
+    from ._triton import interpreting as interpreting
+    from ._triton import triton_available as triton_available
+    from ._triton import triton_installed as triton_installed
+    from ._triton import use_triton as use_triton
+
+    __all__ = [
+        "BACKENDS",
+        "FusedLogprobEntropy",
+        "GemmLogprobEntropy",
+        "MAX_LOG_RATIO",
+        "PolicyLossStats",
+        "fused_logprob_entropy",
+        "fused_policy_loss",
+        "interpreting",
+        "paged_decode_attention",
+        "paged_prefill_attention",
+        "reference",
+        "sequence_segments",
+        "triton_available",
+        "triton_installed",
+        "use_triton",
+    ]

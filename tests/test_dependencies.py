@@ -4,7 +4,9 @@ or in an extra (the ``test`` extra does not count: it is not installed for users
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from importlib import metadata
@@ -76,3 +78,50 @@ def test_the_check_sees_the_package():
     assert any(f.startswith("sandboxes/") for f in imports["aiohttp"])
     assert _distributions("yaml") == {"pyyaml"}
     assert _distributions("torch.utils.tensorboard") == {"tensorboard"}
+
+
+def _run(code: str, cwd: Path, extra_path: list[str] | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(extra_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+def test_the_kernels_folder_does_not_hide_the_kernels_distribution():
+    """Run from a checkout's root (``python -c``/``-m`` put it first on ``sys.path``), the
+    top-level ``kernels/`` folder would hide the ``kernels`` distribution that transformers
+    imports (a hard dependency of recent releases): importing transformers' models must work
+    and ``import kernels`` must give the distribution, while ``agentrl.kernels`` stays ours."""
+    code = (
+        "import sys, transformers\n"
+        "from transformers import LlamaConfig\n"
+        "import kernels, agentrl.kernels as ours\n"
+        "print(kernels.__file__); print(ours.__file__); print(hasattr(ours, 'fused_policy_loss'))"
+    )
+    theirs, ours, has = _run(code, REPO).splitlines()
+    assert Path(ours).resolve() == (REPO / "kernels" / "__init__.py").resolve()
+    assert has == "True"
+    try:
+        metadata.distribution("kernels")
+    except metadata.PackageNotFoundError:
+        return  # nothing to hide: this transformers does not need it
+    assert Path(theirs).resolve() != Path(ours).resolve(), theirs
+
+
+def test_a_kernels_package_later_on_the_path_is_the_one_imported(tmp_path):
+    """The hand-over finds any ``kernels`` past the checkout on ``sys.path`` (here a stand-in),
+    and the checkout's own ``kernels`` is what ``agentrl.kernels`` names."""
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("NAME = 'stand-in'\nfrom . import sub\n")
+    (fake / "sub.py").write_text("VALUE = 7\n")
+    code = (
+        f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(tmp_path / 'site')!r}]\n"
+        "import kernels, kernels.sub\n"
+        "print(kernels.NAME, kernels.sub.VALUE, sys.modules['kernels'] is kernels)"
+    )
+    assert _run(code, tmp_path) == "stand-in 7 True"
