@@ -429,8 +429,8 @@ def rollout(
     on_trajectory: Callable[[Trajectory], None] | None = None,
     env_resources: dict[str, Any] | None = None,
     if_exists: IfExists = "error",
-    backend: Literal["trio", "asyncio"] = "trio",
     on_tasks: Callable[[int], None] | None = None,
+    backend: Literal["trio", "asyncio"] = "trio",
 ) -> RolloutResult:
     """Synchronous ``arollout`` (same parameters but ``stop``, an event of the loop this call
     creates: Ctrl-C ends a synchronous rollout instead) on its own event loop, trio by
