@@ -18,6 +18,7 @@ import contextlib
 import enum
 import hashlib
 import inspect
+import math
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -116,12 +117,20 @@ class TokenBuffer:
         bad = [v for v in versions if int(v) < 0]
         if bad:
             raise ValueError(f"engine returned negative token versions {bad[:5]}")
+        values = [float(x) for x in logprobs]
+        odd = [(i, x) for i, x in enumerate(values) if not math.isfinite(x)]
+        if odd:  # would make the learner's ratio NaN or infinite on this token
+            i, x = odd[0]
+            raise ValueError(
+                f"engine returned a logprob that is not finite: {x} for token {ids[i]} "
+                f"(sampled token {i} of the turn; {len(odd)} such)"
+            )
         if not ids:
             return
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
-        self.logprobs.extend(float(x) for x in logprobs)
+        self.logprobs.extend(values)
         self.token_versions.extend(int(v) for v in versions)
         self._span(start, "model", turn)
 

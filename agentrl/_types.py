@@ -6,6 +6,7 @@ decoding (msgspec's schema-evolution rules). Encoders and decoders are built onc
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -303,10 +304,10 @@ class Trajectory(msgspec.Struct, omit_defaults=False):
                         f"trajectory {self.id}: loss_mask[{i}]={self.loss_mask[i]} "
                         f"in a {span.source} span"
                     )
-                if (self.logprobs[i] is None) != (want == 0):
+                lp = self.logprobs[i]
+                if (lp is None) != (want == 0) or (lp is not None and not math.isfinite(lp)):
                     raise ValueError(
-                        f"trajectory {self.id}: logprobs[{i}]={self.logprobs[i]} "
-                        f"in a {span.source} span"
+                        f"trajectory {self.id}: logprobs[{i}]={lp} in a {span.source} span"
                     )
             pos = span.end
         if pos != n:

@@ -11,6 +11,7 @@ Alignment, the off-by-one every RL trainer has to get right, is stated once, in
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -185,6 +186,8 @@ def _shift(
         lp = traj.logprobs[i]
         if keep[i] and lp is None:
             raise ValueError(f"trajectory {traj.id}: sampled token {i} has no logprob")
+        if keep[i] and not math.isfinite(lp):  # type: ignore[arg-type]
+            raise ValueError(f"trajectory {traj.id}: sampled token {i} has logprob {lp}")
         logprobs.append(float(lp) if keep[i] else 0.0)  # type: ignore[arg-type]
     return _Sequence(
         trajectory_index=index,

@@ -10,6 +10,7 @@ loop that ends with the rollout).
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -183,6 +184,12 @@ def to_result(
     logprobs = [e[0] for e in entries]
     if any(lp is None for lp in logprobs) or len(ids) != meta.completion_tokens:
         raise EngineError(f"{url}/generate: incomplete output_token_logprobs for {meta.id}")
+    odd = [lp for lp in logprobs if not math.isfinite(lp)]
+    if odd:
+        raise EngineError(
+            f"{url}/generate: output_token_logprobs of {meta.id} hold {len(odd)} value(s) that "
+            f"are not finite (first {odd[0]}): the server's weights or sampling are broken"
+        )
     if reply.output_ids is not None and list(reply.output_ids) != ids:
         raise EngineError(f"{url}/generate: output_ids disagree with output_token_logprobs")
     if whole and meta.prompt_tokens != len(context):

@@ -156,3 +156,44 @@ async def test_a_rollout_on_the_embedded_engine_spans_a_partial_update(tokenizer
         v == NOT_SAMPLED for v, m in zip(traj.token_versions, traj.loss_mask, strict=True) if not m
     )
     assert traj.policy_version == 0
+
+
+class _NaNEngine(ScriptedEngine):
+    """Replays the script; the second turn's third logprob is ``bad`` (a broken engine)."""
+
+    bad = float("nan")
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> GenerateResult:
+        result = await super().generate(input_ids, sampling, session)
+        if len(self.calls) == 2:
+            logprobs = list(result.logprobs)
+            logprobs[2] = self.bad
+            result = msgspec.structs.replace(result, logprobs=logprobs)
+        return result
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+async def test_a_logprob_that_is_not_finite_fails_the_trajectory_not_the_learner(
+    chatml, tokenizer, bad
+):
+    """An engine handing back a NaN or infinite logprob ends that trajectory as an error that
+    names it (it would make the learner's ratio NaN); what ran before is kept; a trajectory
+    file edited to hold one does not validate, and the learner's batch refuses it."""
+    engine = _NaNEngine(tokenizer, [CALL, ANSWER])
+    engine.bad = bad
+    task = agentrl.Task(id="t0", prompt="What is 3 + 2?", answer="5")
+    traj = await run_trajectory(_ctx(chatml, engine), task, group_id="g", sample_index=0, seed=1)
+    assert traj.status == "error" and traj.num_turns == 1, traj
+    assert traj.error is not None and "not finite" in traj.error.message, traj.error
+    traj.validate()  # what was kept is consistent and finite
+    i = next(s.start for s in traj.spans if s.source == "model")
+    logprobs = [*traj.logprobs[:i], bad, *traj.logprobs[i + 1 :]]
+    broken = msgspec.structs.replace(traj, logprobs=logprobs)
+    with pytest.raises(ValueError, match=rf"logprobs\[{i}\]="):
+        broken.validate()
+    from agentrl.trainer import pack_trajectories
+
+    with pytest.raises(ValueError, match=f"sampled token {i} has logprob"):
+        pack_trajectories([broken], 4096, pad_id=0)

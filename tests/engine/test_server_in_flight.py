@@ -118,3 +118,21 @@ def test_a_reply_without_versions_counts_every_token_as_its_weight_version() -> 
     for bad in ([6, 6], [6, 5, 6]):
         with pytest.raises(EngineError, match="token_versions has"):
             to_result(reply(bad), sampling, 0, "http://s", True, [1, 2])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_reply_with_a_logprob_that_is_not_finite_is_an_engine_error(bad: float) -> None:
+    """A NaN or infinite sampled logprob (broken weights on the server) would reach the
+    learner's ratio: the reply is refused, so the trajectory records the failure."""
+    meta = w.WireMetaInfo(
+        id="r",
+        finish_reason=w.WireFinishReason("length", length=2),
+        prompt_tokens=2,
+        completion_tokens=2,
+        cached_tokens=0,
+        weight_version="0",
+        output_token_logprobs=[(-1.0, 5, None), (bad, 6, None)],
+    )
+    reply = w.WireGenerateResp(text="", meta_info=meta, output_ids=[5, 6])
+    with pytest.raises(EngineError, match="not finite"):
+        to_result(reply, SamplingParams(max_new_tokens=2), 0, "http://s", True, [1, 2])
