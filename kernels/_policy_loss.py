@@ -1,5 +1,6 @@
 """The fused clipped policy loss of the GRPO/PPO family: ratio, clipping (asymmetric for DAPO),
-GSPO's sequence ratio, CISPO's clipped IS weight, truncated importance sampling, KL k1/k2/k3 to
+GSPO's sequence ratio, CISPO's clipped IS weight, the dual clip, truncated importance sampling,
+KL k1/k2/k3 to
 the reference, the entropy bonus, masking and the aggregation modes — with its gradient — in one
 Triton pass over the tokens.
 
@@ -24,6 +25,9 @@ import torch
 from ._triton import triton_available
 
 MAX_LOG_RATIO = 20.0
+K3_MAX = 10.0
+"""The k3 KL estimate's upper bound (its log-ratio is clamped to ±``MAX_LOG_RATIO``), as verl's
+``low_var_kl``: no gradient where either bound acts."""
 _SURROGATES = ("clip", "gspo", "cispo")
 _AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -37,6 +41,7 @@ class PolicyLossStats(NamedTuple):
     clip_fraction: torch.Tensor
     clip_fraction_low: torch.Tensor
     clip_fraction_high: torch.Tensor
+    clip_fraction_dual: torch.Tensor
     ratio_mean: torch.Tensor
     ratio_min: torch.Tensor
     ratio_max: torch.Tensor
@@ -138,6 +143,7 @@ def fused_policy_loss(
     entropy_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """The policy loss to minimize and its statistics, in one Triton pass (contract of
     ``agentrl.trainer.policy_loss``; see ``reference.policy_loss`` for the math).
@@ -162,6 +168,8 @@ def fused_policy_loss(
         raise ValueError(f"unknown KL estimator {kl_estimator!r}; expected k1, k2 or k3")
     if tis_cap is not None and rollout_logprobs is None:
         raise ValueError("tis_cap needs rollout_logprobs")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c!r}")
     if not triton_available(logprobs.device):
         raise RuntimeError(
             "fused_policy_loss runs only in Triton (CUDA, or TRITON_INTERPRET=1); the torch path "
@@ -169,6 +177,7 @@ def fused_policy_loss(
         )
     from ._policy_loss_triton import (
         APPROX_KL,
+        DUAL,
         ENTROPY,
         HIGH,
         KL,
@@ -221,6 +230,8 @@ def fused_policy_loss(
         kl_coef=kl_coef,
         entropy_coef=entropy_coef,
         tis_cap=tis_cap,
+        clip_ratio_c=clip_ratio_c if surrogate == "clip" else None,
+        k3_max=K3_MAX,
     )
     totals = partials.sum(0)
     loss = _FusedPolicyLoss.apply(
@@ -238,9 +249,10 @@ def fused_policy_loss(
         policy_loss=totals[POLICY],
         kl_loss=totals[KL],
         entropy=totals[ENTROPY] / count,
-        clip_fraction=(totals[LOW] + totals[HIGH]) / count,
+        clip_fraction=(totals[LOW] + totals[HIGH] + totals[DUAL]) / count,
         clip_fraction_low=totals[LOW] / count,
         clip_fraction_high=totals[HIGH] / count,
+        clip_fraction_dual=totals[DUAL] / count,
         ratio_mean=torch.where(any_token, totals[RATIO_SUM] / count, one),
         ratio_min=torch.where(any_token, partials[:, RATIO_MIN].min(), one),
         ratio_max=torch.where(any_token, partials[:, RATIO_MAX].max(), one),

@@ -23,8 +23,9 @@ import triton.language as tl
     APPROX_KL,
     TIS_SUM,
     TIS_CLIP,
-) = range(12)
-NUM_STATS = 12
+    DUAL,
+) = range(13)
+NUM_STATS = 13
 STATS_PAD = 16  # power of two for tl.arange
 
 ALGOS = {"clip": 0, "gspo": 1, "cispo": 2}
@@ -52,10 +53,13 @@ def _fused_policy_loss_fwd_kernel(
     kl_coef,
     entropy_coef,
     tis_cap,
+    clip_ratio_c,
+    k3_max,
     ALGO: tl.constexpr,
     KL_ESTIMATOR: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     HAS_TIS: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     STATS: tl.constexpr,
 ):
@@ -96,6 +100,12 @@ def _fused_policy_loss_fwd_kernel(
         )
         low_hit = keep & (adv < 0) & (ratio < lo)
         high_hit = keep & (adv > 0) & (ratio > hi)
+    dual_hit = keep & (offs < 0)  # all False
+    if HAS_DUAL:  # -Â c caps a negative-advantage term; a constant there: no gradient
+        bound = -adv * clip_ratio_c
+        dual_hit = keep & (adv < 0) & (surrogate > bound)
+        surrogate = tl.where(dual_hit, bound, surrogate)
+        d_surrogate = tl.where(dual_hit, 0.0, d_surrogate)
     tis = tl.full((BLOCK,), 1.0, dtype=tl.float32)
     if HAS_TIS:
         roll = tl.where(
@@ -118,12 +128,15 @@ def _fused_policy_loss_fwd_kernel(
         elif KL_ESTIMATOR == 2:
             kl = 0.5 * log_r * log_r
             d_kl = -log_r
-        else:
+        else:  # log r clamped to ±max_log_ratio, the estimate to k3_max: no gradient past either
+            inside = (log_r >= -max_log_ratio) & (log_r <= max_log_ratio)
+            log_r = tl.minimum(tl.maximum(log_r, -max_log_ratio), max_log_ratio)
             r = tl.exp(log_r)
             # expm1 without cancellation near 0: (r - 1) via a short series below 1e-3
             expm1 = tl.where(tl.abs(log_r) < 1e-3, log_r * (1.0 + 0.5 * log_r), r - 1.0)
             kl = expm1 - log_r
-            d_kl = 1.0 - r
+            d_kl = tl.where(inside & (kl <= k3_max), 1.0 - r, 0.0)
+            kl = tl.minimum(kl, k3_max)
         kl = tl.where(keep, kl, 0.0)
         term = term + kl_coef * kl
         d_term = d_term + kl_coef * d_kl
@@ -154,6 +167,7 @@ def _fused_policy_loss_fwd_kernel(
     row = tl.where(cols == 9, tl.sum(tl.where(keep, approx, 0.0), 0), row)
     row = tl.where(cols == 10, tl.sum(ones * tis, 0), row)
     row = tl.where(cols == 11, tl.sum(tl.where(keep & (tis >= tis_cap), 1.0, 0.0), 0), row)
+    row = tl.where(cols == 12, tl.sum(tl.where(dual_hit, 1.0, 0.0), 0), row)
     tl.store(PARTIALS + pid * STATS + cols, row)
 
 
@@ -176,6 +190,8 @@ def policy_loss_pass(
     kl_coef: float,
     entropy_coef: float,
     tis_cap: float | None,
+    clip_ratio_c: float | None = None,
+    k3_max: float = 10.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(grad_logprob [N], grad_entropy [N] | None, partials [programs, STATS_PAD])``, fp32;
     every input flat ``[N]`` and contiguous."""
@@ -207,10 +223,13 @@ def policy_loss_pass(
         float(kl_coef),
         float(entropy_coef),
         float(tis_cap) if tis_cap is not None else float("inf"),
+        float(clip_ratio_c) if clip_ratio_c is not None else 0.0,
+        float(k3_max),
         ALGO=ALGOS[algo],
         KL_ESTIMATOR=KL_ESTIMATORS[kl_estimator],
         HAS_ENTROPY=entropy is not None,
         HAS_TIS=tis_cap is not None,
+        HAS_DUAL=clip_ratio_c is not None,
         BLOCK=block,
         STATS=STATS_PAD,
     )

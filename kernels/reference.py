@@ -44,16 +44,25 @@ def logprob_entropy(
     return logprob, entropy
 
 
-def _kl(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+def _kl(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    estimator: str,
+    max_log_ratio: float = 20.0,
+    k3_max: float = 10.0,
+) -> torch.Tensor:
     """Schulman's estimators of KL(π ‖ π_ref) from one sample, ``log r = log π_ref - log π``
-    (http://joschu.net/blog/kl-approx.html): k1 = -log r, k2 = ½ (log r)², k3 = (r - 1) - log r."""
+    (http://joschu.net/blog/kl-approx.html): k1 = -log r, k2 = ½ (log r)², k3 = (r - 1) - log r,
+    the last with ``log r`` clamped to ``±max_log_ratio`` and its value to ``k3_max`` (no
+    gradient where either clamp acts)."""
     log_r = ref_logprob - logprob
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * log_r**2
     if estimator == "k3":
-        return torch.exp(log_r) - 1 - log_r
+        log_r = torch.clamp(log_r, -max_log_ratio, max_log_ratio)
+        return torch.clamp(torch.exp(log_r) - 1 - log_r, max=k3_max)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -77,6 +86,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    clip_ratio_c: float | None = None,
     max_log_ratio: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped policy loss of the GRPO/PPO family, one token at a time (1-D inputs).
@@ -90,13 +100,15 @@ def policy_loss(
       (Zheng et al. 2025, eq. 7), whose gradient flows through each token as ``s_i ∇ log π_θ``.
     - ``cispo``: ``-sg[clip(r)] Â log π_θ`` (MiniMax-M1, 2025).
 
+    With ``clip_ratio_c`` (``clip`` only), a token with ``Â < 0`` contributes at most ``-c Â``
+    (dual clip, Ye et al. 2020, eq. 5), a constant where that bound is the smaller.
     times ``sg[min(π_old / π_rollout, C)]`` with ``tis_cap`` (Yao et al. 2025), plus
     ``β k(π_θ, π_ref)`` and minus ``c H``. Aggregation: token-mean ``Σ x / N``;
     seq-mean-token-sum ``1/S Σ_i Σ_t x``; seq-mean-token-mean ``1/S Σ_i 1/|o_i| Σ_t x``;
     seq-mean-token-sum-norm ``1/(S L) Σ_i Σ_t x``; ``denominator`` replaces N or S.
 
     Returns the loss (differentiable in ``logprobs`` and ``entropy``, float64) and metrics
-    (floats): policy_loss, kl_loss, clip_fraction(_low/_high), ratio_mean/min/max, approx_kl,
+    (floats): policy_loss, kl_loss, clip_fraction(_low/_high/_dual), ratio_mean/min/max, approx_kl,
     tis_weight_mean, tis_clip_fraction, num_tokens.
     """
     high = clip_low if clip_high is None else clip_high
@@ -123,7 +135,7 @@ def policy_loss(
     surrogates: dict[int, float] = {}
     kls: dict[int, float] = {}
     ratios: list[float] = []
-    low_hits = high_hits = 0
+    low_hits = high_hits = dual_hits = 0
     approx_kl = 0.0
     tis_weights: list[float] = []
     tis_clipped = 0
@@ -144,6 +156,11 @@ def policy_loss(
             objective = torch.maximum(-adv[t] * ratio, -adv[t] * clipped)
             low_hits += float(adv[t]) < 0 and ratio.item() < 1 - clip_low
             high_hits += float(adv[t]) > 0 and ratio.item() > 1 + high
+            if clip_ratio_c is not None and surrogate == "clip" and float(adv[t]) < 0:
+                bound = -adv[t] * clip_ratio_c
+                if objective.item() > bound.item():
+                    objective = bound
+                    dual_hits += 1
         if tis_cap is not None:
             assert rollout_logprobs is not None, "tis_cap needs rollout_logprobs"
             w = min(
@@ -154,7 +171,7 @@ def policy_loss(
             objective = objective * w
         term = objective
         if ref_logprobs is not None:
-            kl = _kl(lp[t], ref_logprobs[t].detach().to(torch.float64), kl_estimator)
+            kl = _kl(lp[t], ref_logprobs[t].detach().double(), kl_estimator, max_log_ratio)
             kls[t] = kl.item()
             term = term + kl_coef * kl
         if entropy is not None:
@@ -189,9 +206,10 @@ def policy_loss(
         "policy_loss": reduce(surrogates).item(),
         "kl_loss": reduce(kls).item() if ref_logprobs is not None else 0.0,
         "entropy": (sum(entropy[t].item() for t in terms) / count if entropy is not None else 0.0),
-        "clip_fraction": (low_hits + high_hits) / count,
+        "clip_fraction": (low_hits + high_hits + dual_hits) / count,
         "clip_fraction_low": low_hits / count,
         "clip_fraction_high": high_hits / count,
+        "clip_fraction_dual": dual_hits / count,
         "ratio_mean": sum(ratios) / len(ratios) if ratios else 1.0,
         "ratio_min": min(ratios, default=1.0),
         "ratio_max": max(ratios, default=1.0),

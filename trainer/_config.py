@@ -46,11 +46,16 @@ class AlgorithmConfig(pydantic.BaseModel):
     """β of the KL to the frozen reference; 0 skips the reference model entirely (default: the
     algorithm's, 0 for every built-in one)."""
     kl_estimator: KLEstimator = "k3"
-    """k1, k2 or k3 (Schulman 2020); GRPO uses k3 in the loss, PPO-RLHF k1 in the reward."""
+    """k1, k2 or k3 (Schulman 2020); GRPO uses k3 in the loss, PPO-RLHF k1 in the reward. k3 is
+    bounded as verl's ``low_var_kl``: log-ratio clamped to ±20, the estimate to 10."""
     kl_mode: Literal["loss", "reward"] = "loss"
     """Add β·KL per token to the loss, or subtract it from the reward before advantages."""
     entropy_coef: float = pydantic.Field(0.0, ge=0)
     """Entropy bonus c: the loss subtracts c·H per token."""
+    clip_ratio_c: float | None = pydantic.Field(3.0, gt=1)
+    """Dual clip (Ye et al. 2020; verl's ``clip_ratio_c``) of the ``clip`` surrogate: a token with
+    a negative advantage adds at most ``-c·Â`` to the loss, however far its ratio has run above
+    1 (no gradient there, like a clipped token); None turns it off. GSPO and CISPO ignore it."""
     tis_cap: float | None = pydantic.Field(None, gt=0)
     """Truncated importance sampling cap C against the rollout's logprobs (needs
     ``old_logprobs: recompute``); None disables TIS."""
@@ -66,7 +71,8 @@ class AlgorithmConfig(pydantic.BaseModel):
     epochs: int = pydantic.Field(1, ge=1)
     """Passes over one step's trajectories."""
     mini_batches: int = pydantic.Field(1, ge=1)
-    """Optimizer updates per epoch (trajectories split by group)."""
+    """Optimizer updates per epoch (trajectories split by group; every rank makes the same
+    number, taking empty mini-batches when it holds fewer groups than this)."""
     gamma: float = pydantic.Field(1.0, ge=0, le=1)
     """GAE discount (algorithms with a critic)."""
     lam: float = pydantic.Field(0.95, ge=0, le=1)
@@ -135,7 +141,9 @@ class OptimizerConfig(pydantic.BaseModel):
     weight_decay: float = pydantic.Field(0.0, ge=0)
     """Decoupled (AdamW) weight decay."""
     warmup_steps: int = pydantic.Field(0, ge=0)
-    """Linear warmup from 0 over this many optimizer updates."""
+    """Linear warmup from 0 over this many optimizer updates. The schedule counts
+    ``epochs × mini_batches`` updates per step even when a step makes fewer (fewer groups than
+    mini-batches, nothing left to train on), so it ends at the run's last step."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: constant, linear decay to ``min_lr_ratio``·lr, or cosine to it."""
     min_lr_ratio: float = pydantic.Field(0.0, ge=0, le=1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import re
 import socket
 import warnings
 from dataclasses import dataclass
@@ -142,7 +143,8 @@ class TokenScorer(torch.nn.Module):
             use_varlen_attention(lm)
         # the critic keeps only the decoder (an untied LM head would be dead weight)
         self.lm = lm.get_decoder() if value_head else lm  # type: ignore[operator]
-        self.temperature = float(temperature)
+        # h·Wᵀ/τ below: a model whose head transforms its logits has that folded into τ
+        self.temperature = float(temperature) * (1.0 if value_head else _logit_divisor(lm))
         self.chunk_size = int(chunk_size)
         hidden = lm.config.hidden_size  # type: ignore[union-attr]
         self.value_head = torch.nn.Linear(hidden, 1) if value_head else None
@@ -281,6 +283,12 @@ class ModelEngine:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def advance_schedule(self, updates: int) -> None:
+        """Advance the LR schedule past ``updates`` that this step did not make."""
+        schedule = getattr(self.engine, "lr_scheduler", None)
+        if schedule is not None:
+            schedule.advance(updates)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32/bf16 weights under HF names (``lm.`` stripped; tied heads once), gathered
         layer by layer on every rank, as CPU tensors."""
@@ -315,10 +323,61 @@ class ModelEngine:
         return [p for group in groups for p in group]
 
 
-def _load_lm(model_path: str, *, gradient_checkpointing: bool) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def _logit_divisor(lm: torch.nn.Module) -> float:
+    """What the model's own forward divides ``h·Wᵀ`` by before the softmax, from its config:
+    Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides, Falcon-H1's
+    ``lm_head_multiplier`` multiplies. A head the learner cannot reproduce as ``h·Wᵀ/τ`` (a
+    final soft-cap, a bias) is refused, naming the field: its log-probs would be another
+    distribution than the engine samples from."""
+    config = lm.config  # type: ignore[union-attr]
+    model = getattr(config, "model_type", "?")
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(
+            f"the model's config sets final_logit_softcapping={cap} ({model}): the learner's "
+            "log-probs are softmax(h·Wᵀ/τ) and do not soft-cap; such models cannot be trained"
+        )
+    head = lm.get_output_embeddings()  # type: ignore[operator]
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"the model's LM head has a bias ({model}): the learner's log-probs are "
+            "softmax(h·Wᵀ/τ) without one; such models cannot be trained"
+        )
+    divisor = 1.0
+    for field, inverse in (("logit_scale", True), ("lm_head_multiplier", True),
+                           ("logits_scaling", False)):  # fmt: skip
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"the model's config sets {field}={value!r}: expected a number > 0")
+        divisor = divisor / value if inverse else divisor * value
+    return divisor
 
-    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+_DROPOUT = re.compile(r"dropout|pdrop|layerdrop|drop_rate")
+
+
+def _without_dropout(config: Any) -> None:
+    """Set every dropout probability of an HF config (and its sub-configs) to 0: the learner
+    scores π_old and π_θ on the same tokens and their ratio must be 1 where nothing changed
+    (TRL's ``disable_dropout``, OpenRLHF's); the engines never drop out."""
+    for name, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _without_dropout(value)
+        elif _DROPOUT.search(name) and type(value) in (int, float):
+            setattr(config, name, 0.0)
+
+
+def _load_lm(model_path: str, *, gradient_checkpointing: bool) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    _without_dropout(config)
+    lm = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    for module in lm.modules():  # a dropout a model hard-codes rather than reads from config
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     lm.config.use_cache = False
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from agentrl.kernels import K3_MAX, MAX_LOG_RATIO
+
 from ._names import KLEstimator
 
 
@@ -26,7 +28,11 @@ def kl_estimate(
 ) -> torch.Tensor:
     """Per-token estimate of KL(π ‖ π_ref) from ``logprobs = log π(y)`` and ``ref_logprobs =
     log π_ref(y)`` of the same sampled tokens (any equal shapes; float). Elementwise; mask and
-    aggregate outside."""
+    aggregate outside.
+
+    k3 is bounded as verl's ``low_var_kl`` is: ``log r`` clamped to ±``MAX_LOG_RATIO`` (20) and
+    the estimate to ``K3_MAX`` (10), so one token the policy has moved far from the reference
+    adds at most 10 (with no gradient) instead of an exponential that overflows."""
     log_r = ref_logprobs - logprobs
     match estimator:
         case "k1":
@@ -35,7 +41,8 @@ def kl_estimate(
             return 0.5 * log_r.square()
         case "k3":
             # expm1 keeps (r - 1) - log r accurate when r ≈ 1 (no cancellation of two ~1 terms)
-            return torch.expm1(log_r) - log_r
+            log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+            return (torch.expm1(log_r) - log_r).clamp(max=K3_MAX)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
 
 

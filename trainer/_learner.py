@@ -185,7 +185,11 @@ class Learner:
             keep = dynamic_sampling_mask(rewards, groups)
             stats.groups_filtered = int(groups[~keep].unique().numel())
             masks *= keep.to(torch.float64)
-        order = _mini_batch_split(groups, alg.mini_batches)
+        # every rank makes the same number of updates (each one a ZeRO-3 collective), however
+        # many groups it holds: a rank with fewer takes empty mini-batches
+        local_groups = int(groups.max()) + 1 if groups.numel() else 0
+        parts = int(_all_reduce(float(min(alg.mini_batches, local_groups)), "max"))
+        order = _mini_batch_split(groups, parts)
         mini = [self._pack([trajs[i] for i in idx], masks[idx].tolist()) for idx in order]
         stats.trajectories_used = int((masks > 0).sum())
 
@@ -209,6 +213,12 @@ class Learner:
                 exact = epoch == 0 and k == 0 and not recompute
                 self._update(batches, old[k], ref[k], values[k], stats, epoch == 0, exact)
         stats.update_s = time.perf_counter() - started
+        # fewer updates than epochs × mini_batches (fewer groups, nothing left to train on):
+        # the LR schedule still moves by a whole step, so it ends where total_steps says
+        missing = alg.epochs * alg.mini_batches - stats.updates
+        for engine in (self.policy, self.critic):
+            if engine is not None and missing > 0:
+                engine.advance_schedule(missing)
         if recompute:  # the exact rollout↔trainer gap, every token
             for mb, old_mb in zip(mini, old, strict=True):
                 for b, lp in zip(mb, old_mb, strict=True):
@@ -324,6 +334,7 @@ class Learner:
                 entropy_coef=alg.entropy_coef,
                 rollout_logprobs=b.rollout_logprobs,
                 tis_cap=alg.tis_cap,
+                clip_ratio_c=alg.clip_ratio_c,
                 kernels=self.settings.kernels,
             )
             self.policy.backward(loss.loss)
@@ -385,9 +396,11 @@ class Learner:
 
 
 def _mini_batch_split(groups: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """Trajectory indices of each mini-batch: whole groups, in order, as even as possible."""
+    """Trajectory indices of each of ``parts`` mini-batches: whole groups, in order, as even as
+    possible; some are empty when there are fewer groups than parts."""
     num = int(groups.max()) + 1 if groups.numel() else 0
-    parts = max(1, min(parts, num)) if num else 1
+    if parts == 0:
+        return []
     bounds = [round(num * k / parts) for k in range(parts + 1)]
     return [
         torch.nonzero((groups >= bounds[k]) & (groups < bounds[k + 1])).flatten()

@@ -43,6 +43,9 @@ class LossMetrics(NamedTuple):
     family, GSPO) or the IS weight was clipped (CISPO)."""
     clip_fraction_low: torch.Tensor
     clip_fraction_high: torch.Tensor
+    clip_fraction_dual: torch.Tensor
+    """Fraction of tokens whose negative-advantage term is capped by the dual clip
+    (``clip_ratio_c``); they are counted in ``clip_fraction`` too."""
     ratio_mean: torch.Tensor
     """π/π_old; for GSPO the sequence ratio s_i on each of its tokens."""
     ratio_min: torch.Tensor
@@ -134,6 +137,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    clip_ratio_c: float | None = None,
     kernels: str = "auto",
 ) -> LossOutput:
     """The policy loss to *minimize* (the negated objective), per token then aggregated.
@@ -155,6 +159,11 @@ def policy_loss(
       REINFORCE gradient with a clipped, stop-gradient IS weight, so no token's gradient is
       dropped. MiniMax sets no lower bound: use ``clip_low=1.0``.
 
+    ``clip_ratio_c``: dual clip for ``clip`` (Ye et al. 2020, "Mastering Complex Control in MOBA
+    Games with Deep RL", eq. 5): on tokens with ``Â < 0`` the term is at most ``-c Â``, so a
+    token whose ratio ran far above 1 cannot dominate the loss with an unbounded gradient
+    (``c > 1``; verl's ``clip_ratio_c``). Those tokens get no gradient, like clipped ones.
+
     ``tis_cap``: truncated importance sampling against the engine (Yao et al. 2025, "Your
     Efficient RL Framework Secretly Brings You Off-Policy RL Training"): each token's term is
     multiplied by ``sg[min(π_old / π_rollout, C)]`` from ``rollout_logprobs``; use it when
@@ -174,6 +183,8 @@ def policy_loss(
         )
     if surrogate not in ("clip", "gspo", "cispo"):
         raise ValueError(f"unknown surrogate {surrogate!r}; expected clip, gspo or cispo")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c!r}")
     if use_triton(kernels, logprobs.device, "policy_loss"):
         loss, stats = fused_policy_loss(
             logprobs,
@@ -194,6 +205,7 @@ def policy_loss(
             entropy_coef=entropy_coef,
             rollout_logprobs=rollout_logprobs,
             tis_cap=tis_cap,
+            clip_ratio_c=clip_ratio_c,
         )
         return LossOutput(loss, LossMetrics(*stats))
     high = clip_low if clip_high is None else clip_high
@@ -225,6 +237,11 @@ def policy_loss(
         objective = torch.maximum(-adv * ratio, -adv * clipped_ratio)
         low_hit = keep & (adv < 0) & (ratio < 1.0 - clip_low)
         high_hit = keep & (adv > 0) & (ratio > 1.0 + high)
+    dual_hit = torch.zeros_like(keep)
+    if clip_ratio_c is not None and surrogate == "clip":
+        bound = -adv * clip_ratio_c
+        dual_hit = keep & (adv < 0) & (objective > bound)
+        objective = torch.where(dual_hit, bound, objective)  # a constant: no gradient there
 
     tis_weight = torch.ones_like(logprobs)
     if tis_cap is not None:
@@ -265,9 +282,10 @@ def policy_loss(
             policy_loss=reduce(objective.detach()),
             kl_loss=kl_loss,
             entropy=entropy_mean,
-            clip_fraction=(low_hit | high_hit).sum() / count,
+            clip_fraction=(low_hit | high_hit | dual_hit).sum() / count,
             clip_fraction_low=low_hit.sum() / count,
             clip_fraction_high=high_hit.sum() / count,
+            clip_fraction_dual=dual_hit.sum() / count,
             ratio_mean=torch.where(any_token, _masked_mean(ratio, keep, count), one),
             ratio_min=torch.where(any_token, torch.where(keep, ratio, inf).min(), one),
             ratio_max=torch.where(any_token, torch.where(keep, ratio, -inf).max(), one),

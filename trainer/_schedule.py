@@ -50,6 +50,11 @@ class LRSchedule:
         self.updates += 1
         self._apply()
 
+    def advance(self, updates: int) -> None:
+        """Move on by ``updates`` that were not made (the schedule follows the steps)."""
+        self.updates += updates
+        self._apply()
+
     def get_last_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 

@@ -16,6 +16,7 @@ _TOKEN_MEANS = (
     "clip_fraction",
     "clip_fraction_low",
     "clip_fraction_high",
+    "clip_fraction_dual",
     "ratio_mean",
     "approx_kl",
     "tis_weight_mean",

@@ -275,7 +275,11 @@ def _specs() -> list[_Spec]:
             "clip",
             "Clip fractions",
             _ledger(
-                "clip_fraction", "clip_fraction_low", "clip_fraction_high", "tis_clip_fraction"
+                "clip_fraction",
+                "clip_fraction_low",
+                "clip_fraction_high",
+                "clip_fraction_dual",
+                "tis_clip_fraction",
             ),
             "clip_fraction*",
             step,

@@ -180,7 +180,7 @@ def _changed_fields(out: Path, old_hash: str, cfg: TrainConfig) -> list[str]:
     from ._config import load_train_config
 
     try:
-        old = load_train_config(out / "config.yaml")
+        old = load_train_config(out / "config.yaml", recorded=True)
     except ConfigError:
         return []
     if old.hash() != old_hash:

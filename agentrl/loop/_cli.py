@@ -66,7 +66,11 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"--resume {run}: no config.yaml (not a training run)")
         cfg = load_train_config(
-            run / "config.yaml", args.set, model=args.model, max_steps=args.max_steps
+            run / "config.yaml",
+            args.set,
+            recorded=True,
+            model=args.model,
+            max_steps=args.max_steps,
         )
         return cfg, run
     cfg = load_train_config(args.config, args.set, model=args.model, max_steps=args.max_steps)

@@ -354,6 +354,13 @@ class TrainConfig(_Section):
         data["train"].pop("collective_timeout_s")
         data["train"].pop("max_steps_without_update")
         data["rollout"].pop("concurrency")
+        for dotted, legacy in LEGACY_VALUES.items():  # as a run from before the field hashed
+            *parents, leaf = dotted.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            if leaf in node and node[leaf] == legacy:
+                del node[leaf]
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -488,12 +495,27 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+LEGACY_VALUES: dict[str, Any] = {"algorithm.clip_ratio_c": None}
+"""Training fields added after runs were made with this package, each with the value that
+reproduces those runs. A run's own ``config.yaml`` that lacks one takes that value (the run
+resumes as it was trained), and a configuration holding it hashes without the field, so its
+checkpoints still match (``TrainConfig.hash``)."""
+
+
 def load_train_config(
-    path: str | Path | None = None, sets: list[str] | None = None, **shortcuts: Any
+    path: str | Path | None = None,
+    sets: list[str] | None = None,
+    *,
+    recorded: bool = False,
+    **shortcuts: Any,
 ) -> TrainConfig:
     """Read ``path`` (or start from the defaults), apply ``--set`` overrides and the CLI
-    shortcuts (``model``, ``max_steps``), validate. Errors name the field and value."""
+    shortcuts (``model``, ``max_steps``), validate. Errors name the field and value.
+    ``recorded``: ``path`` is a run's ``config.yaml``; a field it lacks that was added later
+    takes its ``LEGACY_VALUES`` value, not the default."""
     data = read_config_file(path) if path is not None else {}
+    if recorded:
+        data = _with_legacy_values(data)
     data = apply_overrides(data, list(sets or []))
     if shortcuts.get("model") is not None:
         data["model"] = shortcuts["model"]
@@ -503,6 +525,21 @@ def load_train_config(
             raise ConfigError("train: expected a mapping")
         data["train"]["max_steps"] = shortcuts["max_steps"]
     return validate_config(TrainConfig, data)
+
+
+def _with_legacy_values(data: Any) -> Any:
+    """``data`` with every ``LEGACY_VALUES`` field it lacks set to that value (a mapping of
+    mappings; anything else is left for validation to refuse)."""
+    if not isinstance(data, dict):
+        return data
+    for dotted, legacy in LEGACY_VALUES.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf not in node:
+            node[leaf] = legacy
+    return data
 
 
 def dump_config(cfg: TrainConfig) -> str:

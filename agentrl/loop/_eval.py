@@ -132,7 +132,7 @@ def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.
     if config_file.is_file():
         from ._config import load_train_config
 
-        root = checkpoint_root(load_train_config(config_file), run)
+        root = checkpoint_root(load_train_config(config_file, recorded=True), run)
     path = step_dir(root, step) if step is not None else latest_checkpoint(root)
     if path is None or not (path / "state.json").is_file():
         raise ConfigError(f"no complete checkpoint for step {step} under {root}")

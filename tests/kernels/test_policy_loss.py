@@ -81,7 +81,8 @@ def _emulated(inputs: dict, opts: dict) -> _Emulated:
         return torch.cat([out.loss.reshape(1), metrics, *grads])
 
     want, std = emulated_std(outputs)
-    names = ["loss", *LossMetrics._fields, "grad_logprobs", "grad_entropy"][: 14 + len(leaves)]
+    fields = LossMetrics._fields
+    names = ["loss", *fields, "grad_logprobs", "grad_entropy"][: 1 + len(fields) + len(leaves)]
     sizes = [1] * (1 + len(LossMetrics._fields)) + [leaves[0].numel()] * len(leaves)
 
     def split(x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -146,6 +147,7 @@ def _options(surrogate, agg, kl, tis, entropy_coef):
         "kl_estimator": kl or "k3",
         "entropy_coef": entropy_coef,
         "tis_cap": 2.0 if tis else None,
+        "clip_ratio_c": 3.0 if surrogate == "clip" else None,
     }
 
 
@@ -176,7 +178,7 @@ def test_three_way_every_surrogate_and_aggregation(gen, device, surrogate, agg):
         assert_within(g_ref, e.want["grad_logprobs"], to64 * e.bound["grad_logprobs"], "grad")
         for name, value in ref_metrics.items():
             bound = to64 * e.bound[name]
-            if name.endswith("fraction") or name.endswith("fraction_low") or name.endswith("high"):
+            if name.endswith("fraction") or name.startswith("clip_fraction"):
                 bound = bound + unit_roundoff(torch.float32) * value  # count / count: fp32
             assert_within(value, e.want[name], bound, f"reference {name}")
 
@@ -209,8 +211,8 @@ def test_extreme_ratios_and_nan_in_masked_positions(gen, device):
         off = ~case["mask"]
         case["old_logprobs"][off] = float("nan")
         case["advantages"][off] = float("nan")
-    for surrogate in ("clip", "cispo", "gspo"):
-        opts = _options(surrogate, "token-mean", "k2", tis=True, entropy_coef=0.0)
+    for surrogate, kl in (("clip", "k2"), ("cispo", "k3"), ("gspo", "k1")):
+        opts = _options(surrogate, "token-mean", kl, tis=True, entropy_coef=0.0)
         got, stats = fused_policy_loss(**case, **opts)
         want = policy_loss(**case, **opts, kernels="torch")
         assert torch.isfinite(got)
@@ -223,6 +225,83 @@ def test_extreme_ratios_and_nan_in_masked_positions(gen, device):
         _assert_fp32(e, want.loss, want.metrics._asdict(), (gw,), f"{surrogate} torch")
         # exp(20) in fp32: the exponential's ~1 ulp and the result's rounding
         assert float(stats.ratio_max) <= math.exp(20) * (1 + 4 * unit_roundoff(torch.float32))
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_dual_clip_caps_negative_advantage_terms(device):
+    """Â < 0 with a ratio past c: the term is -c·Â and its gradient 0 (the plain clipped
+    surrogate would give -r·Â with gradient -r·Â); below c, or with Â > 0, nothing changes.
+    Kernel, torch path and reference agree, and the tokens are counted."""
+    log_ratio = torch.tensor([0.5, 1.5, 5.0, 30.0, 1.5, -3.0])
+    adv = torch.tensor([-1.0, -2.0, -0.5, -1.0, 2.0, -1.0])
+    lp = torch.full((6,), -1.0, device=device, requires_grad=True)
+    case = {
+        "logprobs": lp,
+        "old_logprobs": (lp.detach() - log_ratio.to(device)),
+        "advantages": adv.to(device),
+        "mask": torch.ones(6, dtype=torch.bool, device=device),
+    }
+    opts = {"surrogate": "clip", "clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": 3.0}
+    r = log_ratio.double().clamp(-20, 20).exp()
+    clipped = r.clamp(0.8, 1.28)
+    plain = torch.maximum(-adv.double() * r, -adv.double() * clipped)
+    capped = torch.where((adv < 0) & (plain > -3.0 * adv.double()), -3.0 * adv.double(), plain)
+    assert capped.tolist()[:4] == pytest.approx([1.0 * 1.6487212707, 6.0, 1.5, 3.0], rel=1e-9)
+    # d(-Â r)/d log π = -Â r on token 0 (Â = -1); every other token is capped or clipped
+    want_grad = torch.tensor([math.exp(0.5), 0.0, 0.0, 0.0, 0.0, 0.0]) / 6
+    for name, fn in (
+        ("kernel", lambda: fused_policy_loss(**case, **opts)),
+        ("torch", lambda: tuple(policy_loss(**case, **opts, kernels="torch"))),
+    ):
+        loss, stats = fn()
+        (g,) = torch.autograd.grad(loss, [lp])
+        u = unit_roundoff(torch.float32)
+        assert_within(loss, capped.mean().item(), 16 * u * capped.abs().mean().item(), name)
+        assert_within(g.cpu(), want_grad, 8 * u * want_grad.abs().max(), f"{name} grad")
+        assert float(stats.clip_fraction_dual) == pytest.approx(3 / 6)
+        assert float(stats.clip_fraction_low) == pytest.approx(1 / 6)
+        assert float(stats.clip_fraction_high) == pytest.approx(1 / 6)
+        assert float(stats.clip_fraction) == pytest.approx(5 / 6)
+    ref_loss, ref_metrics = reference.policy_loss(**_float64(case), **opts)
+    assert ref_loss.item() == pytest.approx(capped.mean().item(), rel=1e-12)
+    assert ref_metrics["clip_fraction_dual"] == 3 / 6
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        policy_loss(**case, **{**opts, "clip_ratio_c": 1.0}, kernels="torch")
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_k3_far_from_the_reference_is_bounded_in_the_kernel(device):
+    """k3 with log r = ±30, ±100 (fp32 exp overflows at 88): the kernel clamps as the torch
+    path does (log r to ±20, the estimate to 10, no gradient there): finite and equal."""
+    log_r = torch.tensor([0.3, -0.7, 30.0, -30.0, 100.0, -100.0, 2.0, 3.0])
+    lp = torch.full((8,), -2.0, device=device, requires_grad=True)
+    case = {
+        "logprobs": lp,
+        "old_logprobs": lp.detach().clone(),
+        "advantages": torch.zeros(8, device=device),
+        "mask": torch.ones(8, dtype=torch.bool, device=device),
+        "ref_logprobs": lp.detach() + log_r.to(device),
+    }
+    opts = {"kl_coef": 1.0, "kl_estimator": "k3"}
+    x = log_r.double().clamp(-20, 20)
+    k3 = (torch.expm1(x) - x).clamp(max=10.0)
+    want_grad = torch.where((x.abs() < 20) & (torch.expm1(x) - x <= 10), 1 - x.exp(), 0.0) / 8
+    for name, fn in (
+        ("kernel", lambda: fused_policy_loss(**case, **opts)),
+        ("torch", lambda: tuple(policy_loss(**case, **opts, kernels="torch"))),
+    ):
+        loss, stats = fn()
+        (g,) = torch.autograd.grad(loss, [lp])
+        assert torch.isfinite(loss) and torch.isfinite(g).all(), name
+        u = unit_roundoff(torch.float32)
+        # per token ≤ 4u (e^x + 1) absolute (the kernel's exp(x) - 1 - x), then the mean
+        bound = (4 * u * (x.exp() + 1)).mean().item() + 8 * u * k3.mean().item()
+        assert_within(loss, k3.mean().item(), bound, f"{name} loss")
+        assert_within(stats.kl_loss, k3.mean().item(), bound, f"{name} kl_loss")
+        assert_within(g.cpu().double(), want_grad, 8 * u * 20 * x.exp().max() / 8, f"{name} grad")
+        assert (g.cpu()[2:6] == 0).all(), name
 
 
 @needs_triton

@@ -1,7 +1,7 @@
 """Worker for ``test_multirank``: one learner step on this rank's share of a fixed set of GRPO
 groups (rank r takes groups r, r + W, ...; with W = 2 rank 0 gets more micro-batches than rank
-1), then rank 0 saves the weights. ``python multirank_worker.py OUT [ALGORITHM]`` (under torchrun or
-alone; default grpo).
+1), then rank 0 saves the weights. ``python multirank_worker.py OUT [ALGORITHM [MINI_BATCHES]]``
+(under torchrun or alone; default grpo, 1).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def groups(seed: int = 0, count: int = 5, size: int = 3):
     return out
 
 
-def main(out: str, algorithm: str = "grpo") -> None:
+def main(out: str, algorithm: str = "grpo", mini_batches: str = "1") -> None:
     from agentrl._models import resolve_model
     from agentrl.trainer import (
         AlgorithmConfig,
@@ -52,7 +52,7 @@ def main(out: str, algorithm: str = "grpo") -> None:
     learner = Learner(
         LearnerSettings(
             model_path=str(resolve_model("tiny-random")),
-            algorithm=AlgorithmConfig(name=algorithm),
+            algorithm=AlgorithmConfig(name=algorithm, mini_batches=int(mini_batches)),
             optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, grad_clip=None),
             total_steps=1,
             temperature=1.0,
@@ -64,7 +64,9 @@ def main(out: str, algorithm: str = "grpo") -> None:
     stats = learner.train_step(mine)
     weights = learner.state_dict()
     if info.rank == 0:
-        torch.save({"weights": weights, "grad_norm": stats.grad_norm}, out)
+        torch.save(
+            {"weights": weights, "grad_norm": stats.grad_norm, "updates": stats.updates}, out
+        )
     torch.distributed.barrier()
 
 

@@ -11,6 +11,7 @@ import typing
 
 import pydantic
 import pytest
+import yaml
 
 from agentrl import ConfigError, RolloutConfig
 from agentrl.engine import EngineOptions
@@ -176,3 +177,41 @@ def test_a_large_value_in_an_error_is_shortened():
 def test_env_kwargs_within_the_bound_dump_and_hash(tmp_path):
     cfg = load_train_config(None, [*BASE, "rollout.env_kwargs.levels=[0, 1]"])
     assert "levels" in dump_config(cfg) and len(cfg.hash()) == 16
+
+
+# Hashes that runs written before ``algorithm.clip_ratio_c`` existed carry in their checkpoints
+# (computed by that code): a resume compares against them, so they must never change.
+_RECORDED_HASHES = [
+    ({"env": "calc-v0", "model": "tiny-random"}, "bf7d752181cb7747"),
+    (
+        {
+            "env": "calc-v0",
+            "model": "tiny-random",
+            "algorithm": {"name": "dapo", "clip_high": 0.3},
+            "rollout": {"group_size": 8},
+            "optimizer": {"lr": 2e-6, "schedule": "cosine"},
+        },
+        "a1c235cf03674373",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "recorded_hash"), _RECORDED_HASHES)
+def test_runs_from_before_a_field_existed_resume_as_they_were_trained(
+    tmp_path, data, recorded_hash
+):
+    """A run's config.yaml written before a field was added lacks it: loaded as a run's own
+    file it takes the value that reproduces that run (no dual clip), and hashes as that
+    run's checkpoints say; a new run gets the default, which hashes differently."""
+    fresh = TrainConfig.model_validate(data)
+    assert fresh.algorithm.clip_ratio_c == 3.0 and fresh.hash() != recorded_hash
+    old = yaml.safe_load(dump_config(fresh))
+    del old["algorithm"]["clip_ratio_c"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+    resumed = load_train_config(path, recorded=True)
+    assert resumed.algorithm.clip_ratio_c is None
+    assert resumed.hash() == recorded_hash
+    assert load_train_config(path).hash() == fresh.hash()  # as a new run's --config
+    turned_on = load_train_config(path, ["algorithm.clip_ratio_c=3.0"], recorded=True)
+    assert turned_on.hash() == fresh.hash()

@@ -273,3 +273,103 @@ def test_engines_are_built_without_loading_muon_or_inductor(tmp_path, tiny_model
     )
     seen = run_worker(worker, 1, tmp_path / "out.pt", str(tiny_model_path), timeout=300)
     assert seen == {"loaded": [], "real": True, "trains": True, "frozen": True}
+
+
+def test_the_schedule_moves_by_a_whole_step_when_a_step_makes_fewer_updates(
+    make_learner, make_groups, rng
+):
+    """mini_batches=4 over 2 groups makes 2 updates; the LR schedule still counts 4, so a
+    decay over total_steps × epochs × mini_batches ends at the run's last step."""
+    seed = rng.randrange(2**31)
+    learner = make_learner(mini_batches=4)
+    stats = learner.train_step(make_groups(seed, groups=2, size=2))
+    assert stats.updates == 2, f"seed={seed}"
+    assert learner.policy.engine.lr_scheduler.updates == 4
+    stats = learner.train_step([])  # nothing to train on: no update, a whole step of schedule
+    assert stats.updates == 0 and learner.policy.engine.lr_scheduler.updates == 8
+
+
+def _model_folder(tmp_path, config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _tiny(kind: str, **extra):
+    import transformers
+
+    shapes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
+    shapes |= {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    if kind == "GPT2Config":
+        shapes = {"vocab_size": 64, "n_embd": 32, "n_layer": 1, "n_head": 4}
+    return getattr(transformers, kind)(**shapes, **extra)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dropout"),
+    [
+        ("LlamaConfig", {"attention_dropout": 0.5}),
+        ("GPT2Config", {"resid_pdrop": 0.5, "embd_pdrop": 0.5, "attn_pdrop": 0.5}),
+    ],
+)
+def test_the_trained_model_never_drops_out(tmp_path, kind, dropout):
+    """A checkpoint whose config asks for dropout would make π_θ and π_old differ on the same
+    tokens with nothing trained (ratios ≠ 1): the learner loads it with every dropout at 0."""
+    from agentrl.trainer._engine import _load_lm
+
+    path = _model_folder(tmp_path, _tiny(kind, **dropout))
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    plain = AutoModelForCausalLM.from_pretrained(path).train()
+    assert not torch.equal(plain(ids).logits, plain(ids).logits), "the test needs dropout"
+    lm = _load_lm(path, gradient_checkpointing=False).train()
+    for name in dropout:
+        assert getattr(lm.config, name) == 0.0, name
+    assert torch.equal(lm(ids).logits, lm(ids).logits)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "divisor"),
+    [
+        ("CohereConfig", {"logit_scale": 0.25}, 4.0),  # logits · 0.25
+        ("GraniteConfig", {"logits_scaling": 8.0}, 8.0),  # logits / 8
+        ("LlamaConfig", {}, 1.0),
+    ],
+)
+def test_a_head_that_scales_its_logits_is_scored_as_the_model_samples(
+    tmp_path, kind, extra, divisor
+):
+    """The learner's log-probs are softmax(h·Wᵀ/τ): a model whose forward scales its logits
+    has the scale folded into τ, giving the log-probs of the model's own logits at τ."""
+    from agentrl.trainer._engine import TokenScorer, _load_lm
+
+    lm = _load_lm(_model_folder(tmp_path, _tiny(kind, **extra)), gradient_checkpointing=False)
+    scorer = TokenScorer(lm, temperature=0.7, varlen=False, kernels="torch")
+    assert scorer.temperature == pytest.approx(0.7 * divisor, rel=1e-15)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    with torch.no_grad():
+        hidden = lm.get_decoder()(input_ids=ids).last_hidden_state.double()
+        weight = lm.get_output_embeddings().weight.double()
+        ours = torch.log_softmax(hidden @ weight.T / scorer.temperature, dim=-1)
+        theirs = torch.log_softmax(lm(ids).logits.double() / 0.7, dim=-1)
+    # fp32 logits from the model against float64 from its fp32 hidden states: a few ulps of
+    # the logits' magnitude, divided by τ
+    bound = 64 * unit_roundoff(torch.float32) * float(theirs.abs().max())
+    assert float((ours - theirs).abs().max()) <= bound
+
+
+def test_a_head_the_learner_cannot_reproduce_is_refused(tmp_path):
+    from agentrl.trainer._engine import TokenScorer, _load_lm
+
+    gemma = _tiny("Gemma2Config", final_logit_softcapping=30.0, head_dim=8)
+    lm = _load_lm(_model_folder(tmp_path / "gemma", gemma), gradient_checkpointing=False)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 \\(gemma2\\)"):
+        TokenScorer(lm, varlen=False)
+    lm = _load_lm(
+        _model_folder(tmp_path / "llama", _tiny("LlamaConfig")), gradient_checkpointing=False
+    )
+    lm.lm_head = torch.nn.Linear(32, 64, bias=True)
+    with pytest.raises(ValueError, match="LM head has a bias"):
+        TokenScorer(lm, varlen=False)

@@ -12,10 +12,20 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("multirank_worker.py")
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # ppo: advantages whitened over ranks
-def test_two_ranks_equal_one_process(tmp_path, algorithm):
-    alone = run_worker(WORKER, 1, tmp_path / "one.pt", algorithm, timeout=300)
-    pair = run_worker(WORKER, 2, tmp_path / "two.pt", algorithm, timeout=300)
+@pytest.mark.parametrize(
+    ("algorithm", "mini_batches"),
+    [
+        ("grpo", "1"),
+        ("ppo", "1"),  # advantages whitened over ranks
+        # 5 groups in 3 updates: rank 1 holds 2 groups, so one of its mini-batches is empty;
+        # it must still take part in all 3 updates (the same ones as one process makes)
+        ("grpo", "3"),
+    ],
+)
+def test_two_ranks_equal_one_process(tmp_path, algorithm, mini_batches):
+    alone = run_worker(WORKER, 1, tmp_path / "one.pt", algorithm, mini_batches, timeout=300)
+    pair = run_worker(WORKER, 2, tmp_path / "two.pt", algorithm, mini_batches, timeout=300)
+    assert alone["updates"] == pair["updates"] == int(mini_batches)
     assert pair["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
     for name, value in alone["weights"].items():
         diff = float((pair["weights"][name] - value).abs().max())
