@@ -75,7 +75,7 @@ from ._server_generate import (
     prepare_run,
     render_result,
 )
-from ._server_guard import install_request_guard
+from ._server_guard import install_request_guard, utf8_error
 from ._server_health import ModelHealth
 from ._server_info import load, server_info
 from ._server_limits import (
@@ -130,6 +130,17 @@ def _error(status: int, message: str, field: str | None = None) -> web.Response:
     return _json(body, status)
 
 
+def _refused_body(endpoint: str, body: bytes, exc: msgspec.MsgspecError) -> web.Response:
+    """The 400 for a body msgspec refused: one that is not UTF-8 (JSON text must be, RFC 8259;
+    msgspec reports it as a decode error) names its first bad byte, as the request guard does
+    for a ``UnicodeDecodeError``; otherwise the field msgspec names, or the JSON error."""
+    if isinstance(exc, msgspec.DecodeError) and (bad := utf8_error(body)) is not None:
+        return _error(400, f"{endpoint}: the request body is not valid UTF-8 at {bad}")
+    if isinstance(exc, msgspec.ValidationError):
+        return _error(400, f"invalid {endpoint} request: {exc}", w.error_field(exc))
+    return _error(400, f"{endpoint} body is not valid JSON: {exc}")
+
+
 async def _answer_body(
     request: web.Request,
     decoder: msgspec.json.Decoder,
@@ -147,10 +158,8 @@ async def _answer_body(
             return run(req)
 
         return _json(await asyncio.to_thread(answer))
-    except msgspec.ValidationError as exc:
-        return _error(400, f"invalid {endpoint} request: {exc}", w.error_field(exc))
-    except msgspec.DecodeError as exc:
-        return _error(400, f"{endpoint} body is not valid JSON: {exc}")
+    except msgspec.MsgspecError as exc:
+        return _refused_body(endpoint, body, exc)
     except BadRequest as exc:
         return _error(400, str(exc), exc.field)
 
@@ -194,10 +203,8 @@ class _Server:
         body = await request.read()
         try:  # decoding, tokenizing and checking a large body takes seconds: off the event loop
             req, items, single = await anyio.to_thread.run_sync(self._plan, body)
-        except msgspec.ValidationError as exc:
-            return _error(400, f"invalid /generate request: {exc}", w.error_field(exc))
-        except msgspec.DecodeError as exc:
-            return _error(400, f"/generate body is not valid JSON: {exc}")
+        except msgspec.MsgspecError as exc:
+            return _refused_body("/generate", body, exc)
         except (BadRequest, RequestTooLarge) as exc:
             return _error(400, str(exc), exc.field)
         await self.sessions.reap()
@@ -440,10 +447,11 @@ class _Server:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang's ``/abort_request``: 200 whether or not anything was running."""
+        body = await request.read()
         try:
-            req = w.abort_req_decoder.decode(await request.read() or b"{}")
+            req = w.abort_req_decoder.decode(body or b"{}")
         except msgspec.MsgspecError as exc:
-            return _error(400, f"invalid /abort_request request: {exc}", w.error_field(exc))
+            return _refused_body("/abort_request", body, exc)
         self.live.abort(req.rid or "", bool(req.abort_all))
         return web.Response(status=200)
 
@@ -468,13 +476,14 @@ class _Server:
     # --- sessions -----------------------------------------------------------------------------
 
     async def open_session(self, request: web.Request) -> web.Response:
+        body = await request.read()
         try:
-            req = w.open_session_decoder.decode(await request.read() or b"{}")
+            req = w.open_session_decoder.decode(body or b"{}")
             session_id = await self.sessions.open(
                 req.session_id, req.capacity_of_str_len, bool(req.streaming), req.timeout
             )
         except msgspec.MsgspecError as exc:
-            return _error(400, f"invalid /open_session request: {exc}", w.error_field(exc))
+            return _refused_body("/open_session", body, exc)
         except SessionError as exc:
             return _error(400, str(exc), exc.field)
         except AgentRLError as exc:
@@ -482,21 +491,22 @@ class _Server:
         return _json(session_id)
 
     async def close_session(self, request: web.Request) -> web.Response:
+        body = await request.read()
         try:
-            req = w.close_session_decoder.decode(await request.read())
+            req = w.close_session_decoder.decode(body)
         except msgspec.MsgspecError as exc:
-            return _error(400, f"invalid /close_session request: {exc}", w.error_field(exc))
+            return _refused_body("/close_session", body, exc)
         closed = await self.sessions.close(req.session_id)
         return _json({"success": closed, "message": "closed" if closed else "not open"})
 
     # --- weights, cache, info ---------------------------------------------------------------
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.read()
         try:
-            req = w.update_weights_req_decoder.decode(await request.read())
+            req = w.update_weights_req_decoder.decode(body)
         except msgspec.MsgspecError as exc:
-            msg = f"invalid /update_weights_from_disk request: {exc}"
-            return _error(400, msg, w.error_field(exc))
+            return _refused_body("/update_weights_from_disk", body, exc)
         if req.load_format not in (None, "auto", "safetensors"):
             msg = f"load_format {req.load_format!r} is not served: safetensors only (or auto)"
             return _error(400, msg, "load_format")

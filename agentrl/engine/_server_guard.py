@@ -3,9 +3,11 @@
 An aiohttp middleware in front of every endpoint:
 
 - A body that is not valid UTF-8 (JSON text must be, RFC 8259) is a 400 naming the first bad
-  byte's offset. JSON parsers differ on how they report it (msgspec calls it malformed JSON
-  outside strings but raises ``UnicodeDecodeError`` inside them, which would otherwise be a 500),
-  so the guard turns a ``UnicodeDecodeError`` from any handler that decodes its body into the 400.
+  byte's offset. JSON parsers differ on how they report it (msgspec releases before 0.23 call
+  it malformed JSON outside strings but raise ``UnicodeDecodeError`` inside them, which would
+  otherwise be a 500; later ones call it a decode error everywhere), so the guard turns a
+  ``UnicodeDecodeError`` from any handler that decodes its body into the 400, and the
+  endpoints check the bytes of a body msgspec refused (``utf8_error``) before naming a field.
   An endpoint that ignores its body (``/flush_cache``) ignores a bad one too, as SGLang's do.
 - A body nested deeper than the JSON decoder's recursion limit is a 400.
 - aiohttp's own refusals (an unknown path, a method the endpoint does not take, a body over
@@ -41,7 +43,8 @@ def error_response(status: int, message: str, field: str | None = None) -> web.R
     return web.Response(body=w.encoder.encode(body), status=status, content_type="application/json")
 
 
-def _utf8_error(raw: bytes) -> str | None:
+def utf8_error(raw: bytes) -> str | None:
+    """Where ``raw`` stops being UTF-8 (the byte, its value, why), or None."""
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -88,7 +91,7 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
             raise
         return error_response(400, f"{path}: the request body nests too deeply")
     except UnicodeDecodeError as exc:
-        bad = _utf8_error(await request.read()) if request.body_exists else None
+        bad = utf8_error(await request.read()) if request.body_exists else None
         if bad is None:  # not the body's fault
             return _internal_error(request, exc)
         if request.get(_STARTED):
