@@ -58,7 +58,6 @@ def fewshot_messages() -> list[Message]:
 
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun"]
 _ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stamps", "cards", "shells"]
-_ANSWER_RE = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _OPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -173,12 +172,45 @@ def format_number(value: Fraction) -> str:
     return f"{as_float:.10g}"
 
 
+MAX_DIGITS = 1233
+"""The most digits (and the largest exponent magnitude) an answer's number may be written with:
+about ``MAX_BITS`` in decimal. Checked on the text, before a Fraction is made:
+``Fraction("1e999999999")`` would compute 10**999999999 (hours, holding the GIL)."""
+_NUMBER_RE = re.compile(r"[+-]?(?:(\d+)\.?(\d*)|\.(\d+))(?:[eE]([+-]?\d+))?", re.ASCII)
+_INTEGER_RE = re.compile(r"[+-]?\d+", re.ASCII)
+
+
+def final_answer(text: str) -> str | None:
+    """The content of the first ``<answer>…</answer>`` (stripped), or None. Two scans: the first
+    opening tag, then the first closing tag after it (a lazy regex tries every opening tag
+    against the rest of the text: quadratic on ``"<answer>" * n``)."""
+    start = text.find("<answer>")
+    if start < 0:
+        return None
+    end = text.find("</answer>", start + len("<answer>"))
+    return None if end < 0 else text[start + len("<answer>") : end].strip()
+
+
 def parse_number(text: str) -> Fraction | None:
+    """An integer, decimal (scientific notation too) or ``a/b`` answer, exactly; None for
+    anything else, and for a number with more than ``MAX_DIGITS`` digits or exponent."""
     text = text.strip().replace(",", "").rstrip(".")
     try:
         if "/" in text:
-            num, den = text.split("/", 1)
-            return Fraction(int(num.strip()), int(den.strip()))
+            num, den = (part.strip() for part in text.split("/", 1))
+            if not all(_INTEGER_RE.fullmatch(p) and len(p) <= MAX_DIGITS for p in (num, den)):
+                return None
+            return Fraction(int(num), int(den))
+        match = _NUMBER_RE.fullmatch(text)
+        if match is None:
+            return None
+        whole, fraction, fraction_only, exponent = match.groups()
+        if len((whole or "") + (fraction or fraction_only or "")) > MAX_DIGITS:
+            return None
+        if exponent:
+            magnitude = exponent.lstrip("+-").lstrip("0")
+            if len(magnitude) > len(str(MAX_DIGITS)) or int(magnitude or 0) > MAX_DIGITS:
+                return None
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
         return None
@@ -226,11 +258,11 @@ class CalcEnv:
         return format_number(safe_eval(expression))
 
     async def reward(self, episode: Episode) -> Reward:
-        match = _ANSWER_RE.search(episode.final_text)
-        formatted = 1.0 if match else 0.0
+        answer = final_answer(episode.final_text)
+        formatted = 0.0 if answer is None else 1.0
         correct = 0.0
-        if match:
-            got = parse_number(match.group(1))
+        if answer is not None:
+            got = parse_number(answer)
             want = parse_number(episode.task.answer)
             correct = 1.0 if got is not None and got == want else 0.0
         total = correct + (self.format_reward * formatted if correct == 0.0 else 0.0)

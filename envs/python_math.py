@@ -24,6 +24,8 @@ import random
 from collections.abc import Sequence
 from fractions import Fraction
 
+import anyio.to_thread
+
 import agentrl
 from agentrl import Episode, Message, Reward, Task
 from agentrl.sandboxes import RunRequest, SandboxRunner, extract_answer, grade_math
@@ -158,6 +160,12 @@ def _make_task(split: str, seed: int, index: int, level: int) -> Task:
     return Task(id=f"{split}-L{level}-{seed}-{index}", prompt=prompt, answer=answer, level=level)
 
 
+def _grade(text: str, answer: str) -> tuple[float, float]:
+    """(correct, formatted) of a final message: the grader's verdict, and whether it marked an
+    answer at all."""
+    return grade_math(text, answer), 0.0 if extract_answer(text) is None else 1.0
+
+
 @agentrl.env("python-math-v0", max_turns=6, max_new_tokens=256, tags=("math", "tools", "sandbox"))
 class PythonMathEnv:
     """Math word problems with a sandboxed Python tool; answer in \\boxed{} or <answer>."""
@@ -211,9 +219,12 @@ class PythonMathEnv:
         return format_run_result(await self.sandbox.run(request))
 
     async def reward(self, episode: Episode) -> Reward:
-        text = episode.final_text
-        correct = grade_math(text, episode.task.answer)
-        formatted = 0.0 if extract_answer(text) is None else 1.0
+        # The grader is bounded (one pass over the text, numbers capped) but pure CPU: it runs
+        # in a worker thread, so the event loop never waits for it, and a reward deadline that
+        # passes gives up on it (abandon_on_cancel) instead of waiting for it to return.
+        correct, formatted = await anyio.to_thread.run_sync(
+            _grade, episode.final_text, episode.task.answer, abandon_on_cancel=True
+        )
         return Reward(total=correct, breakdown={"correct": correct, "format": formatted})
 
     async def close(self) -> None:

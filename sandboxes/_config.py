@@ -114,7 +114,10 @@ class LocalConfig(_Model):
     pool refuses to start with ``BackendUnavailable``."""
     uid_base: int = Field(61000, ge=1000)
     """Sandbox ``i`` runs its programs as uid/gid ``uid_base + i`` (needs root; otherwise the
-    programs run as the caller and the ``separate_uid`` guarantee is reported missing)."""
+    programs run as the caller and the ``separate_uid`` guarantee is reported missing). Every
+    process of a sandbox uid is killed after each run, so the 1000 uids from ``uid_base`` must
+    be no account's: as root, the pool refuses to start when the host's passwd database has
+    one there (naming it)."""
     scratch_root: str | None = None
     """Where per-sandbox temp dirs are made; ``None`` uses the system temp dir."""
     cgroups: bool = True

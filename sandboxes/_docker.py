@@ -440,7 +440,8 @@ class ContainerBackend:
                     " and the mq_* calls answer EPERM"
                     if gvisor
                     else " answer EPERM (Docker's default profile refuses them too)"
-                ),
+                )
+                + "; sockets other than unix, inet, inet6, netlink answer EAFNOSUPPORT",
             ),
             g(
                 "kernel_objects",

@@ -326,7 +326,8 @@ def local_guarantees(
             "seccomp",
             sandbox and "--seccomp" in facts.bwrap_options,
             "a BPF filter (bubblewrap --seccomp): the keyring calls, io_uring_*, bpf, "
-            "perf_event_open and userfaultfd answer EPERM"
+            "perf_event_open and userfaultfd answer EPERM; sockets other than unix, inet, "
+            "inet6, netlink answer EAFNOSUPPORT"
             if "--seccomp" in facts.bwrap_options
             else "bubblewrap lacks --seccomp: the keyring and io_uring syscalls stay callable",
         ),

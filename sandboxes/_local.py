@@ -14,7 +14,8 @@ bubblewrap; bubblewrap builds a fresh sandbox (user, pid, net, ipc, uts, mount n
 read-only ``/usr`` and a generated ``/etc``; size-capped tmpfs ``/work`` holding the request's
 files, ``/tmp`` and ``/dev/shm``; ``/`` and ``/dev`` read-only), installs the seccomp filter
 (``--seccomp``: the keyring, io_uring, bpf, perf_event_open and userfaultfd syscalls answer
-EPERM) and runs the program as uid 1000 inside.
+EPERM, sockets of a family other than unix, inet, inet6 and netlink EAFNOSUPPORT) and runs the
+program as uid 1000 inside.
 When the program exits, bubblewrap exits, and with it the sandbox's PID 1, which takes every
 process left in the namespace down; the supervisor then checks the cgroups are empty. Nothing
 outlives a request: the next one gets a new sandbox in the same slot (``docs/sandboxes.md``).
@@ -290,6 +291,8 @@ class LocalBackend:
         if missing:
             reasons = "; ".join(f"{g.name}: {g.detail}" for g in missing)
             raise BackendUnavailable(f"the local backend cannot run on this host: {reasons}")
+        if facts.root:  # the slots' uids are used (and swept with kill(-1)) only as root
+            await self._blocking(self._check_uids_are_nobodys)
         try:
             await self._blocking(self._prepare, facts)
         except OSError as exc:
@@ -302,6 +305,21 @@ class LocalBackend:
             with anyio.CancelScope(shield=True):
                 await self._blocking(self._remove_all)
             raise
+
+    def _check_uids_are_nobodys(self) -> None:
+        """Refuse a uid range holding an account of the host: each slot's uid is swept (every
+        process of it killed), which would kill that account's processes too."""
+        base = self.config.uid_base
+        accounts = host.host_accounts(base, UID_SLOTS)
+        if accounts:
+            named = ", ".join(f"uid {uid} ({name})" for uid, name in accounts[:5])
+            more = f" and {len(accounts) - 5} more" if len(accounts) > 5 else ""
+            raise BackendUnavailable(
+                f"the local backend's sandbox uids {base}..{base + UID_SLOTS - 1} include "
+                f"accounts of this host: {named}{more}. Every process of a sandbox uid is "
+                "killed after each run: choose a LocalConfig(uid_base=...) whose "
+                f"{UID_SLOTS} uids no account uses"
+            )
 
     def _prepare(self, facts: HostFacts) -> None:
         root = self.config.scratch_root or tempfile.gettempdir()

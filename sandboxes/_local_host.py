@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -176,6 +177,19 @@ def is_helper(pid: int, supervisor: int) -> bool:
     ppid = fields.get("PPid", "").strip()
     uids = fields.get("Uid", "").split()
     return ppid == str(supervisor) and uids[:1] == ["0"]
+
+
+def host_accounts(uid_base: int, count: int) -> list[tuple[int, str]]:
+    """``(uid, name)`` of each account of the host's passwd database (every NSS source, asked
+    uid by uid: ``getpwall`` skips sources that do not enumerate) in ``[uid_base, uid_base +
+    count)``. A sandbox uid is swept with ``kill(-1)``: it must be nobody's."""
+    found = []
+    for uid in range(uid_base, uid_base + count):
+        try:
+            found.append((uid, pwd.getpwuid(uid).pw_name))
+        except KeyError:
+            continue
+    return found
 
 
 def lock_uid(uid_base: int, count: int) -> tuple[int, IO[bytes]]:

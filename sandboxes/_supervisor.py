@@ -14,7 +14,8 @@ Optional keys (the backends use them): ``env`` (the program's whole environment)
 ``max_open_files``, ``max_file_mb``, ``rlimit_as_mb`` (null: no RLIMIT_AS; default the
 request's ``memory_mb``), ``deny_syscalls`` (names the seccomp filter refuses with EPERM;
 default ``DEFAULT_DENY``: the keyring calls and the kernel interfaces of
-``KERNEL_SURFACE_SYSCALLS``), ``meter`` (``"container"``:
+``KERNEL_SURFACE_SYSCALLS``; whatever it names, the filter refuses sockets of a family not in
+``SOCKET_FAMILIES``, x32 calls and unknown architectures), ``meter`` (``"container"``:
 account memory and CPU through the container's own counters, see ``ContainerMeter``) and
 ``bwrap``: ``{"argv": [bwrap and its mount options], "post_argv": [...], "workdir": "/work",
 "main_dir": "/opt/agentrl"}`` to run the program inside bubblewrap; the request's files are
@@ -199,6 +200,15 @@ _SYSCALLS = {
         "perf_event_open": 241, "userfaultfd": 282,
     },
 }  # fmt: skip
+# socket and socketpair per architecture; i386 also has socketcall (102), which multiplexes
+# every socket call behind a pointer the filter cannot read: refused whole.
+_SOCKET_SYSCALLS = {0xC000003E: (41, 53), 0x40000003: (359, 360), 0xC00000B7: (198, 199)}
+_I386, _SOCKETCALL_I386 = 0x40000003, 102
+SOCKET_FAMILIES = (1, 2, 10, 16)
+"""The address families a program may create sockets of: AF_UNIX, AF_INET, AF_INET6 (inside
+its own network namespace, or none at all) and AF_NETLINK (its namespace's routes; libc's
+getaddrinfo asks it). Any other family (AF_VSOCK reaches the hypervisor: vsock is not
+network-namespaced; AF_PACKET, AF_ALG, AF_BLUETOOTH, ...) answers EAFNOSUPPORT."""
 _X32_BIT = 0x40000000
 _KEYCTL_NR = {"x86_64": 250, "aarch64": 219, "i686": 288, "i386": 288}
 _KEYCTL_JOIN_SESSION_KEYRING = 1
@@ -206,13 +216,15 @@ _KEYCTL_JOIN_SESSION_KEYRING = 1
 
 def seccomp_program(deny):
     """A classic BPF seccomp program (bytes of ``struct sock_filter``) that answers EPERM to the
-    syscalls named in ``deny`` on every architecture above, and to every call of an unknown
-    architecture or of the x32 ABI; everything else is allowed."""
+    syscalls named in ``deny`` on every architecture above, to every call of an unknown
+    architecture or of the x32 ABI, and to i386 ``socketcall``; ``socket`` and ``socketpair``
+    of a family not in ``SOCKET_FAMILIES`` answer EAFNOSUPPORT; everything else is allowed."""
     unknown = sorted(set(deny) - set(_SYSCALLS[0xC000003E]))
     if unknown:
         raise Invalid(f"deny_syscalls: unknown names {unknown}")
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, |JGE|K, BPF_RET|K
-    allow, eperm = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    allow, errno = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+    eperm, eafnosupport = errno | 1, errno | 97
     arches = list(_SYSCALLS)
     code = [(ld, "", "", 4)]  # seccomp_data.arch
     for i, arch in enumerate(arches):
@@ -222,10 +234,21 @@ def seccomp_program(deny):
         code.append((ld, "", "", 0, f"arch{i}"))  # seccomp_data.nr
         if arch == 0xC000003E:
             code.append((jge, "deny", "", _X32_BIT))
+        for nr in _SOCKET_SYSCALLS[arch]:
+            code.append((jeq, "family", "", nr))
+        if arch == _I386:
+            code.append((jeq, "deny", "", _SOCKETCALL_I386))
         for name in sorted(deny):
             code.append((jeq, "deny", "", _SYSCALLS[arch][name]))
         code.append((ret, "", "", allow))
     code.append((ret, "", "", eperm, "deny"))
+    # the family: the low 32 bits of args[0] (seccomp_data offset 16; these arches are
+    # little-endian), all the kernel reads of an int argument
+    code.append((ld, "", "", 16, "family"))
+    for family in SOCKET_FAMILIES:
+        code.append((jeq, "allow", "", family))
+    code.append((ret, "", "", eafnosupport))
+    code.append((ret, "", "", allow, "allow"))
     labels = {ins[4]: n for n, ins in enumerate(code) if len(ins) > 4}
     out = b""
     for n, (op, jt, jf, k, *_) in enumerate(code):
@@ -1149,6 +1172,14 @@ class Run:
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
 
+    def _inline_argv(self, interpreter):
+        """The program as ``-c`` code. bash reads a leading ``-`` of its code as options
+        (``--version``, ``--rcfile F``): ``--`` ends them. Python takes the argument after
+        ``-c`` as code whatever it starts with (``python -c --`` would run ``--``)."""
+        if self.language == "bash":
+            return [interpreter, "-c", "--", self.code]
+        return [interpreter, "-c", self.code]
+
     def _command(self, keep_fds):
         """(argv, cwd, env) of the program; in bubblewrap mode argv starts with bwrap."""
         interpreter = self.job.get(self.language) or (
@@ -1172,7 +1203,7 @@ class Run:
                 fd = self._memfd("file", text)
                 keep_fds.append(fd)
                 argv += ["--perms", "0644", "--file", str(fd), workdir + "/" + path]
-            program = [interpreter, "-c", self.code]
+            program = self._inline_argv(interpreter)
             if big:
                 main_dir = self.bwrap.get("main_dir") or "/opt/agentrl"
                 fd = self._memfd("main", self.code)
@@ -1192,7 +1223,7 @@ class Run:
             cwd = "/"
         else:
             workdir = cwd = self._make_scratch()
-            argv = [interpreter, "-c", self.code]
+            argv = self._inline_argv(interpreter)
             if big:
                 main = os.path.join(self.rundir, "main" + suffix)
                 fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -1686,15 +1717,16 @@ _SECCOMP_CACHE = {}
 
 
 def _seccomp_for(deny):
-    """The seccomp program denying ``deny`` (built once per list), or None for an empty list."""
+    """The seccomp program denying ``deny`` (built once per list). An empty list still gets a
+    filter: the socket families, x32 and unknown architectures are refused whatever it names."""
     if not isinstance(deny, (list, tuple)) or not all(isinstance(n, str) for n in deny):
         raise Invalid("deny_syscalls: must be a list of syscall names")
     key = tuple(sorted(set(deny)))
-    if key and key not in _SECCOMP_CACHE:
+    if key not in _SECCOMP_CACHE:
         _SECCOMP_CACHE[key] = program = seccomp_program(key)
         if _libc_handle():
             _fprog(program)  # ready before the fork
-    return _SECCOMP_CACHE.get(key)
+    return _SECCOMP_CACHE[key]
 
 
 def run_job(job, wake_fd, zygote=None):

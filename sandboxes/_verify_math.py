@@ -1,7 +1,9 @@
 """Math answer grader: pure Python, no sandbox, never raises.
 
 ``grade_math(response, expected)`` finds the final answer in a model's text (the last
-``<answer>…</answer>``, else the last ``\\boxed{…}``) and compares it with the expected answer.
+``<answer>…</answer>``: the last opening tag that a closing tag follows, up to the first closing
+tag after it, any case; else the last ``\\boxed{…}`` whose braces balance) and compares it with
+the expected answer. Finding it is one pass over the text, whatever the text.
 Both sides are parsed into exact rationals, so equivalent forms compare equal::
 
     0.5 == 1/2 == \\frac{1}{2} == \\dfrac{1}{2} == $\\boxed{\\frac12}$ == 50%
@@ -11,29 +13,53 @@ Accepted: integers, decimals, scientific notation, fractions ``a/b``, ``\\frac``
 ``\\tfrac`` (nested), ``\\boxed{}``, ``$…$``/``\\(…\\)``, ``\\left``/``\\right``, thousands
 separators (``1,234``, ``1{,}234``, ``1\\,234``), unicode minus, ``\\cdot``/``\\times``/``\\div``,
 ``^`` powers with small integer exponents, a trailing unit word or ``\\text{…}``, and
-percentages (``50%`` matches 50 and 0.5). A decimal the model rounded to at least two places
-matches an expected value that is not exactly representable (``0.33`` for 1/3) when
-``allow_rounding``. Anything that is not a number falls back to a normalized string comparison;
-garbage is simply "not equal".
+percentages (``50%`` matches 50 and 0.5). A number written with more than ``MAX_DIGITS``
+digits or an exponent beyond ±``MAX_DIGITS`` is not a number (refused from its text, before
+any arithmetic), nor is an expression that would compute a numerator or denominator of more
+than ``MAX_DIGITS`` digits.
+
+Rounding (``allow_rounding``, on by default): a decimal the model wrote matches an expected
+value it does not equal only when all of these hold —
+
+- the expected value has no terminating decimal expansion (its reduced denominator has a prime
+  factor other than 2 and 5: 1/3, 5/36 — never 1/8 or 3.14159, which must be given exactly);
+- the answer is one decimal number with at least two decimal places (``0.33``, ``-0.6667``);
+- it is not zero and has at least two significant digits (``0.00`` and ``0.004`` round nothing);
+- it is within half a unit of its last place: ``|answer - expected| <= 0.5 * 10**-places``.
+
+A percentage keeps its own places when read as a fraction: ``33.33%`` is 0.3333 (four places)
+and matches 1/3, ``33.00%`` does not. (``0.33%`` matches 1/3 through the percent rule, exactly
+as ``0.33`` does: the window is never wider than the places written.)
+
+Anything that is not a number falls back to a normalized string comparison; garbage is simply
+"not equal".
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections import deque
 from fractions import Fraction
 
 MAX_ANSWER_CHARS = 1000
+MAX_DIGITS = 400
+"""The most digits a number may be written with, the largest exponent magnitude it may have,
+and the most digits of any numerator or denominator an expression computes."""
 _MAX_EXPONENT = 64
-_MAX_DIGITS = 400
 
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_OPEN_TAG_RE = re.compile(r"<answer>", re.IGNORECASE)
+_CLOSE_TAG_RE = re.compile(r"</answer>", re.IGNORECASE)
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
+_BRACE_RE = re.compile(r"[{}]")
 _THOUSANDS_RE = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])")
 _UNIT_TAIL_RE = re.compile(r"^(.*?\d\)?)\s*[A-Za-z][A-Za-z .]*$")
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
-    """The content of the ``{…}`` group opening at ``text[start]`` and the index after it."""
+    """The content of the ``{…}`` group opening at ``text[start]`` and the index after it.
+    A scan to the group's end: used on answers (at most ``MAX_ANSWER_CHARS``), never on a
+    whole response."""
     if start >= len(text) or text[start] != "{":
         return None
     depth = 0
@@ -47,23 +73,52 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
+def _closing_braces(text: str) -> dict[int, int]:
+    """For each ``{`` with a matching ``}``, the index of that ``}``: one pass with a stack."""
+    closing: dict[int, int] = {}
+    opened: list[int] = []
+    for match in _BRACE_RE.finditer(text):
+        if match.group() == "{":
+            opened.append(match.start())
+        elif opened:
+            closing[opened.pop()] = match.start()
+    return closing
+
+
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces."""
+    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces; linear in
+    the text (the braces are matched once, not scanned again from every box)."""
+    closing = _closing_braces(text)
     best = None
-    for match in re.finditer(r"\\(?:boxed|fbox)\s*", text):
-        group = _braced(text, match.end())
-        if group is not None:
-            best = group[0]
-    return best
+    for match in _BOXED_RE.finditer(text):
+        end = closing.get(match.end())
+        if end is not None:
+            best = (match.end() + 1, end)
+    return text[best[0] : best[1]] if best else None
+
+
+def _last_answer_tag(text: str) -> str | None:
+    """Content of the last ``<answer>`` that a ``</answer>`` follows, up to the first
+    ``</answer>`` after it; each tag is looked for once (a lazy ``<answer>(.*?)</answer>`` tries
+    every opening tag against the rest of the text: quadratic on ``"<answer>" * n``)."""
+    last_close = deque(_CLOSE_TAG_RE.finditer(text), maxlen=1)
+    if not last_close:
+        return None
+    opening = deque(_OPEN_TAG_RE.finditer(text, 0, last_close[0].start()), maxlen=1)
+    if not opening:
+        return None
+    close = _CLOSE_TAG_RE.search(text, opening[0].end())
+    assert close is not None  # the last closing tag follows it
+    return text[opening[0].end() : close.start()]
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer in a model's response: the last ``<answer>`` tag, else the last
     ``\\boxed{}``; ``None`` when there is neither."""
     try:
-        tags = _ANSWER_TAG_RE.findall(text)
-        if tags:
-            return tags[-1].strip()
+        tag = _last_answer_tag(text)
+        if tag is not None:
+            return tag.strip()
         return _last_boxed(text)
     except Exception:
         return None
@@ -166,15 +221,38 @@ def _apply(op: ast.operator, left: Fraction, right: Fraction) -> Fraction:
     elif isinstance(op, ast.Pow):
         if right.denominator != 1 or abs(right) > _MAX_EXPONENT or (left == 0 and right < 0):
             raise ValueError("unsupported exponent")
+        bits = max(left.numerator.bit_length(), left.denominator.bit_length())
+        if bits * abs(int(right)) > 4 * MAX_DIGITS + 64:  # estimated before it is computed
+            raise ValueError("number too large")
         value = left ** int(right)
     else:
         raise ValueError(f"unsupported operator {type(op).__name__}")
-    if len(str(value.numerator)) > _MAX_DIGITS or len(str(value.denominator)) > _MAX_DIGITS:
+    if len(str(value.numerator)) > MAX_DIGITS or len(str(value.denominator)) > MAX_DIGITS:
         raise ValueError("number too large")
     return value
 
 
-_NUMBER_RE = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_NUMBER_RE = re.compile(r"(?:(\d+)\.?(\d*)|\.(\d+))(?:[eE]([+-]?\d+))?")
+
+
+def _number(match: re.Match[str]) -> Fraction:
+    """The exact value of one number of ``_NUMBER_RE``. Its digits and exponent are read from
+    the text and refused past ``MAX_DIGITS`` before anything is computed:
+    ``Fraction("1e999999999")`` would compute 10**999999999 (hours, holding the GIL)."""
+    whole, fraction, fraction_only, exponent = match.groups()
+    fraction = fraction or fraction_only or ""
+    digits = (whole or "") + fraction
+    if len(digits) > MAX_DIGITS:
+        raise ValueError("too many digits")
+    power = 0
+    if exponent:
+        magnitude = exponent.lstrip("+-").lstrip("0") or "0"
+        if len(magnitude) > len(str(MAX_DIGITS)) or int(magnitude) > MAX_DIGITS:
+            raise ValueError("exponent too large")
+        power = -int(magnitude) if exponent.startswith("-") else int(magnitude)
+    power -= len(fraction)
+    mantissa = int(digits)
+    return Fraction(mantissa * 10**power) if power >= 0 else Fraction(mantissa, 10**-power)
 
 
 def _parse_expression(text: str) -> Fraction:
@@ -186,7 +264,7 @@ def _parse_expression(text: str) -> Fraction:
     numbers: list[Fraction] = []
 
     def name(match: re.Match[str]) -> str:
-        numbers.append(Fraction(match.group(0)))
+        numbers.append(_number(match))
         return f" _n{len(numbers) - 1} "
 
     tree = ast.parse(_NUMBER_RE.sub(name, text).strip(), mode="eval")
@@ -225,16 +303,30 @@ def _normalize_text(text: str) -> str:
     return text.lower()
 
 
-def _rounds_to(got_text: str, got: Fraction, want: Fraction) -> bool:
-    """Is ``got`` the decimal ``want`` rounded to the places the model wrote (at least 2)?"""
-    match = re.search(r"\.(\d+)\s*%?\s*$", got_text)
-    if match is None or len(match.group(1)) < 2:
+_DECIMAL_RE = re.compile(r"[+-]?(\d*)\.(\d+)")
+
+
+def _terminates(value: Fraction) -> bool:
+    """Whether ``value`` has a terminating decimal expansion (a denominator of 2s and 5s)."""
+    denominator = value.denominator
+    for prime in (2, 5):
+        while denominator % prime == 0:
+            denominator //= prime
+    return denominator == 1
+
+
+def _rounds_to(written: str, got: Fraction, want: Fraction, shift: int = 0) -> bool:
+    """Is ``got`` — the decimal ``written``, divided by ``10**shift`` (2 for a percentage read
+    as a fraction) — ``want`` rounded to the places written? Only for a ``want`` with no
+    terminating expansion, at least two places and two significant digits written, and a
+    non-zero ``got`` within half a unit of its last place."""
+    match = _DECIMAL_RE.fullmatch(written.strip())
+    if match is None or len(match.group(2)) < 2 or got == 0 or _terminates(want):
         return False
-    places = len(match.group(1))
-    scale = Fraction(10) ** places
-    if (want * scale).denominator == 1:
-        return False  # exactly representable: the model must give it exactly
-    return abs(want - got) * scale <= Fraction(1, 2)
+    if len((match.group(1) + match.group(2)).lstrip("0")) < 2:
+        return False
+    places = len(match.group(2)) + shift
+    return abs(want - got) * 10**places <= Fraction(1, 2)
 
 
 def answers_match(got: str, want: str, *, allow_rounding: bool = True) -> bool:
@@ -247,13 +339,17 @@ def answers_match(got: str, want: str, *, allow_rounding: bool = True) -> bool:
         parsed_got, parsed_want = parse_number(got), parse_number(want)
         if parsed_got is not None and parsed_want is not None:
             (g, g_pct), (w, w_pct) = parsed_got, parsed_want
-            got_values = {g, g / 100} if g_pct else {g}
+            got_values = {g: 0, g / 100: 2} if g_pct else {g: 0}  # value -> places it adds
             want_values = {w, w / 100} if w_pct else {w}
-            if got_values & want_values:
+            if got_values.keys() & want_values:
                 return True
             if allow_rounding:
-                stripped = _latex_to_ascii(got)[0]
-                return any(_rounds_to(stripped, gv, wv) for gv in got_values for wv in want_values)
+                written = _latex_to_ascii(got)[0]
+                return any(
+                    _rounds_to(written, value, wv, shift)
+                    for value, shift in got_values.items()
+                    for wv in want_values
+                )
             return False
         if parsed_got is not None or parsed_want is not None:
             return False

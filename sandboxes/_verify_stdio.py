@@ -1,14 +1,19 @@
 """stdin/stdout judge: run a program on given inputs and compare its output with the expected.
 
 Outputs are compared token by token after whitespace normalization (line breaks and runs of
-spaces do not matter); with ``float_tol`` two tokens that both parse as numbers also match when
-``|got - want| <= float_tol * max(1, |want|)``. A case passes only when the program ran to a
-clean exit (``status == "ok"``) and its output matches.
+spaces do not matter). With ``float_tol``, an expected token that is a float literal — ASCII
+digits with a ``.`` or an exponent (``0.25``, ``-1.5e-3``, ``1E5``) — also matches a got token
+that is an ASCII decimal number (an integer too) when ``|got - want| <= float_tol * max(1,
+|want|)``. Everything else is compared exactly: an expected integer (``1000000`` is never
+``999999``, however large or small the tolerance, and never ``1000000.0``), and any token that is
+not plain ASCII (``1_0``, Arabic-Indic or fullwidth digits, ``inf``, ``nan``). A case passes
+only when the program ran to a clean exit (``status == "ok"``) and its output matches.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 
@@ -39,16 +44,18 @@ class StdioVerdict(msgspec.Struct):
         return self.passed / self.total if self.total else 0.0
 
 
+_DECIMAL_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
 def _token_equal(got: str, want: str, float_tol: float | None) -> bool:
     if got == want:
         return True
-    if float_tol is None:
-        return False
-    try:
-        g, w = float(got), float(want)
-    except ValueError:
-        return False
-    if math.isnan(g) or math.isnan(w) or math.isinf(g) or math.isinf(w):
+    if float_tol is None or not any(c in want for c in ".eE"):
+        return False  # no tolerance, or an expected integer (or word): exact
+    if _DECIMAL_RE.fullmatch(got) is None or _DECIMAL_RE.fullmatch(want) is None:
+        return False  # float() would take "1_0", "inf" and non-ASCII digits
+    g, w = float(got), float(want)
+    if not (math.isfinite(g) and math.isfinite(w)):
         return False
     return abs(g - w) <= float_tol * max(1.0, abs(w))
 

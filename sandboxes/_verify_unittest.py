@@ -45,7 +45,8 @@ class UnitTest(msgspec.Struct, frozen=True):
     raises: str | None = None
     """The exception type name the call must raise instead of returning (``"ValueError"``)."""
     float_tol: float | None = None
-    """Relative and absolute tolerance for floats (exact when None)."""
+    """Relative and absolute tolerance for expected floats (exact when None); an expected int
+    is always exact."""
     name: str = ""
 
 
@@ -137,17 +138,21 @@ def _literal(text: str) -> tuple[bool, Any]:
 
 def values_equal(got: Any, want: Any, float_tol: float | None = None) -> bool:
     """Strict structural equality on plain values (``True`` is not ``1``; a list is not a
-    tuple); an int is accepted for a float; floats exact unless ``float_tol``."""
+    tuple); an int is accepted for a float; floats exact unless ``float_tol``; an expected int
+    is always exact (a tolerance would make 999999 equal 1000000 at 1e-6)."""
     if isinstance(want, bool) or want is None:
         return type(got) is type(want) and got == want
-    if isinstance(want, float) or (float_tol is not None and type(want) is int):
+    if isinstance(want, float):
         if isinstance(got, bool) or type(got) not in (int, float):
             return False
-        if isinstance(want, float) and math.isnan(want):
+        if math.isnan(want):
             return isinstance(got, float) and math.isnan(got)
         if float_tol is None:
             return got == want
-        return math.isclose(got, want, rel_tol=float_tol, abs_tol=float_tol)
+        try:
+            return math.isclose(got, want, rel_tol=float_tol, abs_tol=float_tol)
+        except OverflowError:  # an int past a float's range is no answer to a float
+            return False
     if type(got) is not type(want):
         return False
     if isinstance(want, list | tuple):

@@ -4,6 +4,7 @@ sandbox glue, and scripted trajectories through the real state machine and a rea
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ from sandbox_service import scratch_root
 
 import agentrl
 from agentrl._rollout import RolloutContext, run_trajectory
-from agentrl.envs import SandboxLease, open_sandbox_runner, wants_sandbox
+from agentrl.envs import SandboxLease, open_sandbox_runner, python_math, wants_sandbox
 from agentrl.envs._code_tasks import TASKS
 from agentrl.envs.calc import CalcEnv
 from agentrl.envs.code_tests import CodeTestsEnv, extract_code
@@ -93,6 +94,50 @@ def test_python_math_tasks_are_deterministic_and_gradable():
         assert t.answer and answers_match(t.answer, t.answer), t
     with pytest.raises(ValueError):
         PythonMathEnv(levels=[9])
+
+
+def _episode(task, text: str) -> agentrl.Episode:
+    return agentrl.Episode(
+        task=task, messages=[agentrl.Message("assistant", text)], tool_calls=[], num_turns=1
+    )
+
+
+async def test_python_math_grades_off_the_event_loop(monkeypatch):
+    """The grader is pure CPU: python-math-v0 runs it in a worker thread, so the loop keeps
+    serving while it runs and a reward deadline gives up on it instead of waiting. The fake
+    grader below returns only once the loop has set it free (or after 10 s, when the loop was
+    blocked: run on the loop, it could never be set free)."""
+    env = PythonMathEnv(levels=[3])
+    task = env.tasks("train")[0]
+    started, release = threading.Event(), threading.Event()
+    freed: list[bool] = []
+
+    def grader(response: str, expected: str) -> float:
+        started.set()
+        freed.append(release.wait(10))
+        return grade_math(response, expected)
+
+    monkeypatch.setattr(python_math, "grade_math", grader)
+    rewards = []
+    async with anyio.create_task_group() as tg:
+
+        async def score() -> None:
+            rewards.append(await env.reward(_episode(task, rf"\boxed{{{task.answer}}}")))
+
+        tg.start_soon(score)
+        assert await anyio.to_thread.run_sync(started.wait, 10)
+        release.set()  # the loop runs while the grader does
+    assert freed == [True] and rewards[0].total == 1.0
+
+    started.clear()
+    release.clear()
+    with anyio.CancelScope() as deadline:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(score)
+            assert await anyio.to_thread.run_sync(started.wait, 10)
+            deadline.cancel()  # the rollout's reward deadline passes while the grader runs
+    assert deadline.cancelled_caught and len(rewards) == 1  # given up on, not waited for
+    release.set()
 
 
 def test_code_tasks_data():

@@ -154,6 +154,14 @@ async def test_an_exit_code_above_128(sandbox_backend):
         assert (result.status, result.exit_code, result.signal) == ("nonzero_exit", 130, None)
 
 
+async def test_bash_code_starting_with_a_dash_is_code(sandbox_backend):
+    """``bash -c CODE`` would read a leading ``-`` as its own options (``--version``, ``-i``,
+    ``--rcfile FILE``): the code is passed after ``--``, so it runs as code."""
+    code = "--version 2>/dev/null; echo ran as code\n"
+    result = await run_case(sandbox_backend, sh(code), {"ok"})
+    assert result.stdout == "ran as code\n", result
+
+
 async def test_huge_single_line(sandbox_backend):
     code = "import sys\nsys.stdout.write('a' * (64 * 1024 * 1024))\n"
     result = await run_case(
@@ -327,6 +335,34 @@ async def test_bound_port_stays_private(sandbox_backend):
             assert result.status in {"ok", "nonzero_exit"}, result
             await serves(pool)
     assert not any(connected), "the host reached a port bound inside the sandbox"
+
+
+_SOCKET_FAMILIES = (
+    "import socket\n"
+    "answers = []\n"
+    "for family in (40, 38, 17):  # AF_VSOCK, AF_ALG, AF_PACKET\n"
+    "    for make in (socket.socket, socket.socketpair):\n"
+    "        try:\n"
+    "            make(family, socket.SOCK_STREAM)\n"
+    "            answers.append('created')\n"
+    "        except OSError as exc:\n"
+    "            answers.append(exc.errno)\n"
+    "print(answers)\n"
+    "a, b = socket.socketpair()\n"
+    "a.sendall(b'unix')\n"
+    "print(b.recv(4).decode())\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "s.bind(('127.0.0.1', 0))\n"
+    "print('inet', s.getsockname()[1] > 0)\n"
+)
+
+
+async def test_socket_families_other_than_unix_inet_netlink_are_refused(sandbox_backend):
+    """AF_VSOCK is not network-namespaced (it reached the hypervisor); AF_ALG and AF_PACKET
+    are kernel surface a program has no use for: ``socket`` and ``socketpair`` of any family
+    but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK answer EAFNOSUPPORT (97) on every backend."""
+    result = await run_case(sandbox_backend, py(_SOCKET_FAMILIES), {"ok"})
+    assert result.stdout == "[97, 97, 97, 97, 97, 97]\nunix\ninet True\n", result
 
 
 # -- secrets ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import signal
 import statistics
 import subprocess
@@ -158,6 +159,19 @@ async def test_a_required_guarantee_that_is_missing_refuses_to_start(
 ):
     with pytest.raises(BackendUnavailable, match=message):
         async with local_pool(scratch_root, backend={"require": require}):
+            pass
+
+
+async def test_a_uid_range_holding_host_accounts_refuses_to_start(scratch_root):
+    """Each slot's uid is swept (``kill(-1)`` as that uid): a range holding an account of the
+    host's passwd database would kill that account's processes. Refused at start, naming it."""
+    account = next((a for a in pwd.getpwall() if 1000 <= a.pw_uid < 2**31 - 1000), None)
+    if account is None:
+        pytest.skip("no account with a uid >= 1000 in this host's passwd database")
+    uid_base = max(1000, account.pw_uid - 500)
+    message = f"uid {account.pw_uid} .{account.pw_name}."
+    with pytest.raises(BackendUnavailable, match=message):
+        async with local_pool(scratch_root, backend={"uid_base": uid_base}):
             pass
 
 

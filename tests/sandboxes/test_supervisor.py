@@ -379,6 +379,39 @@ def test_the_seccomp_filter_answers_eperm(scratch, probe, oom_adj, unfiltered):
     assert r["status"] == "ok" and unfiltered(r["stdout"]), r
 
 
+_SOCKET_PROBE = (
+    "import socket\n"
+    "out = []\n"
+    "for family in (40, 38, 17):  # AF_VSOCK, AF_ALG, AF_PACKET\n"
+    "    for make in (socket.socket, socket.socketpair):\n"
+    "        try:\n"
+    "            make(family, socket.SOCK_STREAM)\n"
+    "            out.append('created')\n"
+    "        except OSError as exc:\n"
+    "            out.append(exc.errno)\n"
+    "a, b = socket.socketpair()\n"
+    "socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()\n"
+    "print(out)\n"
+)
+
+
+@pytest.mark.parametrize("deny", [None, []], ids=["default", "empty-deny-list"])
+def test_the_seccomp_filter_refuses_other_socket_families(scratch, deny):
+    """The filter the supervisor installs itself (prctl, as in containers): EAFNOSUPPORT for
+    socket and socketpair of any family but AF_UNIX, AF_INET, AF_INET6, AF_NETLINK, whatever
+    ``deny_syscalls`` names."""
+    fields = {} if deny is None else {"deny_syscalls": deny}
+    r = supervise(_SOCKET_PROBE, scratch=scratch, **fields)
+    assert r["status"] == "ok" and r["stdout"] == "[97, 97, 97, 97, 97, 97]\n", r
+
+
+def test_bash_code_starting_with_a_dash_is_code(scratch):
+    r = supervise("--version 2>/dev/null; echo ran as code", "bash", scratch=scratch)
+    assert r["status"] == "ok" and r["stdout"] == "ran as code\n", r
+    r = supervise("-1\nprint('ran as code')", scratch=scratch)  # python's -c takes any code
+    assert r["status"] == "ok" and r["stdout"] == "ran as code\n", r
+
+
 @pytest.mark.parametrize("deny", [["no_such_call"], "keyctl", [5]])
 def test_a_bad_deny_list_is_an_invalid_request(scratch, deny):
     r = supervise("print(1)", scratch=scratch, deny_syscalls=deny)

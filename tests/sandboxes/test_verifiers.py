@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from fractions import Fraction
 
 import anyio
 import pytest
@@ -60,6 +61,11 @@ EQUAL = [
     ("1.5e-3", "0.0015"),
     ("0.33", "1/3"),  # rounded to the places written
     ("0.6667", "2/3"),
+    ("-0.33", "-1/3"),
+    ("0.0041", "1/243"),  # two significant digits
+    (r"33.33\%", "1/3"),  # a percentage keeps its own places: 0.3333
+    ("0.33%", "1/3"),  # 0.33% is also 0.33 (the percent rule), which rounds 1/3
+    ("1e400", "10e399"),  # the largest exponent a number may have
     (r"\boxed{42}", "42"),
     ("x+1", "x + 1"),  # not numeric: normalized text
 ]
@@ -67,6 +73,17 @@ NOT_EQUAL = [
     ("0.3", "1/3"),  # one place is not enough
     ("0.666", "2/3"),  # wrongly rounded
     ("0.49", "1/2"),  # exactly representable: must be exact
+    ("0.00", "1/256"),  # zero rounds nothing
+    ("0.00", "1/243"),
+    ("0.00", "0.004"),
+    ("0.004", "1/243"),  # one significant digit is not enough
+    ("0.12", "1/8"),  # 1/8 has a terminating expansion: 0.125 exactly
+    ("0.13", "1/8"),
+    ("3.14", "3.14159"),  # an expected decimal is given exactly
+    ("3.14", r"\frac{314159}{100000}"),
+    (r"33.00\%", "1/3"),  # as a fraction 0.3300: four places, wrong in the fourth
+    (r"33.3\%", "1/3"),  # one place written
+    ("0.1 + 0.23", "1/3"),  # rounding is for a decimal the model wrote, not an expression
     ("1,2", "12"),  # not a thousands separator
     ("2 1/2", "2.5"),  # mixed numbers are not supported
     ("abc", "5"),
@@ -103,6 +120,84 @@ def test_extract_answer():
     assert grade_math(r"first \boxed{41}, finally \boxed{42}", "42") == 1.0
 
 
+def test_answer_extraction_semantics():
+    """The last ``<answer>`` that a ``</answer>`` follows, up to the first ``</answer>`` after
+    it (any case); else the last ``\\boxed{}`` whose braces balance."""
+    assert extract_answer("<answer>a<answer>b</answer>") == "b"
+    assert extract_answer("<answer>5</answer> and a stray </answer>") == "5"
+    assert extract_answer("<ANSWER>7</Answer> then <answer>unclosed") == "7"
+    assert extract_answer("</answer><answer>") is None
+    assert extract_answer(r"<answer>x</answer> \boxed{y}") == "x"  # a tag wins over a box
+    assert extract_answer(r"\boxed{\boxed{1}}") == "1"
+    assert extract_answer(r"\boxed{a} \boxed{b") == "a"
+    assert extract_answer(r"\fbox {c} }}} \boxed") == "c"
+    assert extract_answer("{" * 10 + r"\boxed{d}" + "}" * 3) == "d"
+
+
+# Each ~200k-480k characters. With the quadratic scans these took minutes (``"\\boxed{" * 8000``
+# took 22 s, ``"<answer>" * 8000`` 4.6 s); one pass over the text takes milliseconds.
+HOSTILE = {
+    "unclosed boxes": ("\\boxed{" * 60_000, None),
+    "unclosed fboxes": ("\\fbox{" * 60_000, None),
+    "unclosed answer tags": ("<answer>" * 60_000, None),
+    "closing tags only": ("</answer>" * 60_000, None),
+    "open tags then one close": ("<answer>" * 60_000 + "1</answer>", "1"),
+    "one box, unclosed braces": ("\\boxed" + "{" * 400_000, None),
+    "boxes, one balanced": ("\\boxed{1}" + "\\boxed{" * 60_000, "1"),
+    "spaces after boxed": (("\\boxed" + " " * 50) * 8_000, None),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
+def test_answer_extraction_is_linear_in_hostile_text(case):
+    text, expected = HOSTILE[case]
+    started = time.perf_counter()
+    assert extract_answer(text) == expected
+    assert grade_math(text, "42") == 0.0
+    # a generous bound: one pass takes milliseconds, the quadratic scans took minutes
+    assert time.perf_counter() - started < 10.0
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["1e999999999", "1e-999999999", "1.5E+99999999999", "0e999999999", "1e401", "1e-401",
+     "1e2000000", "1e" + "0" * 500 + "5000000", "9" * 401, "0." + "0" * 400 + "1"],
+    ids=lambda number: number if len(number) < 20 else f"{number[:4]}...{len(number)}-chars",
+)  # fmt: skip
+def test_huge_exponents_and_digit_counts_are_not_numbers(number):
+    """Refused from the text, before a Fraction is made: ``Fraction('1e999999999')`` computes
+    10**999999999 (hours of CPU holding the GIL)."""
+    started = time.thread_time()  # CPU time: a stall of a loaded machine is not counted
+    assert parse_number(number) is None
+    assert grade_math(rf"\boxed{{{number}}}", "42") == 0.0
+    assert not answers_match(number, "42")
+    assert time.thread_time() - started < 0.5
+
+
+def test_numbers_within_the_caps_are_exact():
+    assert parse_number("1e400") == (10**400, False)
+    assert parse_number("1e-400") == (Fraction(1, 10**400), False)
+    assert parse_number("2.5e-3") == (Fraction(1, 400), False)
+    assert parse_number("1e" + "0" * 500 + "3") == (1000, False)  # leading zeros of an exponent
+    assert parse_number("9" * 400) == (int("9" * 400), False)
+
+
+def test_powers_are_refused_before_they_are_computed():
+    started = time.thread_time()
+    assert parse_number("(9" + "9" * 300 + ")^{64}") is None
+    assert parse_number("((9^{64})^{64})^{64}") is None
+    assert time.thread_time() - started < 0.5
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 12), st.integers(-(10**6), 10**6), st.integers(2, 7))
+def test_rounding_never_accepts_a_wrong_decimal_for_a_terminating_answer(twos, fives, n, places):
+    """An expected value with a terminating decimal expansion must be given exactly."""
+    want = Fraction(n, 2**twos * 5**fives)
+    got = f"{float(want):.{places}f}"
+    assert answers_match(got, str(want)) == (Fraction(got) == want), (got, want)
+
+
 def test_percent_and_rounding_can_be_turned_off():
     assert parse_number("50%") == (parse_number("50")[0], True)
     assert answers_match("0.33", "1/3", allow_rounding=False) is False
@@ -136,10 +231,40 @@ def test_outputs_match_whitespace_and_tolerance():
     assert not outputs_match("1 2", "1 2 3")
     assert not outputs_match("0.333", "0.3333333")
     assert outputs_match("0.333", "0.3333333", float_tol=1e-3)
-    assert outputs_match("1000.1", "1000", float_tol=1e-3)  # relative for large values
+    assert outputs_match("1000.1", "1000.0", float_tol=1e-3)  # relative for large values
     assert not outputs_match("abc", "abd", float_tol=1.0)
     assert outputs_match("nan", "nan", float_tol=1.0)  # equal strings match as text
     assert not outputs_match("inf", "1e308", float_tol=1.0)
+
+
+@pytest.mark.parametrize(
+    ("got", "want", "tol", "match"),
+    [
+        # integers are exact, whatever the tolerance
+        ("1000000000000000001", "1000000000000000000", 1e-12, False),
+        ("9007199254740993", "9007199254740992", 1e-15, False),
+        ("999999", "1000000", 1e-6, False),
+        ("1.0", "1", 1e-6, False),
+        ("1000000", "1000000", 1e-6, True),
+        # only ASCII decimal literals are numbers
+        ("1_0", "10", 1e-9, False),
+        ("1_0.0", "10.0", 1e-9, False),
+        ("\u0661\u0660", "10", 1e-9, False),
+        ("\u0661\u0660.0", "10.0", 1e-9, False),
+        ("\uff11.0", "1.0", 1e-9, False),  # a fullwidth digit
+        (" 10.0 ", "10.0", 1e-9, True),
+        ("infinity", "1e308", 1.0, False),
+        # a float expected: the tolerance applies, an integer or exponent form on either side
+        ("0.3333334", "0.3333333", 1e-6, True),
+        ("100000", "1e5", 1e-9, True),
+        ("1E5", "100000.0", 1e-9, True),
+        ("-2.5e-3", "-0.0025", 1e-12, True),
+        ("10", "10.0", 1e-9, True),
+        ("10.5", "10.0", 1e-3, False),
+    ],
+)
+def test_the_float_tolerance_is_for_ascii_float_literals(got, want, tol, match):
+    assert outputs_match(got, want, float_tol=tol) is match
 
 
 # -- unit-test harness: parsing and comparison (no sandbox) ---------------------------------------
@@ -161,6 +286,14 @@ def test_values_equal_is_strict():
     assert values_equal({"a": [1.0000001]}, {"a": [1.0]}, float_tol=1e-6)
     assert not values_equal({"a": 1}, {"a": 1, "b": 2}) and not values_equal(None, 0)
     assert values_equal(float("nan"), float("nan"))
+
+
+def test_values_equal_keeps_integers_exact_under_a_tolerance():
+    assert not values_equal(999999, 1000000, float_tol=1e-6)
+    assert not values_equal(10**18 + 1, 10**18, float_tol=1e-12)
+    assert not values_equal(2.0, 2, float_tol=1e-9) and values_equal(2, 2, float_tol=1e-9)
+    assert values_equal(2, 2.0000000001, float_tol=1e-9)  # an int for a float, within it
+    assert not values_equal(10**400, 1.0, float_tol=1e-6)  # past a float's range: no error
 
 
 def _summary(nonce: str, results: list, n: int | None = None) -> str:
