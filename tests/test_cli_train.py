@@ -239,15 +239,36 @@ def test_the_example_config_runs(tmp_path):
     assert [r["step"] for r in _ledger(tmp_path / "run")] == [0, 1]  # eval.at_start: step 0
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """``agentrl`` under torchrun with two CPU ranks (gloo)."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "agentrl.cli", *args],
         env=_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
+
+
+def test_a_busy_run_folder_is_refused_on_every_rank(tmp_path):
+    """Two ranks (torchrun) into a run folder another process holds: rank 0 cannot lock it,
+    and every rank stops with the same one-line error naming the holder (none is left waiting
+    in a collective); nothing but the lock file is in the folder."""
+    from agentrl.loop._runlock import RunLock
+
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(CONFIG))
+    out = tmp_path / "run"
+    lock = RunLock.acquire(out)  # this process: the run already training there
+    try:
+        proc = _torchrun("train", "--config", str(config), "--out", str(out), check=False)
+    finally:
+        lock.release()
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    refusal = f"{out} is in use: another agentrl run (pid {os.getpid()} on"
+    assert proc.stderr.count(refusal) == 2, proc.stderr[-4000:]  # both ranks
+    assert [p.name for p in out.iterdir()] == [".agentrl.lock"]
 
 
 def test_two_ranks_train_and_resume_like_one_process(runs, tmp_path):
@@ -347,6 +368,21 @@ def test_ctrl_c_stops_training_at_a_safe_point(interrupted):
         f"interrupted: {len(steps)} complete steps in {run / 'ledger.jsonl'}; newest checkpoint:"
         f" step {checkpoint_step} ({newest}); agentrl train --resume {run} continues from it"
     ) in " ".join(stdout.split()), stdout[-2000:]
+
+
+def test_an_interrupted_run_without_a_checkpoint_says_what_a_resume_does(tmp_path):
+    """Interrupted before its first checkpoint: with no step recorded ``--resume`` starts over;
+    with steps recorded a resume refuses (it never empties them), so the message says to train
+    again in a new folder instead."""
+    from agentrl.loop import TrainResult
+    from agentrl.loop._cli import _interrupted_message
+
+    run = tmp_path / "run"
+    none = _interrupted_message(TrainResult(run, 0, 0, {}, interrupted=True))
+    assert none.endswith(f"no checkpoint yet: agentrl train --resume {run} starts over")
+    some = _interrupted_message(TrainResult(run, 3, 3, {}, interrupted=True))
+    assert "--resume" not in some and "cannot be resumed" in some
+    assert f"agentrl train --config {run / 'config.yaml'} --out NEW_RUN" in some
 
 
 def test_resume_says_where_it_resumed_and_names_changed_settings(interrupted, tmp_path):

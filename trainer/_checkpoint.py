@@ -12,6 +12,16 @@ renamed to ``step-…`` in one ``rename``, and only then are older checkpoints p
 A crash at any moment leaves either the previous checkpoints alone or the new one complete;
 ``latest_checkpoint`` ignores ``.tmp-*`` leftovers (the next save removes them).
 
+Pruning keeps the checkpoint just written and the newest ``keep - 1`` others at or below its
+step that look intact (``state.json`` and every file of the manifest at its size); a folder of a
+later step (a broken checkpoint a resume skipped) is neither counted nor removed.
+
+Writers of one root: rank 0 holds an exclusive ``flock`` on ``ROOT/.tmp-NAME.lock`` while it
+fills ``ROOT/.tmp-NAME`` (a save; the conversion of ``_load_resharded``), so the cleanup of
+leftovers removes only folders no live process is filling, and a second writer of the same step
+is refused. ``agentrl train`` also locks its run folder (``agentrl.loop._runlock``): the root of
+one run has one writer; these locks matter where roots are shared (``checkpoint.dir``).
+
 Verification and lookup (``_lookup``): the save ends with ``manifest.json`` (``_manifest``);
 ``load_checkpoint`` and ``export_checkpoint`` (``_export``) verify a checkpoint before using it,
 and a failure while loading is a ``CheckpointError`` naming the checkpoint, never a raw
@@ -32,17 +42,27 @@ lengths recorded here), and the task slots the checkpoint does not record as set
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ._diskfull import save_failed
 from ._dist import barrier, rank_world
-from ._lookup import CHECKPOINT_FORMAT, LoopState, list_checkpoints, read_state, verify_checkpoint
+from ._lookup import (
+    CHECKPOINT_FORMAT,
+    CheckpointWarning,
+    LoopState,
+    list_checkpoints,
+    read_state,
+    verify_checkpoint,
+)
 from ._manifest import CheckpointError, fsync_dir, write_manifest
 from ._reshard import saved_world_size, to_universal
 from ._rng import load_rng_state, save_rng_state, set_rng_state
@@ -54,41 +74,141 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 
 def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState, *, keep: int):
     """Write ``learner`` (anything with ``save(directory)``) and ``state`` as
-    ``root/step-{state.step}`` atomically, with its manifest; keep the newest ``keep``
-    checkpoints. Every rank calls it (each saves its ZeRO partitions). Returns the checkpoint
-    folder. A failed save removes its partial folder and raises ``CheckpointError`` (for a full
-    disk: the free space and the room ``keep`` needs)."""
+    ``root/step-{state.step}`` atomically, with its manifest; keep it and the newest ``keep - 1``
+    intact-looking checkpoints before it (``_prune``). Every rank calls it (each saves its ZeRO
+    partitions). Returns the checkpoint folder. A failed save removes its partial folder and
+    raises ``CheckpointError`` (for a full disk: the free space and the room ``keep`` needs)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, state.step)
     tmp = root / f".tmp-{final.name}"
     rank = rank_world()[0]
+    claim = _Claim.take(tmp) if rank == 0 else None  # a second live writer of tmp: refused
     try:
-        if rank == 0:
-            for stale in root.glob(".tmp-*"):  # an earlier crash's leftovers
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        barrier()
-        learner.save(str(tmp))
-        save_rng_state(tmp / f"rng-rank{rank}.pt")
-        barrier()
-        if rank == 0:
-            state.created = time.time()
-            state.checkpoint_format = CHECKPOINT_FORMAT
-            state.world_size = rank_world()[1]
-            (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-            write_manifest(tmp)  # hashes and fsyncs every file, then the manifest
-            _publish(root, tmp, final)
-    except Exception as exc:
-        done = list_checkpoints(root)
-        raise save_failed(
-            exc, root, tmp, final, keep=keep, previous=done[-1] if done else None
-        ) from exc
+        try:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # this step's own earlier attempt
+                _remove_leftovers(root)
+                tmp.mkdir()
+            barrier()
+            learner.save(str(tmp))
+            save_rng_state(tmp / f"rng-rank{rank}.pt")
+            barrier()
+            if rank == 0:
+                state.created = time.time()
+                state.checkpoint_format = CHECKPOINT_FORMAT
+                state.world_size = rank_world()[1]
+                (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+                write_manifest(tmp)  # hashes and fsyncs every file, then the manifest
+                _publish(root, tmp, final)
+        except Exception as exc:
+            done = list_checkpoints(root)
+            raise save_failed(
+                exc, root, tmp, final, keep=keep, previous=done[-1] if done else None
+            ) from exc
+    finally:
+        if claim is not None:
+            claim.release()
     if rank == 0:
-        for old_dir in list_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old_dir, ignore_errors=True)
+        _prune(root, final, keep)
     barrier()
     return final
+
+
+def _prune(root: Path, final: Path, keep: int) -> None:
+    """Remove the checkpoints before ``final`` beyond the newest ``keep - 1`` that look intact
+    (sizes only, no hashing); ``final`` is never removed, nor any folder of a later step (it
+    would be the newest, e.g. a broken checkpoint a resume skipped)."""
+    step = step_number(final)
+    kept = 1
+    for path in reversed(list_checkpoints(root)):
+        if path == final or step_number(path) > step:
+            continue
+        if kept < keep and _looks_intact(path):
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _looks_intact(path: Path) -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)  # a checkpoint without a manifest
+        try:
+            verify_checkpoint(path, contents=False)
+        except CheckpointError:
+            return False
+    return True
+
+
+class _Claim:
+    """An exclusive ``flock`` on ``FOLDER.lock`` beside a ``.tmp-*`` folder, held while one
+    process fills the folder; the file is removed when the claim is released."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def take(cls, folder: Path) -> _Claim | None:
+        """Claim ``folder``; ``CheckpointError`` when a live process holds it. None where the
+        filesystem has no ``flock`` (nothing is claimed)."""
+        claim = cls.try_take(folder)
+        if claim is False:
+            raise CheckpointError(
+                f"{folder} is being written by another live process (it holds "
+                f"{_lock_path(folder)}): two runs are writing the same checkpoint root "
+                f"{folder.parent}; give each its own checkpoint.dir"
+            )
+        return claim
+
+    @classmethod
+    def try_take(cls, folder: Path) -> _Claim | None | Literal[False]:
+        """Claim ``folder`` if no live process holds it: the claim; False when one does; None
+        where the filesystem has no ``flock``."""
+        path = _lock_path(folder)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:  # released and removed meanwhile
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
+            os.close(fd)
+            return False
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return None
+            raise
+        return cls(path, fd)
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)  # while held: nobody else claims a removed file
+        os.close(self.fd)
+
+
+def _lock_path(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".lock")
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove the ``.tmp-*`` folders (and claim files) of writers that are gone: a crash's
+    leftovers. A folder a live process is filling (its claim is held) is left alone."""
+    for path in sorted(root.glob(".tmp-*")):
+        folder = path.with_name(path.name.removesuffix(".lock"))
+        if path != folder and folder.exists():
+            continue  # the claim file of a folder: handled with the folder
+        claim = _Claim.try_take(folder)
+        if claim is False:
+            continue  # a live writer
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            if claim is not None:
+                claim.release()
+
+
+def step_number(path: Path) -> int:
+    """N of a ``step-N`` folder."""
+    return int(path.name.removeprefix("step-"))
 
 
 def _publish(root: Path, tmp: Path, final: Path) -> None:
@@ -141,18 +261,24 @@ def load_checkpoint(
 
 def _load_resharded(path: Path, learner: Any, version: int) -> None:
     """Load a checkpoint saved at another world size through a universal checkpoint
-    (``_reshard``), converted by rank 0 into a temporary folder beside it."""
+    (``_reshard``), converted by rank 0 into a temporary folder beside it (claimed while it is
+    in use, so no save's cleanup removes it)."""
     universal = path.parent / f".tmp-universal-{path.name}"
-    if rank_world()[0] == 0:
-        shutil.rmtree(universal, ignore_errors=True)
-        to_universal(path, universal)
-    barrier()
+    claim = _Claim.take(universal) if rank_world()[0] == 0 else None
     try:
-        learner.load(str(universal), version, universal=True)
-    finally:
-        barrier()
         if rank_world()[0] == 0:
             shutil.rmtree(universal, ignore_errors=True)
+            to_universal(path, universal)
+        barrier()
+        try:
+            learner.load(str(universal), version, universal=True)
+        finally:
+            barrier()
+            if rank_world()[0] == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+    finally:
+        if claim is not None:
+            claim.release()
 
 
 def verify_state(

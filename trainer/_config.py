@@ -143,7 +143,8 @@ class OptimizerConfig(pydantic.BaseModel):
     warmup_steps: int = pydantic.Field(0, ge=0)
     """Linear warmup from 0 over this many optimizer updates. The schedule counts
     ``epochs × mini_batches`` updates per step even when a step makes fewer (fewer groups than
-    mini-batches, nothing left to train on), so it ends at the run's last step."""
+    mini-batches, nothing left to train on), so it ends at the last of the ``max_steps`` the run
+    started with (a resume with more steps keeps that length)."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: constant, linear decay to ``min_lr_ratio``·lr, or cosine to it."""
     min_lr_ratio: float = pydantic.Field(0.0, ge=0, le=1)

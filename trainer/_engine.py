@@ -34,7 +34,7 @@ from ._batch import PackedBatch, model_inputs
 from ._config import OptimizerConfig
 from ._deepspeed_import import import_deepspeed, initialize
 from ._logprob import TokenLogprobs, token_logprobs_and_entropy
-from ._schedule import LRSchedule, lr_multiplier
+from ._schedule import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -283,6 +283,11 @@ class ModelEngine:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    @property
+    def lr_schedule(self) -> LRSchedule | None:
+        """The engine's LR schedule (None: a frozen engine)."""
+        return getattr(self.engine, "lr_scheduler", None)
+
     def advance_schedule(self, updates: int) -> None:
         """Advance the LR schedule past ``updates`` that this step did not make."""
         schedule = getattr(self.engine, "lr_scheduler", None)
@@ -397,7 +402,7 @@ def open_policy(
     overrides: dict[str, Any] | None = None,
 ) -> ModelEngine:
     """The trained policy: HF weights from ``model_path``, AdamW, the LR schedule
-    (``lr_multiplier`` through ``LRSchedule``, checkpointed with the engine)."""
+    (``LRSchedule`` over ``total_updates``, checkpointed with the engine, its length too)."""
     scorer = TokenScorer(
         _load_lm(model_path, gradient_checkpointing=gradient_checkpointing),
         temperature=temperature,
@@ -416,12 +421,11 @@ def _trained_engine(
 ) -> ModelEngine:
     """DeepSpeed around a trained ``scorer``: its trainable parameters, the LR schedule."""
     scorer.train()
-    multiplier = lr_multiplier(optimizer, total_updates)
     engine, *_ = initialize(
         model=scorer,
         model_parameters=[p for p in scorer.parameters() if p.requires_grad],
         config=config,
-        lr_scheduler=lambda opt: LRSchedule(opt, multiplier),
+        lr_scheduler=lambda opt: LRSchedule(opt, optimizer, total_updates),
     )
     return ModelEngine(engine, scorer, trainable=True)
 

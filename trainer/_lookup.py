@@ -5,9 +5,10 @@ A checkpoint is trusted only after ``verify_checkpoint`` found every file its ma
 (``_manifest``) present with its size and hash, and ``state.json`` complete: each key present, of
 its type, no unknown key. ``find_intact_checkpoint`` walks the checkpoints newest first and
 returns the newest intact one with the reason it skipped each newer one; with none intact it
-raises ``CheckpointError`` naming each broken file and how to start over. A checkpoint saved
-without a manifest (by an older agentrl: ``state.json`` has no ``checkpoint_format``) is accepted
-after a structural check only, with a ``CheckpointWarning``.
+raises ``CheckpointError`` naming each broken file and how to start over (a new run). A
+checkpoint saved without a manifest (by an older agentrl: ``state.json`` has no
+``checkpoint_format``) is accepted after a structural check only, with a ``CheckpointWarning``.
+A checkpoint whose ``state.json`` names another step than its ``step-N`` folder is broken.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class LoopState:
     """The loop's task accounting (``agentrl.loop``'s ``TaskLedger.state()``: ``low``, every
     slot below it settled; ``settled``, the settled slots above it; ``next``, the first slot
     never handed out); empty in checkpoints that predate it (``data_cursor`` says it all)."""
+    steps_without_update: int = 0
+    """Consecutive steps up to ``step`` that trained on nothing (the loop's stall count, so a
+    resumed run stops where the uninterrupted one would); 0 in checkpoints that predate it."""
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -102,9 +106,10 @@ def find_intact_checkpoint(root: str | os.PathLike[str], *, contents: bool = Tru
     if skipped:
         broken = "\n".join(f"  {path.name}: {reason}" for path, reason in skipped)
         raise CheckpointError(
-            f"no intact checkpoint under {root}:\n{broken}\nTo start the run over from step 1, "
-            f"move them away (mv {root} {root}.broken) and resume again: a run without "
-            "checkpoints restarts from the beginning"
+            f"no intact checkpoint under {root}:\n{broken}\nThe run cannot be resumed; to train "
+            "it again from step 1, start a new run from its configuration (agentrl train "
+            "--config RUN/config.yaml --out NEW_RUN), and keep the broken checkpoints for a "
+            f"look by moving them away (mv {root} {root}.broken)"
         )
     return CheckpointLookup(None, None, [])
 
@@ -181,15 +186,22 @@ def read_state(path: str | os.PathLike[str]) -> LoopState:
 
 def verify_checkpoint(path: str | os.PathLike[str], *, contents: bool = True) -> LoopState:
     """Check a checkpoint folder before trusting it: every file its manifest lists present with
-    the size (and, with ``contents``, the hash) it was saved with, and ``state.json`` complete.
-    ``CheckpointError`` names the broken file. A checkpoint saved by an older agentrl without a
-    manifest is accepted when its ``state.json`` and ``policy/`` folder are there, with a
-    ``CheckpointWarning`` (its files cannot be verified)."""
+    the size (and, with ``contents``, the hash) it was saved with, ``state.json`` complete, and
+    (in a ``step-N`` folder) its step N. ``CheckpointError`` names the broken file. A
+    checkpoint saved by an older agentrl without a manifest is accepted when its ``state.json``
+    and ``policy/`` folder are there, with a ``CheckpointWarning`` (its files cannot be
+    verified)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint folder")
     verified = check_manifest(path, contents=contents)
     state = read_state(path)
+    named = _STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != state.step:
+        raise CheckpointError(
+            f"{path / 'state.json'} is the checkpoint of step {state.step}, not of the step its "
+            f"folder is named for (a folder copied or renamed over another): move it away"
+        )
     if verified:
         return state
     if state.checkpoint_format >= 2:

@@ -32,11 +32,19 @@ class LRSchedule:
     """``lr = base_lr · multiplier(updates)`` on every parameter group, stepped by DeepSpeed
     after each optimizer update and saved in its checkpoints (``state_dict``). Not a torch
     ``LRScheduler``: DeepSpeed wraps the optimizer's ``step`` after the scheduler exists, which
-    torch's schedulers report as a misuse."""
+    torch's schedulers report as a misuse.
 
-    def __init__(self, optimizer: Any, multiplier: Any) -> None:
+    The schedule's length (``total_updates``) is saved with it and kept on load: a run resumed
+    with another ``train.max_steps`` goes on along the curve it started on (linear and cosine
+    end at ``min_lr_ratio`` where the first run would have ended, and stay there) instead of a
+    curve re-shaped mid-run (the LR would jump). A state saved without it (an older agentrl)
+    keeps the length this schedule was made with."""
+
+    def __init__(self, optimizer: Any, config: OptimizerConfig, total_updates: int) -> None:
         self.optimizer = optimizer
-        self.multiplier = multiplier
+        self.config = config
+        self.total_updates = total_updates
+        self.multiplier = lr_multiplier(config, total_updates)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.updates = 0
         self._apply()
@@ -59,9 +67,15 @@ class LRSchedule:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": self.updates, "base_lrs": list(self.base_lrs)}
+        return {
+            "updates": self.updates,
+            "base_lrs": list(self.base_lrs),
+            "total_updates": self.total_updates,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.updates = int(state["updates"])
         self.base_lrs = list(state["base_lrs"])
+        self.total_updates = int(state.get("total_updates", self.total_updates))
+        self.multiplier = lr_multiplier(self.config, self.total_updates)
         self._apply()

@@ -4,18 +4,26 @@ A checkpoint (``agentrl.trainer.save_checkpoint``) holds the learner (weights, o
 schedule, per-rank RNG), the policy version, the task accounting (``TaskLedger.state()``) and
 the byte length of every run file. The rule for work that was not settled when it was written
 (groups in flight or waiting in the buffer) is *re-queue*: a resumed run cuts the run files back
-to their recorded lengths and samples those task slots again, first, with the same seeds. In
-sync mode nothing is in flight at a checkpoint (it is written before the new weights are
-published), so a resumed run repeats the uninterrupted one exactly.
+to their recorded lengths and samples those task slots again, first, with the same seeds. A
+step's checkpoint is written last (after its update, the publish of its weights and its
+records); in sync mode the next step's groups are started only after that, so nothing is in
+flight at a checkpoint and a resumed run repeats the uninterrupted one exactly.
+
+Resume never starts a run over by accident: with no checkpoint under the checkpoint root it
+starts from step 1 only when the ledger holds no step; otherwise it refuses (a mistyped
+``checkpoint.dir``, a moved checkpoint folder). Broken checkpoints newer than the one it resumes
+from are renamed ``broken-step-N`` (ignored by every lookup), so they neither shadow the
+checkpoints the resumed run writes nor count towards ``checkpoint.keep``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pydantic
 
@@ -56,7 +64,11 @@ class Checkpointer:
         final = self.cfg.checkpoint.at_end and step == self.cfg.train.max_steps
         return bool(every and step % every == 0) or final
 
-    def save(self, step: int, learner: Any, tasks: dict[str, Any], cursor: int) -> None:
+    def save(
+        self, step: int, learner: Any, tasks: dict[str, Any], cursor: int, *, idle_steps: int = 0
+    ) -> None:
+        """``idle_steps``: the consecutive steps without an update so far (restored on resume,
+        so a stalled run is not granted a new ``train.max_steps_without_update``)."""
         from agentrl.trainer import save_checkpoint
 
         t0 = time.perf_counter()
@@ -70,6 +82,7 @@ class Checkpointer:
             in_flight=IN_FLIGHT_RULE,
             file_lengths=record_lengths(self.out, RUN_FILES),  # fsynced, whole lines
             tasks=tasks,
+            steps_without_update=idle_steps,
         )
         self.newest = save_checkpoint(self.root, learner, state, keep=self.cfg.checkpoint.keep)
         self.last_s = time.perf_counter() - t0
@@ -77,6 +90,27 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest checkpoint this run wrote, else the newest one on disk (not re-hashed)."""
         return self.newest or latest_checkpoint(self.root, contents=False)
+
+
+def last_idle_steps(out: Path, state: LoopState) -> int:
+    """``steps_without_update`` of the checkpoint's own step in the ledger as the checkpoint
+    recorded it (for checkpoints that predate ``LoopState.steps_without_update``); 0 when the
+    record is not there."""
+    size = state.file_lengths.get("ledger.jsonl", 0)
+    try:
+        with open(out / "ledger.jsonl", "rb") as fh:
+            lines = fh.read(size).splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step") == state.step:
+            idle = record.get("steps_without_update")
+            return idle if isinstance(idle, int) and not isinstance(idle, bool) else 0
+    return 0
 
 
 def restore_files(out: Path, lengths: dict[str, int], *, accept_lost: bool = False) -> None:
@@ -102,12 +136,18 @@ def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     present = [n for n in (*CONFIG_FILES, *RUN_FILES, IDS_FILE) if check_writable(out / n)]
+    root = checkpoint_root(cfg, out)
+    if root.is_symlink() and not root.exists():
+        raise ConfigError(f"checkpoint root {root} is a broken link (to {os.readlink(root)})")
+    if root.exists() and not root.is_dir():
+        raise ConfigError(
+            f"checkpoint root {root} exists and is not a directory: set checkpoint.dir to a folder"
+        )
     if resume:
         read_tracker_ids(out)  # refused here, before a model is loaded
         return
     if _has_records(out / "ledger.jsonl"):
         raise ConfigError(f"{out} already holds a run; resume it with --resume {out}")
-    root = checkpoint_root(cfg, out)
     done = list_checkpoints(root)
     if done:
         raise ConfigError(
@@ -122,6 +162,24 @@ def check_out(cfg: TrainConfig, out: Path, *, resume: bool) -> None:
             "no training run wrote them (its config.json is not a training run's): choose "
             "another --out, or move them away"
         )
+
+
+def _step_count(ledger: Path) -> int:
+    """Step records in the ledger (``step`` ≥ 1: an evaluation at start is no step); a torn
+    line is not counted."""
+    count = 0
+    try:
+        with open(ledger, "rb") as fh:
+            for line in fh:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                step = record.get("step") if isinstance(record, dict) else None
+                count += isinstance(step, int) and not isinstance(step, bool) and step >= 1
+    except FileNotFoundError:
+        pass
+    return count
 
 
 def _has_records(ledger: Path) -> bool:
@@ -146,24 +204,44 @@ def prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, fresh: bool) ->
     write_file(out / "config.yaml", dump_config(cfg))
 
 
-def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
+class Resume(NamedTuple):
+    """Where ``check_resume`` found the run."""
+
+    path: Path | None
+    """The checkpoint to resume from; None: the run never recorded a step (it starts over)."""
+    broken: list[tuple[Path, str]]
+    """The broken checkpoints newer than ``path``, with the reason each was skipped."""
+
+
+def check_resume(cfg: TrainConfig, out: Path, fingerprint: str, *, lead: bool = True) -> Resume:
     """The checkpoint to resume from, refused early (before any model is built) when it
-    belongs to another tokenizer or configuration; None when the run never reached one (it
-    then starts over: its files are emptied)."""
+    belongs to another tokenizer or configuration. None when the run never recorded a step (it
+    then starts over: its files are emptied); a ledger that holds steps with no checkpoint under
+    the checkpoint root is refused, naming what the root holds. ``lead`` prints what was
+    skipped (the process that writes the run files)."""
     from agentrl.trainer import verify_state
 
     if not (out / "config.yaml").is_file():
         raise ConfigError(f"--resume: {out} is not a training run (no config.yaml)")
-    found = find_intact_checkpoint(checkpoint_root(cfg, out))
-    for broken, reason in found.skipped:
+    root = checkpoint_root(cfg, out)
+    found = find_intact_checkpoint(root)
+    for broken, reason in found.skipped if lead else ():
         print(f"--resume: skipping broken checkpoint {broken}: {reason}", flush=True)
     if found.path is None:
-        return None
+        steps = _step_count(out / "ledger.jsonl")
+        if steps:
+            raise ConfigError(
+                f"--resume: {out / 'ledger.jsonl'} holds {steps} step{'s' * (steps != 1)} but "
+                f"{root} has no checkpoint ({_root_contents(root)}); is checkpoint.dir "
+                f"({cfg.checkpoint.dir or 'checkpoints'}) the run's? Resume with the folder "
+                "that holds its checkpoints, or start a new run in another --out"
+            )
+        return Resume(None, [])
     path, state = found.path, found.state
     # the tokenizer first (ids would not mean the same thing), then the configuration
     verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
     if state.config_hash == cfg.hash():
-        return path
+        return Resume(path, found.skipped)
     changed = _changed_fields(out, state.config_hash, cfg)
     raise ConfigError(
         f"--resume: configuration mismatch with checkpoint {path} (config hash "
@@ -171,6 +249,55 @@ def check_resume(cfg: TrainConfig, out: Path, fingerprint: str) -> Path | None:
         + ("; ".join(changed) if changed else "the checkpoint's configuration is unknown")
         + " (only max_steps, num_threads, max_steps_without_update, checkpointing, logging, eval,"
         " engine, server, sandbox and rollout concurrency may change on resume)"
+    )
+
+
+def _root_contents(root: Path) -> str:
+    """What a checkpoint root without a checkpoint holds, in words."""
+    if not root.exists():
+        return "it does not exist"
+    names = sorted(p.name for p in root.iterdir())
+    if not names:
+        return "it is empty"
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return f"it holds {shown}, none of them a checkpoint step-N"
+
+
+def set_aside(broken: list[tuple[Path, str]]) -> None:
+    """Rename each broken checkpoint a resume skipped to ``broken-step-N`` beside it (a name
+    no lookup lists), so the resumed run's own checkpoints of those steps neither collide with
+    it nor are pruned in its favour; say so."""
+    for path, _ in broken:
+        target = path.with_name(f"broken-{path.name}")
+        n = 1
+        while target.exists():
+            target, n = path.with_name(f"broken-{path.name}.{n}"), n + 1
+        path.rename(target)
+        print(f"--resume: moved broken checkpoint {path} to {target}", flush=True)
+
+
+def schedule_note(cfg: TrainConfig, learner: Any) -> str | None:
+    """One line when a resumed run's ``train.max_steps`` is not the length its LR schedule was
+    made for (a decaying schedule keeps its length: ``LRSchedule.total_updates``)."""
+    schedule = getattr(getattr(learner, "policy", None), "lr_schedule", None)
+    opt = cfg.optimizer
+    if schedule is None or opt.schedule == "constant":
+        return None
+    alg = learner.settings.algorithm
+    per_step = alg.epochs * alg.mini_batches
+    steps, recorded = cfg.train.max_steps, schedule.total_updates // per_step
+    if schedule.total_updates == steps * per_step:
+        return None
+    end = opt.min_lr_ratio * opt.lr
+    after = (
+        f"from step {recorded + 1} on the LR stays at {end:g} (optimizer.min_lr_ratio × lr)"
+        if steps > recorded
+        else f"the run ends at step {steps}, before the schedule does"
+    )
+    return (
+        f"--resume: train.max_steps is {steps}, the run was started with {recorded}: its "
+        f"{opt.schedule} LR schedule keeps its length ({recorded} step{'s' * (recorded != 1)}); "
+        + after
     )
 
 

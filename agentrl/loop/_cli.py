@@ -136,8 +136,13 @@ def _interrupted_message(result) -> str:
     """Where an interrupted run stands and how to continue it."""
     out = result.out
     text = f"interrupted: {result.steps} complete steps in {out / 'ledger.jsonl'}; "
-    if result.checkpoint is None:
+    if result.checkpoint is None and not result.steps:
         return text + f"no checkpoint yet: agentrl train --resume {out} starts over"
+    if result.checkpoint is None:  # a resume refuses to empty the steps the ledger holds
+        return text + (
+            "no checkpoint yet (checkpoint.every_steps), so the run cannot be resumed; train "
+            f"it again with agentrl train --config {out / 'config.yaml'} --out NEW_RUN"
+        )
     from agentrl.trainer import read_state
 
     step = read_state(result.checkpoint).step

@@ -13,10 +13,11 @@ Step ``s`` (the learner holds version ``v``; the engines hold ``v`` too once it 
    ``filtered``/``surplus`` (DAPO refill: no reward signal, or beyond ``tasks_per_step``).
    ``fill`` samples as many fresh tasks once in place of the dropped and timed-out groups;
    ``train.refill_rounds`` samples fresh tasks until enough groups carry a reward signal.
-3. *Train* (in a worker thread: the actors keep the event loop), then *checkpoint* when due
-   (before the publish: in sync mode nothing is in flight then), then *publish* version
-   ``v + 1``; the step's trajectories (each with its fate in ``info``) and its ledger record
-   are written together, and its task slots are settled.
+3. *Train* (in a worker thread: the actors keep the event loop), then *publish* version
+   ``v + 1``; then the step's task slots are settled, its trajectories (each with its fate in
+   ``info``) and its ledger record are written together, and last the *checkpoint* is saved
+   when due (``_Runtime._commit``: it records the run files with this step in them; in sync
+   mode the next step's groups are started only after it, so nothing is in flight then).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ async def wait_groups(groups: list[Group], timeout_s: float | None) -> None:
 
 
 class LearnerRole:
-    """One step at a time: admit, collect, train, checkpoint, publish, record."""
+    """One step at a time: admit, collect, train, publish, record, checkpoint."""
 
     def __init__(self, cfg: Any, learner: Any, actor: Any, buffer: Any, tasks: Any) -> None:
         self.cfg, self.learner, self.actor, self.buffer, self.tasks = (

@@ -21,10 +21,13 @@ step's task slots and train data-parallel; rank 0 writes the run files, which mu
 filesystem every rank sees (checked at start). With ``server.urls`` every rank samples its share
 from the same servers and rank 0 alone publishes each version to them.
 
-Resume (``resume=True``): the newest checkpoint restores the learner, the RNG states, the task
-accounting and the policy version; the run files are cut back to their length at that
+Resume (``resume=True``): the newest checkpoint restores the learner (its LR schedule keeps
+the length it was made for), the RNG states, the task accounting, the policy version and the
+count of steps without an update; the run files are cut back to their length at that
 checkpoint, unsettled task slots are sampled again, and the engines get the checkpoint's
-weights before sampling. In sync mode a resumed run repeats the uninterrupted one exactly.
+weights before sampling. In sync mode a resumed run repeats the uninterrupted one exactly. One
+process writes a run folder at a time (``_runlock``: taken before the first write, held to the
+end).
 
 Stopping: ``stop`` (set by the command's Ctrl-C handler) cancels the step in progress (its
 sampling, or its evaluation); nothing of that step is written, so the run is as if it had been
@@ -54,8 +57,11 @@ from ._checkpointer import (
     Checkpointer,
     check_out,
     check_resume,
+    last_idle_steps,
     prepare_out,
     restore_files,
+    schedule_note,
+    set_aside,
 )
 from ._config import TrainConfig, dump_config
 from ._evaluator import Evaluator, sandbox_metrics
@@ -63,7 +69,7 @@ from ._files import RunFiles, check_dashboard
 from ._learner import LearnerRole
 from ._publisher import EngineWeightSink, Publisher
 from ._rank_publish import wrap_for_ranks
-from ._ranks import barrier, check_shared_out
+from ._ranks import barrier, check_shared_out, gather
 from ._records import (
     Clock,
     TrainingStalled,
@@ -72,6 +78,7 @@ from ._records import (
     step_record,
     trained_on_nothing,
 )
+from ._runlock import RunLock, lock_run_folder
 from ._tasks import TaskLedger, TaskStream
 from ._trackers import Trackers, check_trackers, open_trackers
 
@@ -112,10 +119,19 @@ class _Setup:
     accept_lost: bool = False
     trackers: Trackers | None = None
     """The run's trackers (rank 0)."""
+    lock: RunLock | None = None
+    """The run folder's lock (the process that writes the run files)."""
     train_tasks: list[Any] = field(default_factory=list)
     """The env's train split (``train.seed``)."""
     eval_tasks: list[Any] = field(default_factory=list)
     """The first ``eval.num_tasks`` tasks of ``eval.split``."""
+    idle_steps: int = 0
+    """Consecutive steps without an update at the checkpoint resumed from."""
+
+    def release(self) -> None:
+        """Give the run folder's lock up (the run is over)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 async def atrain(
@@ -132,6 +148,7 @@ async def atrain(
     cut to its last complete line instead of refused."""
     setup = _prepare(cfg, Path(out), resume, accept_lost_records)
     async with AsyncExitStack() as stack:
+        stack.callback(setup.release)  # last: after every file of the run is closed
         if setup.trackers is not None:
             stack.callback(setup.trackers.close)  # also when the run fails before its files
         runtime = await _compose(stack, setup)
@@ -158,27 +175,44 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     model_path = str(resolve_model(cfg.model))
     tokenizer = load_tokenizer(model_path)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    resume_from = check_resume(cfg, out, fingerprint) if resume else None
-    check_out(cfg, out, resume=resume)
+    check_out(cfg, out, resume=resume)  # refused before anything is written
     dist = init_distributed(
         num_threads=cfg.train.num_threads, timeout_s=cfg.train.collective_timeout_s
     )
     _check_world(cfg, dist.world_size)
     lead = dist.rank == 0  # writes the run files
+    lock = lock_run_folder(out, lead=lead)  # one writer per run folder, from here to the end
+    setup = _Setup(cfg, out, spec, model_path, tokenizer, fingerprint, None, lead, lock=lock)
+    setup.train_tasks, setup.eval_tasks = train_tasks, eval_tasks
+    setup.accept_lost = accept_lost
+    try:
+        _prepare_locked(setup, resume, dist.world_size)
+    except BaseException:
+        setup.release()
+        raise
+    return setup
+
+
+def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
+    cfg, out, lead = setup.cfg, setup.out, setup.lead
+    # what another run may have written before the lock was taken is looked at again
+    check_out(cfg, out, resume=resume)
+    found = check_resume(cfg, out, setup.fingerprint, lead=lead) if resume else None
+    if found is not None and found.broken:
+        barrier()  # every rank has looked before any checkpoint is moved
+        if lead:
+            set_aside(found.broken)
     if lead:
-        prepare_out(cfg, out, model_path, fresh=not resume)
+        prepare_out(cfg, out, setup.model_path, fresh=not resume)
     barrier()
     check_shared_out(out, dump_config(cfg))
     options = cfg.engine
-    if dist.world_size > 1 and options.num_threads is None:  # the ranks share the cores
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+    if world > 1 and options.num_threads is None:  # the ranks share the cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         options = options.replace(num_threads=max(1, (os.cpu_count() or 1) // local))
-    learner = _make_learner(cfg, spec, model_path, tokenizer)
-    setup = _Setup(cfg, out, spec, model_path, tokenizer, fingerprint, learner, lead)
-    setup.train_tasks, setup.eval_tasks = train_tasks, eval_tasks
     setup.engine_options = options
-    setup.accept_lost = accept_lost
-    _restore(setup, resume_from, resume)
+    setup.learner = _make_learner(cfg, setup.spec, setup.model_path, setup.tokenizer)
+    _restore(setup, found.path if found is not None else None, resume)
     if lead:
         setup.trackers = open_trackers(
             cfg.logging,
@@ -188,7 +222,6 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
             purge_step=setup.purge_step,
         )
     barrier()  # the run files are ready before anyone opens them
-    return setup
 
 
 def _check_world(cfg: TrainConfig, world: int) -> None:
@@ -238,18 +271,24 @@ def _restore(setup: _Setup, resume_from: Path | None, resume: bool) -> None:
             config_hash=setup.cfg.hash(),
             verify=False,  # check_resume verified it
         )
+        idle = state.steps_without_update
         if setup.lead:
+            if not idle:  # a checkpoint that predates the field: its step's ledger record
+                idle = last_idle_steps(setup.out, state)
             restore_files(setup.out, state.file_lengths, accept_lost=setup.accept_lost)
             print(
                 f"resuming from checkpoint step {state.step} ({resume_from}): policy version "
                 f"{state.policy_version}, data cursor {state.data_cursor}",
                 flush=True,
             )
+            if note := schedule_note(setup.cfg, setup.learner):
+                print(note, flush=True)
+        setup.idle_steps = gather(idle)[0]  # every rank stops at the same step
         setup.step, setup.cursor, setup.tasks_state = state.step, state.data_cursor, state.tasks
         setup.purge_step = state.step + 1
         setup.resume_from = resume_from
     elif resume and setup.lead:
-        restore_files(setup.out, {})  # killed before its first checkpoint: start over
+        restore_files(setup.out, {})  # killed before it recorded a step: start over
         print(f"--resume: {setup.out} has no checkpoint yet: starting over from step 1", flush=True)
 
 
@@ -333,7 +372,7 @@ class _Runtime:
         self.clock = Clock(self.actor, self.role)
         self.step = setup.step
         self.last: dict[str, Any] = {}
-        self.idle_steps = 0
+        self.idle_steps = setup.idle_steps
 
     async def run(self, stop: anyio.Event | None) -> TrainResult:
         try:
@@ -439,7 +478,9 @@ class _Runtime:
                 f"{self.setup.out / 'ledger.jsonl'})"
             )
         if self.checkpointer.due(step):  # the run files' lengths: fsynced by the save
-            self.checkpointer.save(step, self.learner, self.tasks.state(), self.tasks.low)
+            self.checkpointer.save(
+                step, self.learner, self.tasks.state(), self.tasks.low, idle_steps=self.idle_steps
+            )
 
     async def _intervals(self) -> None:
         every = self.cfg.logging.interval_s

@@ -7,6 +7,7 @@ export writes a loadable HF folder and replaces nothing but an earlier export.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ from agentrl.trainer import (
     CheckpointError,
     LoopState,
     export_checkpoint,
+    find_intact_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -188,6 +190,146 @@ def test_keep_prunes_the_oldest(tmp_path):
     for step in range(1, 5):
         save_checkpoint(tmp_path, _FakeLearner(), _state(step), keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+
+
+def _break(path) -> None:
+    """Truncate a checkpoint's weights: it no longer verifies."""
+    os.truncate(path / "weights.bin", 10)
+
+
+def test_pruning_never_removes_the_checkpoint_it_wrote_nor_counts_later_ones(tmp_path):
+    """A resumed run saves step 3 while broken checkpoints 3 and 4 of the earlier run are still
+    there (a caller that did not set them aside): with keep=1 the new step 3 is kept, step 2
+    goes, and step 4 (a later step: not this save's to judge) stays."""
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, _FakeLearner(), _state(step), keep=5)
+    for step in (3, 4):
+        _break(tmp_path / f"step-{step:08d}")
+    path = save_checkpoint(tmp_path, _FakeLearner(), _state(3), keep=1)
+    assert path == tmp_path / "step-00000003" and read_state(path).step == 3
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+    assert find_intact_checkpoint(tmp_path).path == path  # 4 is broken, 3 intact
+
+
+def test_keep_counts_only_checkpoints_that_look_intact(tmp_path):
+    """keep=2 after a broken step 3: the intact step 2 is kept beside the new step 4, the
+    broken one goes with step 1."""
+    for step in range(1, 4):
+        save_checkpoint(tmp_path, _FakeLearner(), _state(step), keep=5)
+    _break(tmp_path / "step-00000003")
+    save_checkpoint(tmp_path, _FakeLearner(), _state(4), keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
+
+
+_WRITER = """
+import sys
+from agentrl.trainer import LoopState, save_checkpoint
+
+class Waits:
+    def save(self, directory):
+        with open(directory + "/weights.bin", "wb") as fh:
+            fh.write(b"x" * 1000)
+        print("writing", flush=True)
+        sys.stdin.readline()  # filling its folder until told to go on
+
+state = LoopState(9, 9, 9, "tok-aaaa", "cfg-bbbb", "")
+save_checkpoint(sys.argv[1], Waits(), state, keep=5)
+print("saved", flush=True)
+"""
+
+
+def test_a_save_leaves_the_folder_another_live_writer_is_filling(tmp_path):
+    """Two writers of one checkpoint root (runs sharing a ``checkpoint.dir``): a save removes
+    the ``.tmp-*`` leftovers of dead writers only; a live writer's folder is left alone, and a
+    second writer of the very same step is refused. The leftover of a killed writer goes."""
+    root = tmp_path / "ckpt"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        live = root / ".tmp-step-00000009"
+        save_checkpoint(root, _FakeLearner(), _state(1), keep=5)
+        assert (live / "weights.bin").stat().st_size == 1000, "a live writer's folder was removed"
+        with pytest.raises(CheckpointError, match="being written by another live process"):
+            save_checkpoint(root, _FakeLearner(), _state(9), keep=5)
+        assert live.is_dir()
+        out, _ = writer.communicate("go\n", timeout=120)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert writer.returncode == 0 and out.endswith("saved\n"), out
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000001", "step-00000009"]
+    assert read_state(root / "step-00000009").step == 9
+    (root / ".tmp-step-00000007").mkdir()  # a dead writer's leftover (nobody claims it)
+    save_checkpoint(root, _FakeLearner(), _state(2), keep=5)
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step-00000001",
+        "step-00000002",
+        "step-00000009",
+    ]
+
+
+# -- the LR schedule keeps its length -------------------------------------------------------------
+
+
+def _cosine_learner(tiny_model_path, total_steps: int):
+    from agentrl.trainer import (
+        AlgorithmConfig,
+        Learner,
+        LearnerSettings,
+        OptimizerConfig,
+        init_distributed,
+    )
+
+    init_distributed(num_threads=2)
+    return Learner(
+        LearnerSettings(
+            model_path=str(tiny_model_path),
+            algorithm=AlgorithmConfig(name="grpo"),
+            optimizer=OptimizerConfig(lr=1e-3, schedule="cosine", min_lr_ratio=0.1),
+            total_steps=total_steps,
+            temperature=1.0,
+            pad_id=2,
+            micro_batch_tokens=64,
+        )
+    )
+
+
+def test_a_resume_with_more_steps_keeps_the_lr_schedule_it_started_with(
+    tiny_model_path, make_groups, tmp_path, rng
+):
+    """A cosine schedule made for 4 steps, checkpointed after 2, loaded by a learner made for 8
+    (``--resume --max-steps 8``): it goes on along the 4-step curve, reaching min_lr_ratio·lr
+    at step 4 and staying there, instead of a curve re-shaped mid-run (the LR would rise)."""
+    seed = rng.randrange(2**31)
+    first = _cosine_learner(tiny_model_path, total_steps=4)
+    lrs = [first.train_step(make_groups(seed + s, version=s)).lr for s in range(2)]
+    path = save_checkpoint(tmp_path, first, _state(2, first.settings.model_path), keep=1)
+    resumed = _cosine_learner(tiny_model_path, total_steps=8)
+    load_checkpoint(path, resumed, tokenizer_fingerprint=FINGERPRINT, config_hash=CONFIG_HASH)
+    lrs += [resumed.train_step(make_groups(seed + s, version=s)).lr for s in range(2, 6)]
+    floor = 1e-4
+
+    def cosine(u: int) -> float:  # the 4-update curve
+        return floor + (1e-3 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, u / 4)))
+
+    assert lrs == pytest.approx([cosine(u) for u in range(6)]), f"lrs={lrs}; seed={seed}"
+    assert lrs[4:] == pytest.approx([floor, floor])
+    schedule = resumed.policy.engine.lr_scheduler
+    assert schedule.total_updates == 4 and schedule.state_dict()["total_updates"] == 4
+
+
+def test_an_lr_schedule_saved_without_its_length_keeps_the_current_one(tiny_model_path):
+    """A schedule state from before its length was saved: the length the learner was made with."""
+    learner = _cosine_learner(tiny_model_path, total_steps=6)
+    schedule = learner.policy.engine.lr_scheduler
+    schedule.load_state_dict({"updates": 3, "base_lrs": list(schedule.base_lrs)})
+    assert schedule.total_updates == 6 and schedule.updates == 3
+    assert schedule.get_last_lr()[0] == pytest.approx(1e-3 * schedule.multiplier(3))
 
 
 def test_export_writes_a_loadable_hf_folder(make_learner, make_groups, tmp_path, rng):

@@ -125,6 +125,21 @@ def test_each_kind_of_damage_is_named(tmp_path, damage, expected):
     _lookup_falls_back(tmp_path, newest, expected)
 
 
+def test_a_checkpoint_in_another_steps_folder_is_broken(tmp_path):
+    """A checkpoint copied (or renamed) over another step's folder: its manifest is intact,
+    but its ``state.json`` names another step. It is refused, and the lookup falls back."""
+    first, second, _ = _three(tmp_path)
+    shutil.rmtree(second)
+    shutil.copytree(first, second)
+    with pytest.raises(CheckpointError, match="is the checkpoint of step 1, not of the step"):
+        verify_checkpoint(second)
+    found = find_intact_checkpoint(tmp_path)
+    assert found.path == tmp_path / "step-00000003"
+    shutil.rmtree(tmp_path / "step-00000003")
+    found = find_intact_checkpoint(tmp_path)
+    assert found.path == first and [p for p, _ in found.skipped] == [second]
+
+
 def _old_format(path) -> None:
     """Make ``path`` look like a checkpoint of an older agentrl (no manifest, no format)."""
     (path / "manifest.json").unlink()

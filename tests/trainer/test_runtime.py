@@ -275,3 +275,59 @@ def test_async_generation_throughput_counts_the_time_the_actors_sampled_in(async
         assert record["gen_tokens_per_s"] == pytest.approx(
             record["gen_tokens"] / record["sampling_s"]
         )
+
+
+@pytest.mark.parametrize("checkpoint", ["current", "older"])
+def test_a_resumed_stalled_run_stops_where_the_straight_one_would(tmp_path, checkpoint):
+    """Every reward raises: after 2 steps without an update and a checkpoint, a resume with
+    ``train.max_steps_without_update=3`` stops at step 3, not at step 5 (the count is restored,
+    not granted anew). A checkpoint from before the count was saved takes it from its step's
+    ledger record."""
+    from agentrl.loop import TrainingStalled
+    from agentrl.trainer._manifest import write_manifest
+
+    sections = {
+        "rollout": {"env_kwargs": {"fail_every": 1}},
+        "train": {"max_steps": 2, "max_steps_without_update": 3},
+        "checkpoint": {"every_steps": 1, "keep": 5},
+        "logging": {"progress": False, "interval_s": 0},
+    }
+    out = tmp_path / "run"
+    train(load_train_config(_config(tmp_path, **sections)), out)
+    state_file = out / "checkpoints" / "step-00000002" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["steps_without_update"] == 2
+    if checkpoint == "older":
+        del state["steps_without_update"]
+        state_file.write_text(json.dumps(state))
+        write_manifest(state_file.parent)
+    longer = load_train_config(out / "config.yaml", ["train.max_steps=6"])
+    with pytest.raises(TrainingStalled, match="3 consecutive steps trained on nothing"):
+        train(longer, out, resume=True)
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert [(r["step"], r["steps_without_update"]) for r in ledger] == [(1, 1), (2, 2), (3, 3)]
+    assert "stop_reason" in ledger[-1]
+
+
+def test_a_resume_with_more_steps_keeps_the_lr_schedule_and_says_so(tmp_path, capsys):
+    """A cosine schedule made for 2 steps, resumed with ``train.max_steps=4``: one line says the
+    schedule keeps its length and what the LR is after it, and steps 3-4 train at
+    min_lr_ratio·lr (the curve is not re-shaped to 4 steps: the LR does not rise again)."""
+    sections = {
+        "optimizer": {"lr": 1e-3, "schedule": "cosine", "min_lr_ratio": 0.1},
+        "train": {"max_steps": 2},
+        "checkpoint": {"every_steps": 1, "keep": 1},
+        "logging": {"progress": False, "interval_s": 0},
+    }
+    out = tmp_path / "run"
+    train(load_train_config(_config(tmp_path, **sections)), out)
+    capsys.readouterr()
+    train(load_train_config(out / "config.yaml", ["train.max_steps=4"]), out, resume=True)
+    text = capsys.readouterr().out
+    assert (
+        "--resume: train.max_steps is 4, the run was started with 2: its cosine LR schedule "
+        "keeps its length (2 steps); from step 3 on the LR stays at 0.0001 "
+        "(optimizer.min_lr_ratio × lr)"
+    ) in text, text[-2000:]
+    lrs = [r["lr"] for r in read_ledger(out / "ledger.jsonl")]
+    assert lrs == pytest.approx([1e-3, 1e-4 + 0.9e-3 * 0.5, 1e-4, 1e-4]), lrs

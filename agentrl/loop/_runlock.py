@@ -1,0 +1,103 @@
+"""One writer per run folder: ``OUT/.agentrl.lock``.
+
+The process that writes the run files (rank 0; the only process of a single-process run) holds
+an exclusive ``fcntl.flock`` on ``OUT/.agentrl.lock`` from before its first write until the run
+ends, and writes its pid and host into the file. A second ``agentrl train`` into the same folder
+(``--resume`` or a new run) is refused with one line naming the folder and the holder, before it
+writes anything; the kernel drops the lock when the holder exits, however it ends (a SIGKILL
+too), so a stale file never blocks a resume.
+
+Under ``torchrun`` only rank 0 takes the lock (every rank of one run shares the folder); the
+outcome is gathered to every rank, so a refusal stops all of them with the same error instead of
+leaving the others waiting in a collective. The lock is taken on the filesystem of ``OUT``: NFS
+(v4, or v3 with lockd) shares it between nodes; a filesystem without ``flock`` (Lustre mounted
+without ``-o flock``) runs unlocked, saying so.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from agentrl._errors import ConfigError
+
+from ._ranks import gather
+
+LOCK_FILE = ".agentrl.lock"
+_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``OUT/.agentrl.lock`` (``acquire``), held until ``release``."""
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def acquire(cls, out: Path) -> RunLock:
+        """Lock ``out`` (created when missing) for this process; ``ConfigError`` naming the
+        holder's pid when another process holds it."""
+        path = out / LOCK_FILE
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:  # a symlink there (ELOOP), a folder, no permission
+            raise ConfigError(f"{path}: the run folder's lock cannot be opened ({exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"{out} is in use: another agentrl run ({holder}) holds {path}; wait for it to "
+                "end, or stop it first"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _UNSUPPORTED:
+                raise
+            print(
+                f"warning: {path} cannot be locked on this filesystem ({exc.strerror}): nothing "
+                "stops a second run from writing into this folder at the same time",
+                flush=True,
+            )
+            return cls(path, None)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Give the lock up (idempotent); the file stays, for the next run to lock."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """What the holder wrote into the lock file (``pid N on HOST``)."""
+    try:
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "pid unknown"
+
+
+def lock_run_folder(out: Path, *, lead: bool) -> RunLock | None:
+    """Rank 0 (``lead``) locks ``out``; every rank gets its outcome, so a refusal (or any
+    failure to take the lock) raises the same ``ConfigError`` on every rank. Returns the lock
+    on rank 0, None elsewhere. Call after the process group exists."""
+    lock, failure = None, None
+    if lead:
+        try:
+            lock = RunLock.acquire(out)
+        except Exception as exc:  # every rank must hear of it, not only this one
+            failure = exc
+    reasons = [r for r in gather(None if failure is None else str(failure)) if r]
+    if failure is not None:
+        raise failure
+    if reasons:
+        raise ConfigError(reasons[0])
+    return lock
