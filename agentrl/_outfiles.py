@@ -59,10 +59,11 @@ def display_text(text: str | os.PathLike[str]) -> str:
 
 def open_run_file(path: str | os.PathLike[str]) -> IO[bytes]:
     """``path`` opened for binary reading, never blocking: a FIFO, a device or a terminal
-    under the name is refused before anything is read, and a read that would block on a file
-    that claims to be regular (``/proc/kmsg``) raises ``BlockingIOError`` (``run_file_lines``
-    turns it into a ``RunFileError``). ``FileNotFoundError`` when nothing has the
-    name; ``RunFileError`` for anything else that is not a readable regular file."""
+    under the name is refused before anything is read, and so is a file of ``/proc`` or
+    ``/sys`` (they claim to be regular; reading ``/proc/kmsg`` blocks, or consumes the kernel's
+    log); a read that would block on any other file raises ``BlockingIOError``
+    (``run_file_lines`` turns it into a ``RunFileError``). ``FileNotFoundError`` when nothing
+    has the name; ``RunFileError`` for anything else that is not a readable regular file."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
@@ -70,15 +71,35 @@ def open_run_file(path: str | os.PathLike[str]) -> IO[bytes]:
     except OSError as exc:
         raise RunFileError(f"{display_text(path)}: cannot read it ({exc.strerror})") from None
     try:
-        mode = os.fstat(fd).st_mode
+        info = os.fstat(fd)
     except OSError:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, a device or another special file"
+        special = "a FIFO, a device or another special file"
+        what = "a folder" if stat.S_ISDIR(info.st_mode) else special
         raise RunFileError(f"{display_text(path)} is not a regular file (it is {what})")
+    kernel = _kernel_filesystem(info.st_dev)
+    if kernel is not None:
+        os.close(fd)
+        raise RunFileError(
+            f"{display_text(path)} is a file of the kernel's {kernel}, not a run file (reading "
+            "some of them consumes what they hold, /proc/kmsg the kernel's log)"
+        )
     return os.fdopen(fd, "rb", buffering=0)
+
+
+def _kernel_filesystem(device: int) -> str | None:
+    """``/proc`` or ``/sys`` when a file with ``st_dev == device`` lies on that filesystem:
+    their files claim to be regular but are the kernel's interfaces."""
+    for root in ("/proc", "/sys"):
+        try:
+            if os.stat(root).st_dev == device:
+                return root
+        except OSError:
+            continue
+    return None
 
 
 def _unreadable(path: str | os.PathLike[str], exc: OSError) -> RunFileError:

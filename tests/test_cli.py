@@ -684,9 +684,9 @@ def test_inspect_check_skips_trajectories_without_messages(tiny_run, tmp_path):
 
 @pytest.mark.parametrize("what", ["deep-first", "deep-later", "fifo", "kmsg", "span-past-ids"])
 def test_inspect_refuses_odd_files_in_one_line(what, tmp_path, tiny_model_path, capsys):
-    """JSON nested past the parser's depth, a FIFO or /proc/kmsg (a read that blocks: the
-    command hung) under the file's name: one line, exit 2. A span that ends past the ids is
-    an invalid trajectory (it was an IndexError)."""
+    """JSON nested past the parser's depth, a FIFO or /proc/kmsg (a read that blocks, or eats
+    the kernel's log: the command hung) under the file's name: one line, exit 2. A span that
+    ends past the ids is an invalid trajectory (it was an IndexError)."""
     from trajectories import trajectory_from_pieces
 
     from agentrl.cli import main
@@ -709,7 +709,7 @@ def test_inspect_refuses_odd_files_in_one_line(what, tmp_path, tiny_model_path, 
         if not os.access("/proc/kmsg", os.R_OK):
             pytest.skip("needs a readable /proc/kmsg (root)")
         path.symlink_to("/proc/kmsg")
-        needle = "not a readable run file (its read would block)"
+        needle = "is a file of the kernel's /proc, not a run file"
     else:
         bad = trajectory_from_pieces([("prompt", [1], 0), ("model", [2], 0)])
         bad.spans[-1] = msgspec.structs.replace(bad.spans[-1], end=5)

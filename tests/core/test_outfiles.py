@@ -4,6 +4,7 @@ folder or a file that is not agentrl's page."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -118,15 +119,22 @@ def test_a_run_file_that_is_not_regular_is_refused_without_blocking(tmp_path):
 
 
 @pytest.mark.skipif(not os.access(KMSG, os.R_OK), reason="needs a readable /proc/kmsg (root)")
-def test_a_procfs_file_whose_read_would_block_is_not_a_run_file(tmp_path):
-    """``/proc/kmsg`` is S_ISREG but a plain read waits for the next kernel message (forever):
-    read with O_NONBLOCK it says EAGAIN, which is "not a readable run file", not an empty one."""
+def test_a_procfs_file_is_not_a_run_file(tmp_path):
+    """``/proc/kmsg`` is S_ISREG, but a read waits for the next kernel message (forever) or,
+    where the log holds some, takes them from the kernel's log: it is refused before any
+    read, as every file of ``/proc`` and ``/sys`` is."""
     link = tmp_path / "ledger.jsonl"
     link.symlink_to(KMSG)
-    with pytest.raises(RunFileError, match="not a readable run file .its read would block"):
+    with pytest.raises(RunFileError, match="is a file of the kernel's /proc, not a run file"):
         list(run_file_lines(link))
-    with pytest.raises(RunFileError, match="would block"):
+    with pytest.raises(RunFileError, match="kernel's /proc"):
         read_run_file(link)
+    sysfs = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sysfs.is_file():
+        other = tmp_path / "runtime.jsonl"
+        other.symlink_to(sysfs)
+        with pytest.raises(RunFileError, match="kernel's /sys"):
+            read_run_file(other)
 
 
 def test_a_run_file_without_permission_is_one_line(tmp_path, monkeypatch):

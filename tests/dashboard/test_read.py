@@ -277,7 +277,7 @@ def test_a_run_file_that_cannot_be_read_is_one_line(tmp_path, rng, capsys, monke
         if not os.access(KMSG, os.R_OK):
             pytest.skip("needs a readable /proc/kmsg (root)")
         target.symlink_to(KMSG)
-        needle = "runtime.jsonl: not a readable run file (its read would block)"
+        needle = "runtime.jsonl is a file of the kernel's /proc, not a run file"
     else:
         target.write_text("{}\n")
         real_open = os.open

@@ -263,4 +263,4 @@ def test_a_run_file_that_would_block_is_refused(tmp_path, capsys, name):
     (run / name).symlink_to("/proc/kmsg")
     assert main(["plan", "capacity", "--from-run", str(run)]) == 2
     err = capsys.readouterr().err
-    assert f"{name}: not a readable run file (its read would block)" in err, err
+    assert f"{name} is a file of the kernel's /proc, not a run file" in err, err
