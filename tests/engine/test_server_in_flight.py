@@ -93,23 +93,31 @@ async def test_a_rule_the_server_does_not_run_is_refused(tiny_dir: Path) -> None
             assert result.token_versions == [0, 0, 0]
 
 
+def _reply(
+    logprobs: list[float], versions: list[int] | None = None, weight_version: str = "6"
+) -> w.WireGenerateResp:
+    """An SGLang reply to a 2-token prompt: ids 5, 6, ... with these logprobs, cut by length."""
+    ids = list(range(5, 5 + len(logprobs)))
+    meta = w.WireMetaInfo(
+        id="r",
+        finish_reason=w.WireFinishReason("length", length=len(ids)),
+        prompt_tokens=2,
+        completion_tokens=len(ids),
+        cached_tokens=0,
+        weight_version=weight_version,
+        output_token_logprobs=[(lp, i, None) for lp, i in zip(logprobs, ids, strict=True)],
+        token_versions=versions,
+    )
+    return w.WireGenerateResp(text="", meta_info=meta, output_ids=ids)
+
+
 def test_a_reply_without_versions_counts_every_token_as_its_weight_version() -> None:
     """SGLang's reply carries one ``weight_version``; the client fills each token with it, and
     refuses an extension list that does not fit the tokens."""
     sampling = SamplingParams(max_new_tokens=3)
 
     def reply(versions: list[int] | None) -> w.WireGenerateResp:
-        meta = w.WireMetaInfo(
-            id="r",
-            finish_reason=w.WireFinishReason("length", length=3),
-            prompt_tokens=2,
-            completion_tokens=3,
-            cached_tokens=0,
-            weight_version="6",
-            output_token_logprobs=[(-1.0, 5, None), (-2.0, 6, None), (-0.5, 7, None)],
-            token_versions=versions,
-        )
-        return w.WireGenerateResp(text="", meta_info=meta, output_ids=[5, 6, 7])
+        return _reply([-1.0, -2.0, -0.5], versions)
 
     result = to_result(reply(None), sampling, 0, "http://s", True, [1, 2])
     assert (result.weight_version, result.token_versions) == (6, [6, 6, 6])
@@ -124,15 +132,6 @@ def test_a_reply_without_versions_counts_every_token_as_its_weight_version() -> 
 def test_a_reply_with_a_logprob_that_is_not_finite_is_an_engine_error(bad: float) -> None:
     """A NaN or infinite sampled logprob (broken weights on the server) would reach the
     learner's ratio: the reply is refused, so the trajectory records the failure."""
-    meta = w.WireMetaInfo(
-        id="r",
-        finish_reason=w.WireFinishReason("length", length=2),
-        prompt_tokens=2,
-        completion_tokens=2,
-        cached_tokens=0,
-        weight_version="0",
-        output_token_logprobs=[(-1.0, 5, None), (bad, 6, None)],
-    )
-    reply = w.WireGenerateResp(text="", meta_info=meta, output_ids=[5, 6])
+    reply = _reply([-1.0, bad], weight_version="0")
     with pytest.raises(EngineError, match="not finite"):
         to_result(reply, SamplingParams(max_new_tokens=2), 0, "http://s", True, [1, 2])
