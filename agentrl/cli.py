@@ -176,7 +176,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     from ._config import RolloutConfig, validate_config
     from ._config_file import load_json
     from ._errors import ConfigError
-    from ._interrupt import run_until_interrupted
+    from ._interrupt import run_until_interrupted, signal_name
     from ._runner import check_run_dir
     from ._types import read_trajectories
 
@@ -253,12 +253,13 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             markup=False,
         )
 
-    def stopping() -> None:
+    def stopping(signum: int) -> None:
         console.print(
-            "\nstopping: cancelling the trajectories in flight (Ctrl-C again to abort now)"
+            f"\nstopping ({signal_name(signum)}): cancelling the trajectories in flight "
+            "(Ctrl-C or SIGTERM again to abort now)"
         )
 
-    result, _ = anyio.run(
+    result, signum = anyio.run(
         lambda: run_until_interrupted(
             lambda stop: _rollout_with_resources(
                 args, cfg, out, (progress, tasks_found), if_exists, stop
@@ -290,7 +291,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             ),
             markup=False,
         )
-        return 130
+        return 128 + (signum or signal.SIGINT)  # 130 after Ctrl-C, 143 after SIGTERM
     failed = [t for t in result.trajectories if t.status == "error"]
     if result.trajectories and len(failed) == len(result.trajectories):
         first = failed[0].error

@@ -395,10 +395,15 @@ def test_a_config_file_next_to_the_run_is_not_a_run(tmp_path, tiny_model_path):
 # -- Ctrl-C and failures are reported, not buried ------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["trio", "asyncio"])
-def test_ctrl_c_during_a_rollout_saves_what_finished(backend, tmp_path, tiny_model_path):
+@pytest.mark.parametrize(
+    ("backend", "sig"),
+    [("trio", signal.SIGINT), ("asyncio", signal.SIGINT), ("trio", signal.SIGTERM)],
+    ids=["trio", "asyncio", "SIGTERM"],
+)
+def test_ctrl_c_during_a_rollout_saves_what_finished(backend, sig, tmp_path, tiny_model_path):
     """SIGINT to a real ``agentrl rollout``: a one-line notice (no exception group), the
-    finished trajectories kept, the summary written, exit 130."""
+    finished trajectories kept, the summary written, exit 130. SIGTERM (a scheduler's
+    preemption) takes the same path and exits 143."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl.cli", "rollout", "--env", "faulty_envs:slow-v0",
@@ -412,9 +417,11 @@ def test_ctrl_c_during_a_rollout_saves_what_finished(backend, tmp_path, tiny_mod
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no trajectory finished in time"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stdout[-3000:] + stderr[-3000:]
+    assert proc.returncode == 128 + sig, stdout[-3000:] + stderr[-3000:]
+    name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    assert f"stopping ({name}): cancelling the trajectories in flight" in stdout, stdout[-3000:]
     saved = read_trajectories(str(file))
     assert 5 <= len(saved) < 300
     assert f"interrupted: {len(saved)}/300 trajectories saved" in stdout

@@ -370,6 +370,35 @@ def test_ctrl_c_stops_training_at_a_safe_point(interrupted):
     ) in " ".join(stdout.split()), stdout[-2000:]
 
 
+def test_sigterm_stops_training_like_ctrl_c(tmp_path):
+    """SIGTERM (a scheduler preempting the job before its SIGKILL) takes Ctrl-C's path: the
+    step in progress is dropped, the run says how to resume, exit 143."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({**CONFIG, "train": {**CONFIG["train"], "max_steps": 60}}))
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    marker = run / "checkpoints" / "step-00000001" / "state.json"
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    text = " ".join(stdout.split())
+    assert "stopping (SIGTERM): the step in progress is dropped" in text, stdout[-2000:]
+    steps = [r["step"] for r in _ledger(run)]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 60
+    assert f"interrupted: {len(steps)} complete steps in {run / 'ledger.jsonl'}" in text
+    assert f"agentrl train --resume {run} continues from it" in text
+    assert not list((run / "checkpoints").glob(".tmp-*")), "a checkpoint was left half-written"
+
+
 def test_an_interrupted_run_without_a_checkpoint_says_what_a_resume_does(tmp_path):
     """Interrupted before its first checkpoint: with no step recorded ``--resume`` starts over;
     with steps recorded a resume refuses (it never empties them), so the message says to train

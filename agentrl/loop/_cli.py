@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,7 +84,7 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
 def _cmd_train(args: argparse.Namespace) -> int:
     import anyio
 
-    from agentrl._interrupt import run_until_interrupted
+    from agentrl._interrupt import run_until_interrupted, signal_name
 
     cfg, out = _train_config(args)  # before torch loads: a bad config is refused at once
     from ._checkpointer import check_out
@@ -102,13 +103,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
             flush=True,
         )  # fmt: skip
 
-    def stopping() -> None:
-        print("\nstopping: the step in progress is dropped, nothing half-written is kept "
-              "(Ctrl-C again to abort now)", flush=True)  # fmt: skip
+    def stopping(signum: int) -> None:
+        print(
+            f"\nstopping ({signal_name(signum)}): the step in progress is dropped, nothing "
+            "half-written is kept (Ctrl-C or SIGTERM again to abort now)",
+            flush=True,
+        )
 
-    # under torchrun every rank would stop at a different point: keep the default Ctrl-C there
+    # under torchrun every rank would stop at a different point: keep the default Ctrl-C and
+    # SIGTERM there (docs/training.md, "Failures and Ctrl-C")
     alone = os.environ.get("WORLD_SIZE", "1") == "1"
-    result, _ = anyio.run(
+    result, signum = anyio.run(
         lambda: run_until_interrupted(
             lambda stop: atrain(
                 cfg,
@@ -125,7 +130,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if result.interrupted:
         if lead:
             print(_interrupted_message(result), flush=True)
-        return 130
+        return 128 + (signum or signal.SIGINT)  # 130 after Ctrl-C, 143 after SIGTERM
     if lead:
         print(f"done: {result.steps} steps, policy version {result.policy_version}; ledger: "
               f"{out / 'ledger.jsonl'}", flush=True)  # fmt: skip
