@@ -204,7 +204,10 @@ def to_result(
         kind, matched = "stop", ids[-1]  # SGLang checks the length limit before stop ids
     elif kind not in ("length", "abort"):
         raise EngineError(f"{url}/generate: unknown finish_reason {finish!r}")
-    first = w.parse_weight_version(meta.weight_version, version)
+    # a reply without the field (an SGLang older than 0.5.17) counts as the version the
+    # engine holds; "default" (or any non-integer) is a server no update reached (restarted
+    # since the last one): its launch weights, version 0 — never the version published last
+    first = version if meta.weight_version is None else w.parse_weight_version(meta.weight_version)
     versions = meta.token_versions  # agentrl serve's, when the tokens span versions
     if versions is not None and (len(versions) != len(ids) or versions != sorted(versions)):
         raise EngineError(

@@ -8,9 +8,11 @@ Step ``s`` (the learner holds version ``v``; the engines hold ``v`` too once it 
    than ``k`` versions ahead.
 2. *Collect* the step's groups (``train.partial_groups``): wait for them (at most
    ``train.group_timeout_s`` under drop/fill; the groups still running then are cancelled);
-   each group gets a *fate*: ``trained``; ``stale`` (sampled more than ``k`` versions ago:
-   never trained on); ``dropped`` (a failed member, under drop/fill); ``timed_out``;
-   ``filtered``/``surplus`` (DAPO refill: no reward signal, or beyond ``tasks_per_step``).
+   each group gets a *fate*: ``trained``; ``stale`` (sampled more than ``k`` versions ago, or
+   by a version newer than the learner's — weights this run never published, e.g. a server
+   another run updated: never trained on); ``dropped`` (a failed member, under drop/fill);
+   ``timed_out``; ``filtered``/``surplus`` (DAPO refill: no reward signal, or beyond
+   ``tasks_per_step``).
    ``fill`` samples as many fresh tasks once in place of the dropped and timed-out groups;
    ``train.refill_rounds`` samples fresh tasks until enough groups carry a reward signal.
 3. *Train* (in a worker thread: the actors keep the event loop), then *publish* version
@@ -92,7 +94,7 @@ def assign_fates(
         view.lag = version - view.version
         if view.timed_out:
             view.fate = "timed_out"
-        elif view.lag > max_lag:
+        elif view.lag > max_lag or view.lag < 0:  # < 0: weights this run never published
             view.fate = "stale"
         elif view.failed and rule != "wait":
             view.fate = "dropped"

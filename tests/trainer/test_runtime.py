@@ -101,6 +101,14 @@ def test_fates_follow_the_lag_bound_and_the_partial_group_rule(rule, want):
     assert [v.lag for v in views] == [0, 2, 0, 0, 1]
 
 
+def test_a_group_sampled_by_a_version_newer_than_the_learner_is_never_trained():
+    """The learner publishes every version its engines hold: a newer one (a server another run
+    updated) holds weights this run never made."""
+    views = [_view(0, 5), _view(1, 7)]
+    assign_fates(views, 5, 1, "wait", keep_informative=None)
+    assert [(v.fate, v.lag) for v in views] == [("trained", 0), ("stale", -2)]
+
+
 def test_refill_keeps_only_informative_groups_up_to_the_step_size():
     views = [_view(0, 0, rewards=(1.0, 1.0)), _view(1, 0), _view(2, 0), _view(3, 0)]
     assign_fates(views, 0, 0, "wait", keep_informative=2)
