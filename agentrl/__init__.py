@@ -32,6 +32,7 @@ from ._errors import SandboxError as SandboxError
 from ._errors import ToolError as ToolError
 from ._errors import UnregisteredEnv as UnregisteredEnv
 from ._errors import VersionNotFound as VersionNotFound
+from ._errors import WriteError as WriteError
 from ._registry import EnvSpec as EnvSpec
 from ._registry import env as env
 from ._registry import make as make
@@ -81,6 +82,7 @@ __all__ = [
     "Trajectory",
     "UnregisteredEnv",
     "VersionNotFound",
+    "WriteError",
     "acheck_env",
     "arollout",
     "check_env",

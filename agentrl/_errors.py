@@ -84,5 +84,13 @@ class OutputError(AgentRLError):
     the path and leaves it as it is."""
 
 
+class WriteError(AgentRLError):
+    """A file agentrl writes could not be written: the disk is full (ENOSPC), a quota is
+    reached, an I/O error. The message names the file, the cause and (for a full disk) the free
+    space; the command exits 1."""
+
+    exit_code = 1
+
+
 class ModelError(AgentRLError):
     """A model cannot be found, fetched or converted."""

@@ -21,15 +21,18 @@ name's stray bytes) into text a page or a terminal can show.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from ._errors import ConfigError, OutputError
+from ._errors import ConfigError, OutputError, WriteError
 
 GENERATOR = '<meta name="generator" content="agentrl">'
 """The tag every HTML page agentrl writes carries in its head."""
@@ -247,6 +250,67 @@ def open_append(path: str | os.PathLike[str], mode: Literal["a", "ab"] = "a") ->
         check_writable(path)
         raise OutputError(f"{path} is not a regular file")
     return os.fdopen(fd, mode)
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception's chain (writers that wrap the ``OSError``,
+    safetensors' or torch's, say so in their message)."""
+    seen: BaseException | None = exc
+    for _ in range(16):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def human_size(size: float) -> str:
+    """``852.0 KiB``, ``1.2 MiB``: a byte count for people."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def free_space(path: str | os.PathLike[str]) -> int | None:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing folder)."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def write_error(path: str | os.PathLike[str], exc: BaseException, *, then: str = "") -> WriteError:
+    """The ``WriteError`` for a write of ``path`` that failed with ``exc``: a full disk (or
+    quota) is named with the free space left there; ``then`` says what happens now."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if is_disk_full(exc):
+        free = free_space(path)
+        room = f": {human_size(free)} free there" if free is not None else ""
+        text = f"no space left on device (ENOSPC) writing {path} ({cause}){room}"
+    else:
+        text = f"writing {path} failed ({cause})"
+    return WriteError(text + (f". {then}" if then else ""))
+
+
+@contextmanager
+def writing(path: str | os.PathLike[str], *, then: str = "") -> Iterator[None]:
+    """Turn an ``OSError`` (a full disk, an I/O error) raised inside into ``write_error``'s
+    ``WriteError`` naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_error(path, exc, then=then) from exc
 
 
 def is_agentrl_page(path: str | os.PathLike[str]) -> bool:

@@ -399,6 +399,72 @@ def test_sigterm_stops_training_like_ctrl_c(tmp_path):
     assert not list((run / "checkpoints").glob(".tmp-*")), "a checkpoint was left half-written"
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (needs root; skipped where it cannot be mounted), unmounted after."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(folder: Path) -> Path:
+    """Write a file into ``folder`` until its disk is full; returns the file."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return filler
+
+
+def test_a_full_disk_under_the_run_files_is_named_and_the_run_resumes(small_disk, tmp_path):
+    """The run folder's disk fills up while training (checkpoints elsewhere): the run stops
+    with one error naming ENOSPC, the file and how to resume (it was a raw OSError traceback);
+    once there is room, ``--resume`` completes the run, with no torn or repeated records."""
+    config = tmp_path / "config.yaml"
+    steps = 6
+    config.write_text(json.dumps({
+        **CONFIG,
+        "train": {**CONFIG["train"], "max_steps": steps},
+        "eval": {"every_steps": 0},
+        "checkpoint": {"every_steps": 1, "keep": 2, "dir": str(tmp_path / "ckpt")},
+    }))  # fmt: skip
+    run = small_disk / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    marker = tmp_path / "ckpt" / "step-00000001" / "state.json"
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    filler = _fill(small_disk)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("agentrl: error:")]
+    assert f"no space left on device (ENOSPC) writing {run}/" in line, line
+    assert "B free there" in line and f"agentrl train --resume {run} continues from it" in line
+    assert "once there is room" in line, line
+    filler.unlink()
+    resumed = _agentrl("train", "--resume", str(run))
+    assert "resuming from checkpoint step" in resumed.stdout
+    assert [r["step"] for r in _ledger(run)] == list(range(1, steps + 1))
+    trajs = read_trajectories(str(run / "trajectories.jsonl"))  # a torn line would not parse
+    assert len(trajs) == len({t.id for t in trajs}) == steps * 2 * 4
+
+
 def test_an_interrupted_run_without_a_checkpoint_says_what_a_resume_does(tmp_path):
     """Interrupted before its first checkpoint: with no step recorded ``--resume`` starts over;
     with steps recorded a resume refuses (it never empties them), so the message says to train

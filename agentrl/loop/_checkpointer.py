@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import pydantic
 
 from agentrl._errors import ConfigError
-from agentrl._outfiles import check_writable, write_file
+from agentrl._outfiles import check_writable, write_file, writing
 from agentrl._runner import config_diff, is_training_config
 from agentrl.trainer import LoopState, find_intact_checkpoint, latest_checkpoint, list_checkpoints
 
@@ -80,16 +80,41 @@ class Checkpointer:
             config_hash=self.cfg.hash(),
             model_path=self.model_path,
             in_flight=IN_FLIGHT_RULE,
-            file_lengths=record_lengths(self.out, RUN_FILES),  # fsynced, whole lines
+            file_lengths=self._lengths(),  # fsynced, whole lines
             tasks=tasks,
             steps_without_update=idle_steps,
         )
         self.newest = save_checkpoint(self.root, learner, state, keep=self.cfg.checkpoint.keep)
         self.last_s = time.perf_counter() - t0
 
+    def _lengths(self) -> dict[str, int]:
+        """The run files' lengths (``record_lengths``); a failed fsync is a ``WriteError``."""
+        with writing(self.out):
+            return record_lengths(self.out, RUN_FILES)
+
     def latest(self) -> Path | None:
         """The newest checkpoint this run wrote, else the newest one on disk (not re-hashed)."""
         return self.newest or latest_checkpoint(self.root, contents=False)
+
+
+def how_to_continue(out: Path, steps: int, checkpoint: Path | None) -> str:
+    """Where a run that stopped after ``steps`` complete steps stands (``checkpoint``: its
+    newest) and the command that continues it."""
+    text = f"{steps} complete steps in {out / 'ledger.jsonl'}; "
+    if checkpoint is None and not steps:
+        return text + f"no checkpoint yet: agentrl train --resume {out} starts over"
+    if checkpoint is None:  # a resume refuses to empty the steps the ledger holds
+        return text + (
+            "no checkpoint yet (checkpoint.every_steps), so the run cannot be resumed; train "
+            f"it again with agentrl train --config {out / 'config.yaml'} --out NEW_RUN"
+        )
+    from agentrl.trainer import read_state
+
+    step = read_state(checkpoint).step
+    return text + (
+        f"newest checkpoint: step {step} ({checkpoint}); agentrl train --resume {out} "
+        "continues from it" + (" (later steps are redone)" if step < steps else "")
+    )
 
 
 def last_idle_steps(out: Path, state: LoopState) -> int:
@@ -198,10 +223,12 @@ def prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, fresh: bool) ->
     info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
     info["rollout"] = cfg.rollout.model_dump(mode="json")
     # config.json first: it marks the folder as a training run's (``check_out``)
-    write_file(out / "config.json", json.dumps(info, indent=2))
+    with writing(out / "config.json"):
+        write_file(out / "config.json", json.dumps(info, indent=2))
     if fresh:
         restore_files(out, {})
-    write_file(out / "config.yaml", dump_config(cfg))
+    with writing(out / "config.yaml"):
+        write_file(out / "config.yaml", dump_config(cfg))
 
 
 class Resume(NamedTuple):

@@ -139,22 +139,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _interrupted_message(result) -> str:
     """Where an interrupted run stands and how to continue it."""
-    out = result.out
-    text = f"interrupted: {result.steps} complete steps in {out / 'ledger.jsonl'}; "
-    if result.checkpoint is None and not result.steps:
-        return text + f"no checkpoint yet: agentrl train --resume {out} starts over"
-    if result.checkpoint is None:  # a resume refuses to empty the steps the ledger holds
-        return text + (
-            "no checkpoint yet (checkpoint.every_steps), so the run cannot be resumed; train "
-            f"it again with agentrl train --config {out / 'config.yaml'} --out NEW_RUN"
-        )
-    from agentrl.trainer import read_state
+    from ._checkpointer import how_to_continue
 
-    step = read_state(result.checkpoint).step
-    return text + (
-        f"newest checkpoint: step {step} ({result.checkpoint}); agentrl train --resume {out} "
-        "continues from it" + (" (later steps are redone)" if step < result.steps else "")
-    )
+    return "interrupted: " + how_to_continue(result.out, result.steps, result.checkpoint)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ class Evaluator:
         trajs = in_task_order(self.tasks, gather(mine))
         if self.files is not None:
             for traj in trajs:
-                self.files.eval_trajectories.write(traj)
+                self.files.eval_trajectory(traj)
         metrics = eval_metrics(trajs, self.cfg.train.pass_threshold, time.perf_counter() - started)
         return {**metrics, **sandbox_metrics(self.ctx.env_resources, "eval_sandbox")}
 

@@ -7,13 +7,15 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from agentrl._errors import ConfigError
-from agentrl._outfiles import open_append
+from agentrl._errors import ConfigError, WriteError
+from agentrl._outfiles import open_append, write_error, writing
 from agentrl._types import Trajectory, TrajectoryWriter
 
 from ._ledger import Ledger, StepProgress, interval_scalars
@@ -40,16 +42,29 @@ class RunFiles:
         self.ledger = Ledger(out, trackers)
         self.progress = StepProgress(cfg.train.max_steps, step, enabled=cfg.logging.progress)
         self.runtime = open_append(out / "runtime.jsonl")
+        self.write_failed = False
+        """A write of a run file failed (the run ends with that error)."""
 
     def trajectory(self, traj: Trajectory) -> None:
         if self.keep_trajectories:
-            self.trajectories.write(traj)
+            with self._writing(self.trajectories.path):
+                self.trajectories.write(traj)
+
+    def eval_trajectory(self, traj: Trajectory) -> None:
+        with self._writing(self.eval_trajectories.path):
+            self.eval_trajectories.write(traj)
+
+    def step(self, record: dict[str, Any], rewards: list[float]) -> None:
+        """The step's ledger record (fsynced) and the trackers' step scalars."""
+        with self._writing(self.ledger.path):
+            self.ledger.write(record, rewards=rewards)
 
     def interval(self, record: dict[str, Any]) -> None:
         """One interval record: ``runtime.jsonl`` and the trackers' ``runtime/`` scalars."""
-        self.runtime.write(json.dumps(record) + "\n")
-        self.runtime.flush()
-        os.fsync(self.runtime.fileno())
+        with self._writing(self.out / "runtime.jsonl"):
+            self.runtime.write(json.dumps(record) + "\n")
+            self.runtime.flush()
+            os.fsync(self.runtime.fileno())
         scalars = interval_scalars(record)
         self.ledger.trackers.log_interval(float(record["time_s"]), int(record["step"]), scalars)
 
@@ -65,9 +80,32 @@ class RunFiles:
         except Exception as exc:  # the run's files stay the record; the page is a view of them
             print(f"agentrl: dashboard not written after step {step}: {exc}", file=sys.stderr)
 
+    @contextmanager
+    def _writing(self, path: Any) -> Iterator[None]:
+        """``writing(path)``, remembering a failure (``close`` then stays quiet)."""
+        try:
+            with writing(path):
+                yield
+        except WriteError:
+            self.write_failed = True
+            raise
+
     def close(self) -> None:
-        self.trajectories.close()
-        self.eval_trajectories.close()
-        self.ledger.close()
+        """Close every file. One that cannot be closed (its buffered bytes cannot be written:
+        the disk is full) is reported after the others are closed — unless a write already
+        failed: that error is the one that explains the run's end."""
+        failed = None
+        closers = [
+            (self.trajectories.path, self.trajectories.close),
+            (self.eval_trajectories.path, self.eval_trajectories.close),
+            (self.ledger.path, self.ledger.close),
+            (self.out / "runtime.jsonl", self.runtime.close),
+        ]
         self.progress.close()
-        self.runtime.close()
+        for path, close in closers:
+            try:
+                close()
+            except OSError as exc:
+                failed = failed or write_error(path, exc)
+        if failed is not None and not self.write_failed:
+            raise failed

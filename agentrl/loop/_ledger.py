@@ -156,8 +156,10 @@ class Ledger:
         self.trackers.log_step(int(record["step"]), step_scalars(record), rewards)
 
     def close(self) -> None:
-        self._fh.close()
-        self.trackers.close()
+        try:
+            self._fh.close()
+        finally:
+            self.trackers.close()
 
 
 def _number(value: Any) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import torch
 
-from agentrl._outfiles import write_via
+from agentrl._outfiles import human_size, is_disk_full, write_error, write_via
 
 _SNAPSHOT = re.compile(r"v\d{8,}")
 
@@ -65,11 +65,25 @@ class EngineWeightSink:
         from safetensors.torch import save_file
 
         folder = Path(self.snapshot_dir or ".") / f"v{version:08d}"
-        folder.mkdir(parents=True, exist_ok=True)
         tensors = unique_tensors(weights)
-        write_via(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp))
-        config = Path(self.model_path) / "config.json"
-        write_via(folder / "config.json", lambda tmp: shutil.copyfile(config, tmp))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_via(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp))
+            config = Path(self.model_path) / "config.json"
+            write_via(folder / "config.json", lambda tmp: shutil.copyfile(config, tmp))
+        except Exception as exc:  # safetensors reports a full disk as its own error
+            if not (isinstance(exc, OSError) or is_disk_full(exc)):
+                raise
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            keep = "every snapshot" if self.keep is None else f"{self.keep}"
+            raise write_error(
+                folder / "model.safetensors",
+                exc,
+                then=f"One snapshot takes {human_size(size)}; server.keep_snapshots keeps "
+                f"{keep} (plus the one being written) in server.snapshot_dir "
+                f"({self.snapshot_dir}): free space there, lower server.keep_snapshots, or "
+                "point server.snapshot_dir at a larger disk the servers can read",
+            ) from exc
         return str(folder)
 
 

@@ -47,7 +47,8 @@ from typing import Any
 
 import anyio
 
-from agentrl._errors import ConfigError
+from agentrl._errors import ConfigError, WriteError
+from agentrl._outfiles import is_disk_full
 from agentrl._rollout import RolloutContext
 from agentrl._runner import cancel_when_set
 
@@ -57,6 +58,7 @@ from ._checkpointer import (
     Checkpointer,
     check_out,
     check_resume,
+    how_to_continue,
     last_idle_steps,
     prepare_out,
     restore_files,
@@ -376,9 +378,12 @@ class _Runtime:
 
     async def run(self, stop: anyio.Event | None) -> TrainResult:
         try:
-            interrupted = await self._run(stop)
-        except BaseExceptionGroup as group:  # the task groups' wrapping: raise what happened
-            raise _first_error(group) from None
+            try:
+                interrupted = await self._run(stop)
+            except BaseExceptionGroup as group:  # the task groups' wrapping: raise what happened
+                raise _first_error(group) from None
+        except WriteError as exc:  # a full disk: what is kept, and how to go on once fixed
+            raise WriteError(f"{exc}. {self._after_write_error(exc)}") from exc
         return TrainResult(
             self.setup.out,
             self.step,
@@ -388,6 +393,14 @@ class _Runtime:
             checkpoint=self.checkpointer.latest(),
             resumed_from=self.setup.resume_from,
         )
+
+    def _after_write_error(self, exc: WriteError) -> str:
+        """Where a run a failed write stopped stands, and how to continue it."""
+        checkpoint = self.checkpointer.latest()
+        where = how_to_continue(self.setup.out, self.step, checkpoint)
+        when = "once there is room" if is_disk_full(exc) else "once the file can be written"
+        cut = " (what was written after it is cut back)" if checkpoint is not None else ""
+        return f"The run stopped with {where} {when}{cut}"
 
     async def _run(self, stop: anyio.Event | None) -> bool:
         async with self.actor.running(), anyio.create_task_group() as tg:
@@ -404,7 +417,7 @@ class _Runtime:
         if self.step == 0 and self.cfg.eval.at_start:
             record = {"step": 0, "policy_version": 0, **await self.evaluate(0)}
             if self.files is not None:
-                self.files.ledger.write(record)
+                self.files.step(record, [])
         while self.step < self.cfg.train.max_steps:
             await self._one_step(self.step + 1)
             self.step += 1
@@ -468,7 +481,7 @@ class _Runtime:
                 self.files.trajectory(traj)
             trained = [t for v in data.trained for t in v.trajectories]
             rewards = [float(t.reward) for t in trained if t.reward is not None]
-            self.files.ledger.write(record, rewards=rewards)
+            self.files.step(record, rewards)
             self.files.progress.update(record)
         self.last = record
         if "stop_reason" in record:

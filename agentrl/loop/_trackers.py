@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from agentrl._config_file import read_json_value
 from agentrl._errors import ConfigError
-from agentrl._outfiles import write_file
+from agentrl._outfiles import write_file, writing
 
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """The module each tracker imports (its extra: ``_extras.missing_dependency_message``)."""
@@ -152,7 +152,12 @@ def open_trackers(
     except BaseException:
         Trackers(opened).close()
         raise
-    write_file(ids_path, json.dumps(ids, indent=2) + "\n")
+    try:
+        with writing(ids_path):
+            write_file(ids_path, json.dumps(ids, indent=2) + "\n")
+    except BaseException:
+        Trackers(opened).close()
+        raise
     return Trackers(opened)
 
 
