@@ -106,7 +106,8 @@ class Transport:
                 self.connect_retries += 1
                 await anyio.sleep(0.2 * 2**attempt)
             except httpx.TimeoutException as exc:
-                raise EngineError(f"{method} {url} timed out: {exc!r}") from exc
+                limit = timeout or self._timeout.read
+                raise EngineError(f"{method} {url} timed out after {limit:g} s: {exc!r}") from exc
             except httpx.HTTPError as exc:
                 raise EngineError(f"{method} {url} failed: {exc!r}") from exc
         if response.status_code != 200:

@@ -220,7 +220,10 @@ class ServerSection(_Section):
     keep_snapshots: int = pydantic.Field(2, ge=1)
     """Newest snapshots kept (older ones are deleted after a publish)."""
     request_timeout_s: float = pydantic.Field(600.0, gt=0)
-    """One generate request's limit."""
+    """The limit of each request to a server: a generate call, opening a session, loading a
+    published version. A server that stops answering (hung, paused) fails the request after
+    this long: a generate call's failure is recorded on its trajectory, a weight update's stops
+    the run."""
 
 
 class EvalSection(_Section):

@@ -334,7 +334,7 @@ async def test_http_failures_are_engine_errors(server: Server) -> None:
             await engine.generate([99999], GREEDY)
         assert caught.value.status == 400 and "out of range" in caught.value.body
     slow = SGLangEngine([server.url], request_timeout_s=0.05)
-    with pytest.raises(EngineError, match="timed out"):
+    with pytest.raises(EngineError, match="timed out after 0.05 s"):
         long = SamplingParams(max_new_tokens=1500, temperature=0.0, stop_token_ids=[])
         await slow.generate(PROMPT, long)
     await slow.aclose()
