@@ -606,7 +606,7 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                     bound = run.tools.get(call.name)
                     if record.error_kind == "tool_timeout" and bound and _in_thread(bound):
                         run.abandoned_threads += 1  # a thread cannot be stopped: it runs on
-                record = _valid_output(record)
+                record = _valid_output(record, ctx.config.max_tool_output_chars)
                 run.tool_calls.append(record)
                 observations.append(Message("tool", record.output, name=call.name or None))
             await _turn_reward(run, env)
@@ -648,9 +648,17 @@ async def _turn_reward(run: _Run, env: Any) -> None:
     run.turn_rewards.append(value)
 
 
-def _valid_output(record: ToolCallRecord) -> ToolCallRecord:
-    """``record``, or a failed one when its output is not valid text (a lone surrogate, which
-    no tokenizer or JSON line takes): the model is told, the trajectory goes on."""
+def _valid_output(record: ToolCallRecord, limit: int) -> ToolCallRecord:
+    """``record``, its output cut to ``limit`` characters (with a note the model reads), or a
+    failed one when its output is not valid text (a lone surrogate, which no tokenizer or JSON
+    line takes): the model is told, the trajectory goes on."""
+    if len(record.output) > limit:
+        size = len(record.output)
+        record = msgspec.structs.replace(
+            record,
+            output=record.output[:limit] + f"\n[output truncated: {size} characters, the first "
+            f"{limit} kept (rollout.max_tool_output_chars)]",
+        )
     at = lone_surrogate(record.output)
     if at is None:
         return record

@@ -335,6 +335,47 @@ def _deadlines_ctx(chatml, engine, **cfg):
     return ctx
 
 
+@agentrl.env("tool-flood-v0", max_turns=2, max_new_tokens=96, tags=("test",))
+class ToolFloodEnv:
+    """A tool whose result is 5 MB of text."""
+
+    def tasks(self, split: str = "train", *, seed: int = 0) -> list[agentrl.Task]:
+        return [agentrl.Task(id="t0", prompt="Use the tool.")]
+
+    async def reset(self, task):
+        return [agentrl.Message("system", "Call tools."), agentrl.Message("user", task.prompt)]
+
+    @agentrl.tool
+    def flood(self) -> str:
+        """Returns 5 MB of text."""
+        return "abcd " * 1_000_000
+
+    async def reward(self, episode) -> float:
+        return 1.0
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_tool_result_past_max_tool_output_chars_is_cut_with_a_note(chatml, tokenizer):
+    """A tool that returns megabytes: the model reads the first ``max_tool_output_chars``
+    characters and a note, and neither the tokenizer nor the trajectory's record take the rest
+    (5 MB took seconds of the event loop, gigabytes at 20 MB, and a 5 MB JSONL line)."""
+    engine = ScriptedEngine(tokenizer, [_call("flood"), ANSWER])
+    ctx = _ctx(chatml, engine, max_tool_output_chars=1000)
+    ctx.spec = agentrl.spec("tool-flood-v0")
+    traj = await run_trajectory(ctx, _task(), group_id="g", sample_index=0, seed=1)
+    _assert_invariants(traj, chatml, engine)
+    (record,) = traj.tool_calls
+    assert record.ok and record.output.startswith("abcd " * 200)
+    note = (
+        "[output truncated: 5000000 characters, the first 1000 kept "
+        "(rollout.max_tool_output_chars)]"
+    )
+    assert record.output.endswith("\n" + note) and len(record.output) == 1001 + len(note)
+    assert traj.status == "done" and len(encode_trajectory(traj)) < 50_000
+
+
 async def test_tools_that_never_return_time_out_and_the_trajectory_goes_on(chatml, tokenizer):
     """Every call has a deadline: the env's ``tool_timeout_s`` (0.3 s here, not the rollout's
     10 s default), or the tool's own ``timeout_s``; a timed-out call is ``tool_timeout``, the
