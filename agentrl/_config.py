@@ -42,7 +42,9 @@ class RolloutConfig(pydantic.BaseModel):
     ``reward()``, a sandbox-backed verifier) runs outside this limit, so a slow verifier does
     not keep other trajectories from generating."""
     turn_timeout_s: float = pydantic.Field(300.0, gt=0)
-    """Deadline for one generate call."""
+    """Deadline for one generate call. Past it the trajectory ends with ``status="error"``,
+    ``where="engine"`` (a stalled or overloaded engine: the turn's answer is unknown, so the
+    trajectory is not scored)."""
     tool_timeout_s: float = pydantic.Field(10.0, gt=0)
     """Deadline for one tool call, unless the tool's own ``timeout_s`` or the environment's
     ``tool_timeout_s`` attribute sets one (the tool's wins over the environment's)."""

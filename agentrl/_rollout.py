@@ -526,8 +526,11 @@ async def _step(run: _Run, env: Any, state: State) -> State:
                     list(run.buf.token_ids), sampling, session=run.session
                 )
             run.timing.generate_s += time.perf_counter() - t0
-            if scope.cancelled_caught:
-                return run.finish("truncated", "deadline")
+            if scope.cancelled_caught:  # no answer: not the policy's doing, so no reward
+                raise _engine_error(
+                    f"no reply within rollout.turn_timeout_s={ctx.config.turn_timeout_s:g} s "
+                    "(a stalled or overloaded engine): the turn's answer is unknown"
+                )
             if run.policy_version is None:
                 run.policy_version = result.weight_version
             run.buf.add_sampled(result.token_ids, result.logprobs, result.token_versions, run.turn)

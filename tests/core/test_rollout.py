@@ -189,12 +189,16 @@ def _fake_clock():
 
 @pytest.mark.parametrize("anyio_backend", [_fake_clock()])
 async def test_turn_deadline_with_fake_clock(chatml, tokenizer, anyio_backend):
+    """A generate call past ``turn_timeout_s`` (a stalled or overloaded server) is the engine's
+    failure: the trajectory carries no reward (it was ``truncated`` and scored on an answer the
+    policy never gave, shifting its group's advantages)."""
     engine = ScriptedEngine(tokenizer, [CALL], delay_s=1000.0)
     traj = await run_trajectory(
         _ctx(chatml, engine, turn_timeout_s=5.0), _task(), group_id="g", sample_index=0, seed=1
     )
     _assert_invariants(traj, chatml)
-    assert traj.status == "truncated" and traj.termination_reason == "deadline"
+    assert traj.status == "error" and traj.error.where == "engine" and traj.reward is None
+    assert "no reply within rollout.turn_timeout_s=5 s" in traj.error.message
     assert traj.num_turns == 0
 
 
