@@ -23,6 +23,7 @@ import socket
 from pathlib import Path
 
 from agentrl._errors import ConfigError
+from agentrl._outfiles import write_error
 
 from ._ranks import gather
 
@@ -65,8 +66,12 @@ class RunLock:
                 flush=True,
             )
             return cls(path, None)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError as exc:  # a full disk
+            os.close(fd)
+            raise write_error(path, exc) from exc
         return cls(path, fd)
 
     def release(self) -> None:

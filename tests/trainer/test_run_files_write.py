@@ -123,3 +123,21 @@ def test_write_error_says_what_failed_when_the_disk_is_not_full(tmp_path):
     assert str(error) == (
         f"writing {tmp_path / 'ledger.jsonl'} failed (OSError: [Errno 5] Input/output error)"
     )
+
+
+def test_the_run_lock_on_a_full_disk_is_a_write_error(small_disk):
+    """The first thing a run writes is its lock (the holder's pid): a full disk there is named
+    like any other run file (it was a raw ``OSError`` traceback)."""
+    from agentrl.loop._runlock import RunLock
+
+    out = small_disk / "run"
+    out.mkdir()
+    with open(small_disk / "filler", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass
+    with pytest.raises(WriteError, match=r"no space left on device \(ENOSPC\) writing "
+                       + str(out / ".agentrl.lock")):  # fmt: skip
+        RunLock.acquire(out)
