@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-from ._outfiles import open_append, run_file_lines
+from ._outfiles import open_append, run_file_lines, write_error
 
 Role = Literal["system", "user", "assistant", "tool"]
 SpanSource = Literal["prompt", "model", "tool", "template"]
@@ -374,20 +374,31 @@ def read_trajectories(path: str) -> list[Trajectory]:
 
 
 class TrajectoryWriter:
-    """Appends each trajectory to JSONL as soon as it finishes (a crash loses nothing finished)."""
+    """Appends each trajectory to JSONL as soon as it finishes (a crash loses nothing finished).
+    A write that fails (a full disk) raises ``WriteError`` naming the file; closing the writer
+    after it raises nothing more (the bytes it could not write are dropped)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fh = open_append(path, "ab")
         self.count = 0
+        self._failed = False
 
     def write(self, trajectory: Trajectory) -> None:
-        self._fh.write(_encoder.encode(trajectory) + b"\n")
-        self._fh.flush()
+        try:
+            self._fh.write(_encoder.encode(trajectory) + b"\n")
+            self._fh.flush()
+        except OSError as exc:
+            self._failed = True
+            raise write_error(self.path, exc) from exc
         self.count += 1
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError as exc:  # its buffer could not be written
+            if not self._failed:
+                raise write_error(self.path, exc) from exc
 
     def __enter__(self) -> TrajectoryWriter:
         return self

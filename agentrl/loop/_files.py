@@ -105,6 +105,8 @@ class RunFiles:
         for path, close in closers:
             try:
                 close()
+            except WriteError as exc:
+                failed = failed or exc
             except OSError as exc:
                 failed = failed or write_error(path, exc)
         if failed is not None and not self.write_failed:

@@ -170,3 +170,40 @@ def test_display_text_shows_a_name_that_is_not_utf8():
     assert display_text(os.fsdecode(b"run-\xff")) == "run-\ufffd"
     assert display_text("run-\ud800") == "run-\ufffd\ufffd\ufffd"  # not from a file name
     assert display_text("r\u00e9sum\u00e9") == "r\u00e9sum\u00e9"
+
+
+def test_a_trajectory_writer_on_a_full_disk_raises_a_write_error_once(tmp_path):
+    """``agentrl rollout``, ``eval`` and ``train`` write trajectories through one writer: a
+    write that fails with ENOSPC is a ``WriteError`` naming the file and the room left, and
+    closing the writer afterwards (its buffer still unwritten) raises nothing more."""
+    import errno
+
+    from trajectories import trajectory_from_pieces
+
+    from agentrl import WriteError
+    from agentrl._types import TrajectoryWriter
+
+    class Full:
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            self.real.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = tmp_path / "trajectories.jsonl"
+    writer = TrajectoryWriter(str(path))
+    writer._fh = Full(writer._fh)
+    traj = trajectory_from_pieces([("prompt", [1, 2], 0), ("model", [3], 0)], id="t")
+    with pytest.raises(WriteError) as info:
+        writer.write(traj)
+    assert str(info.value).startswith(f"no space left on device (ENOSPC) writing {path} (")
+    assert "B free there" in str(info.value) and writer.count == 0
+    writer.close()
+    clean = TrajectoryWriter(str(tmp_path / "other.jsonl"))
+    clean._fh = Full(clean._fh)
+    with pytest.raises(WriteError, match="other.jsonl"):  # a close that loses bytes is loud
+        clean.close()
