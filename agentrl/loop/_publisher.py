@@ -66,18 +66,23 @@ class EngineWeightSink:
 
         folder = Path(self.snapshot_dir or ".") / f"v{version:08d}"
         tensors = unique_tensors(weights)
+        target = folder
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            write_via(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp))
+            target = folder / "model.safetensors"
+            write_via(target, lambda tmp: save_file(tensors, tmp))
+            target = folder / "config.json"
             config = Path(self.model_path) / "config.json"
-            write_via(folder / "config.json", lambda tmp: shutil.copyfile(config, tmp))
+            write_via(target, lambda tmp: shutil.copyfile(config, tmp))
         except Exception as exc:  # safetensors reports a full disk as its own error
-            if not (isinstance(exc, OSError) or is_disk_full(exc)):
+            if not is_disk_full(exc):
+                if isinstance(exc, OSError):
+                    raise write_error(target, exc) from exc
                 raise
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             keep = "every snapshot" if self.keep is None else f"{self.keep}"
             raise write_error(
-                folder / "model.safetensors",
+                target,
                 exc,
                 then=f"One snapshot takes {human_size(size)}; server.keep_snapshots keeps "
                 f"{keep} (plus the one being written) in server.snapshot_dir "

@@ -395,7 +395,7 @@ class _Runtime:
         )
 
     def _after_write_error(self, exc: WriteError) -> str:
-        """Where a run a failed write stopped stands, and how to continue it."""
+        """Where the run stands after a failed write stopped it, and how to continue it."""
         checkpoint = self.checkpointer.latest()
         where = how_to_continue(self.setup.out, self.step, checkpoint)
         when = "once there is room" if is_disk_full(exc) else "once the file can be written"
