@@ -5,6 +5,7 @@ that takes the request and never answers (or answers 500): counted arrivals prov
 
 from __future__ import annotations
 
+import http.server
 import json
 import signal
 import socket
@@ -24,6 +25,7 @@ from agentrl.sandboxes import (
     ReplicatedSandbox,
     RunRequest,
     SandboxClient,
+    SandboxError,
     SandboxHTTPError,
     SandboxNoAnswer,
     SandboxUnreachable,
@@ -303,6 +305,57 @@ async def test_every_replica_refusing_is_bounded():
     assert a.connect_attempts + b.connect_attempts <= 2 + 4 * 2 + 20  # bounded, not a spin
     stats = replicas.statistics()
     assert all(s.unreachable >= 1 and not s.up and s.requests == 0 for s in stats), stats
+
+
+@contextmanager
+def health_standin(status: int, body: dict) -> Iterator[str]:
+    """A loopback server answering every GET with ``status`` and ``body`` (JSON); its URL."""
+    payload = json.dumps(body).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 — the stdlib's name
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+async def test_a_replica_that_refuses_the_client_or_runs_another_backend_stops_the_start(
+    small_and_big,
+):
+    """At start, a replica that answers ``/health`` with an error (here 401: another token)
+    would never take work, and one running another backend would give programs other
+    guarantees: ``refresh`` raises naming it, rather than leaving it down in silence."""
+    _, big = small_and_big
+    unauthorized = {"error": {"type": "unauthorized", "message": "missing or wrong token"}}
+    docker = {"status": "ok", "backend": "docker", "limits": {"size": 4, "max_queue": 4}}
+    with health_standin(401, unauthorized) as refusing, health_standin(200, docker) as other:
+        for url, match in ((refusing, "401 unauthorized"), (other, "different backends")):
+            async with (
+                SandboxClient(big.url, connect_retries=0) as a,
+                SandboxClient(url, connect_retries=0) as b,
+            ):
+                replicas = ReplicatedSandbox([a, b])
+                with pytest.raises(SandboxError, match=match) as caught:
+                    await replicas.refresh()
+                assert url in str(caught.value)
+        async with SandboxClient(refusing, connect_retries=0) as only:
+            with pytest.raises(SandboxError, match="401 unauthorized"):
+                await ReplicatedSandbox([only]).refresh()
 
 
 async def test_every_replica_busy_raises_pool_busy_within_the_wait(small_and_big):
