@@ -79,11 +79,13 @@ def _listed(router: str) -> dict[str, bool]:
 
 def start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
-    one worker by chance) and a 1 s health check."""
+    one worker by chance) and a 1 s health check. Its metrics listener gets a free loopback
+    port too: on its default (29000) a second router on the host fails to start."""
     port = free_port()
     cmd = [
         *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
         *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
         *("--health-check-interval-secs", "1", "--health-failure-threshold", "1"),
         *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
     ]
