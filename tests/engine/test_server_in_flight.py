@@ -128,6 +128,22 @@ def test_a_reply_without_versions_counts_every_token_as_its_weight_version() -> 
             to_result(reply(bad), sampling, 0, "http://s", True, [1, 2])
 
 
+def test_a_reply_from_a_server_no_publication_reached_counts_as_the_oldest_version() -> None:
+    """A fresh SGLang worker (one a router took on since the last publication, or restarted)
+    reports ``weight_version`` ``"default"`` and serves the weights it started with: its tokens
+    are version 0, never the engine's current version; a reply with no version at all takes
+    the engine's."""
+    sampling = SamplingParams(max_new_tokens=2)
+    fresh = to_result(
+        _reply([-1.0, -2.0], weight_version="default"), sampling, 7, "u", True, [1, 2]
+    )
+    assert (fresh.weight_version, fresh.token_versions) == (0, [0, 0])
+    silent = _reply([-1.0, -2.0])
+    silent.meta_info.weight_version = None
+    result = to_result(silent, sampling, 7, "u", True, [1, 2])
+    assert (result.weight_version, result.token_versions) == (7, [7, 7])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_reply_with_a_logprob_that_is_not_finite_is_an_engine_error(bad: float) -> None:
     """A NaN or infinite sampled logprob (broken weights on the server) would reach the
