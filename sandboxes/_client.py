@@ -29,6 +29,7 @@ while the others run.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -235,7 +236,7 @@ class SandboxClient:
             if error.type == "invalid_request":
                 raise InvalidRequest(error.field or "request", error.message)
         _raise_for_status(response)
-        return _result_decoder.decode(response.content)
+        return _decode(response, _result_decoder)
 
     async def run_batch(self, requests: Sequence[RunRequest]) -> list[RunResult]:
         """Run several programs; results in order. An item that breaks a rule comes back as
@@ -265,7 +266,7 @@ class SandboxClient:
             if parts is not None:
                 return await self._parts(parts)
         _raise_for_status(response)
-        results = _batch_decoder.decode(response.content).results
+        results = _decode(response, _batch_decoder).results
         if len(results) != len(requests):
             raise SandboxHTTPError(
                 response.status_code,
@@ -298,7 +299,18 @@ class SandboxClient:
         (default: the client's timeouts)."""
         response = await self._send("GET", "/health", None, 0.0, timeout_s)
         _raise_for_status(response)
-        return response.json()
+        try:
+            health = json.loads(response.content)
+        except ValueError:
+            health = None
+        if not isinstance(health, dict):
+            raise SandboxHTTPError(
+                response.status_code,
+                "protocol_error",
+                f"{self.base_url}/health answered {response.content[:100]!r}, not a sandbox "
+                "service's health",
+            )
+        return health
 
     async def metrics(self) -> str:
         """The Prometheus text exposition."""
@@ -354,6 +366,20 @@ def _split(
         parts[-1].append(request)
         used += size
     return parts if len(parts) > 1 else None
+
+
+def _decode(response: httpx.Response, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """The answer's value; an answer that is not one (a proxy's page, a service of another
+    version) is a ``SandboxHTTPError``: the request may have run, so it is not re-sent."""
+    try:
+        return decoder.decode(response.content)
+    except msgspec.DecodeError as exc:
+        raise SandboxHTTPError(
+            response.status_code,
+            "protocol_error",
+            f"{response.request.url}: the answer is not what the service sends ({exc}; it "
+            f"begins {response.content[:80]!r}); the request may have run and is not re-sent",
+        ) from exc
 
 
 def _raise_for_status(response: httpx.Response) -> None:

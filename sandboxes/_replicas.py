@@ -281,7 +281,7 @@ class ReplicatedSandbox:
         async def run_part(k: int) -> None:
             try:
                 outcomes[k], _ = await self._call("run_batch", parts[k])
-            except (SandboxError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 — that part's items fail, the others stand
                 outcomes[k] = exc
 
         async with anyio.create_task_group() as tg:

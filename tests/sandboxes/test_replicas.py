@@ -308,17 +308,27 @@ async def test_every_replica_refusing_is_bounded():
 
 
 @contextmanager
-def health_standin(status: int, body: dict) -> Iterator[str]:
-    """A loopback server answering every GET with ``status`` and ``body`` (JSON); its URL."""
+def health_standin(status: int, body: dict, posts: list[str] | None = None) -> Iterator[str]:
+    """A loopback server answering every GET with ``status`` and ``body`` (JSON), and every
+    POST (read whole, its path appended to ``posts``) with 200 and an HTML page; its URL."""
     payload = json.dumps(body).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 — the stdlib's name
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
+            self._answer(status, "application/json", payload)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if posts is not None:
+                posts.append(self.path)
+            self._answer(200, "text/html", b"<html>a proxy's page</html>")
+
+        def _answer(self, code: int, kind: str, data: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(payload)
+            self.wfile.write(data)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -356,6 +366,34 @@ async def test_a_replica_that_refuses_the_client_or_runs_another_backend_stops_t
         async with SandboxClient(refusing, connect_retries=0) as only:
             with pytest.raises(SandboxError, match="401 unauthorized"):
                 await ReplicatedSandbox([only]).refresh()
+
+
+async def test_an_answer_that_is_not_the_services_fails_that_request_only(small_and_big):
+    """A replica answering 200 with something that is not a result (a proxy's page, a service
+    speaking another version): that request fails as a ``SandboxHTTPError`` (it may have run:
+    not re-sent), and in a batch only that part's items fail, while the part on the real
+    replica runs and keeps its results (a raw decoding error used to cancel it)."""
+    _, big = small_and_big
+    posts: list[str] = []
+    healthy = {"status": "ok", "backend": "local", "limits": {"size": 64, "max_queue": 0}}
+    with health_standin(200, healthy, posts) as garbled:
+        async with (
+            SandboxClient(garbled, connect_retries=0) as a,
+            SandboxClient(big.url, connect_retries=0) as b,
+        ):
+            replicas = ReplicatedSandbox([a, b])
+            await replicas.refresh()  # the stand-in's capacity makes it the first choice
+            with pytest.raises(SandboxHTTPError, match="not what the service sends"):
+                await replicas.run(py("print(1)"))
+            assert posts == ["/v1/run"]
+            before = _execs(big.url)
+            slow = "import time; time.sleep(0.5); print(2)"
+            results = await replicas.run_batch([py(slow) for _ in range(4)])
+    assert posts == ["/v1/run", "/v1/run_batch"]
+    assert [r.status for r in results].count("ok") == 2, results
+    failed = [r for r in results if r.status == "sandbox_error"]
+    assert len(failed) == 2 and all("not re-sent" in (r.error or "") for r in failed), failed
+    assert _execs(big.url) - before == 2
 
 
 async def test_every_replica_busy_raises_pool_busy_within_the_wait(small_and_big):
