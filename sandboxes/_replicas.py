@@ -188,9 +188,12 @@ class ReplicatedSandbox:
         probe to answer; None when the time is up."""
         while True:
             now = time.monotonic()
-            for r in self.replicas:  # probe back the down ones that are due
-                if r.down and not r.probing and r.probe_at <= now:
-                    await self._probe(r)
+            due = [r for r in self.replicas if r.down and not r.probing and r.probe_at <= now]
+            if due:  # probe back the down ones that are due, all at once
+                async with anyio.create_task_group() as tg:
+                    for r in due:
+                        tg.start_soon(self._probe, r)
+                now = time.monotonic()
             ready = [
                 i
                 for i, r in enumerate(self.replicas)

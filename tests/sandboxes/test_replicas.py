@@ -396,6 +396,29 @@ async def test_an_answer_that_is_not_the_services_fails_that_request_only(small_
     assert _execs(big.url) - before == 2
 
 
+async def test_replicas_due_for_a_probe_are_probed_at_once(small_and_big):
+    """Two replicas that take connections and never answer (a hung host) are probed back
+    together: the request that finds their probes due waits for one probe's bound, not one
+    per hung replica, before it runs on the live replica."""
+    _, big = small_and_big
+    with stand_in("hang") as first, stand_in("hang") as second:
+        async with (
+            SandboxClient(first.url, connect_retries=0) as a,
+            SandboxClient(second.url, connect_retries=0) as b,
+            SandboxClient(big.url, connect_retries=0) as c,
+        ):
+            replicas = ReplicatedSandbox(
+                [a, b, c], probe_s=0.1, max_probe_s=0.1, probe_timeout_s=1.5
+            )
+            await replicas.refresh()  # the hung ones time out: down
+            assert [s.up for s in replicas.statistics()] == [False, False, True]
+            await anyio.sleep(0.2)  # both probes are due now
+            started = time.monotonic()
+            assert (await replicas.run(py("print(1)"))).stdout == "1\n"
+            waited = time.monotonic() - started
+    assert 1.5 <= waited < 2.9, waited  # one probe's bound (and the run), not two
+
+
 async def test_every_replica_busy_raises_pool_busy_within_the_wait(small_and_big):
     small, _ = small_and_big
     async with SandboxClient(small.url) as hog, SandboxClient(small.url) as a:
