@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -121,16 +122,14 @@ class SGLangEngine:
         session_timeout_s: float | None = 3600.0,
         in_flight: str = "finish",
     ) -> None:
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
-            raise EngineError("SGLangEngine needs at least one server URL")
+        urls = server_urls(urls)
         if in_flight not in IN_FLIGHT_RULES:
             raise EngineError(
                 f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, "
                 f"got {short_repr(in_flight)}"
             )
         self.in_flight = in_flight
-        self._entry = [Upstream(u.rstrip("/")) for u in urls]
+        self._entry = [Upstream(u) for u in urls]
         """Where plain requests go: the given URLs (servers and routers)."""
         self._routers: list[Upstream] = []
         self._servers = list(self._entry)
@@ -587,6 +586,35 @@ class SGLangEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.aclose()
+
+
+def server_urls(urls: str | Sequence[str]) -> list[str]:
+    """The servers' base URLs, checked: at least one, each ``http(s)://HOST[:PORT][/PATH]``
+    (a router's or a server's), none given twice; ``EngineError`` names the value."""
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls:
+        raise EngineError("SGLangEngine needs at least one server URL")
+    seen: dict[tuple[str, str, int, str], str] = {}
+    out = []
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url.strip() if isinstance(url, str) else "")
+            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
+        except ValueError as exc:
+            raise EngineError(f"server URL {short_repr(url)}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise EngineError(f"server URL {short_repr(url)}: expected http(s)://HOST:PORT")
+        if parts.query or parts.fragment:
+            raise EngineError(f"server URL {short_repr(url)}: give no query or fragment")
+        key = (parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+        if key in seen:
+            raise EngineError(
+                f"server URL {short_repr(url)} is given twice (as {short_repr(seen[key])}): "
+                "each server or router once"
+            )
+        seen[key] = url
+        out.append(url.strip().rstrip("/"))
+    return out
 
 
 def _placement(server: Upstream) -> tuple[int, int]:
