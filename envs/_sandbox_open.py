@@ -92,9 +92,11 @@ def _at(where: str) -> str:
 
 def service_urls(spec: str, where: str = "sandbox") -> list[str]:
     """``http://a:1,b:2`` → ``["http://a:1", "http://b:2"]`` (an address without a scheme
-    takes the first one's); each must be ``http(s)://HOST[:PORT]`` with nothing after it."""
+    takes the first one's); each must be ``http(s)://HOST[:PORT]`` with nothing after it, and
+    no host and port may be given twice."""
     scheme = spec.split("://", 1)[0]
     urls = []
+    seen: dict[tuple[str, int], str] = {}
     for item in spec.split(","):
         url = item.strip() if "://" in item else f"{scheme}://{item.strip()}"
         try:
@@ -111,7 +113,15 @@ def service_urls(spec: str, where: str = "sandbox") -> list[str]:
                 f"{_at(where)}sandbox service address {item!r} has a path: give only "
                 "http(s)://HOST:PORT"
             )
-        urls.append(f"{parts.scheme}://{parts.netloc}")
+        url = f"{parts.scheme}://{parts.netloc}"
+        where_to = (parts.hostname, parts.port or {"http": 80, "https": 443}[parts.scheme])
+        if where_to in seen:
+            raise ConfigError(
+                f"{_at(where)}address {item.strip()!r} is given twice (as "
+                f"{seen[where_to]!r}): each replica once, or its share of the work doubles"
+            )
+        seen[where_to] = item.strip()
+        urls.append(url)
     return urls
 
 

@@ -12,6 +12,9 @@ works with the other. Retries are safe by construction:
   or connection cap is full) mean nothing ran: ``SandboxBusy`` (a ``PoolBusy`` with
   ``retry_after_s``), or, with ``retry_busy=True``, a wait of ``Retry-After`` and a retry, at
   most ``max_busy_retries`` times. Any other 503 (a proxy's) is not known to be safe: raised;
+- no free connection of this client's own (``max_connections`` requests already in flight to
+  the service) within the ``timeout``: nothing was sent, so this is ``SandboxBusy`` too (the
+  capacity that ran out is the client's);
 - a batch refused for its size (413 ``answer_too_large`` / ``request_too_large``, 400 with too
   many items; nothing ran) is split by the ``limit`` the service names and sent again in parts,
   one after another. Once a part has run, a later part that fails (busy, unreachable, no
@@ -26,6 +29,7 @@ while the others run.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -114,10 +118,13 @@ class SandboxClient:
         retry_busy: bool = False,
         max_busy_retries: int = 5,
         max_busy_wait_s: float = 30.0,
+        max_connections: int = 100,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if connect_retries < 0 or max_busy_retries < 0:
             raise ValueError("retry counts must be >= 0")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -129,8 +136,13 @@ class SandboxClient:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        self.max_connections = max_connections
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, transport=transport, trust_env=False
+            base_url=self.base_url,
+            headers=headers,
+            transport=transport,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=20),
         )
         self.connect_attempts = 0
         """Connection attempts that failed before a request was sent (for tests and logs)."""
@@ -185,6 +197,16 @@ class SandboxClient:
                     ) from exc
                 await anyio.sleep(self.backoff_s * 2 ** (connect_failures - 1))
                 continue
+            except httpx.PoolTimeout as exc:
+                # every connection of this client stayed in use: the request never left here
+                if self.retry_busy and busy_retries < self.max_busy_retries:
+                    busy_retries += 1
+                    continue
+                raise SandboxBusy(
+                    f"{method} {path}: none of this client's {self.max_connections} connections "
+                    f"to {self.base_url} came free in time; nothing was sent",
+                    1.0,
+                ) from exc
             except httpx.TimeoutException as exc:
                 raise SandboxNoAnswer(
                     f"{method} {path}: no answer in time ({type(exc).__name__}); the request "
@@ -214,7 +236,7 @@ class SandboxClient:
             if error.type == "invalid_request":
                 raise InvalidRequest(error.field or "request", error.message)
         _raise_for_status(response)
-        return _result_decoder.decode(response.content)
+        return _decode(response, _result_decoder)
 
     async def run_batch(self, requests: Sequence[RunRequest]) -> list[RunResult]:
         """Run several programs; results in order. An item that breaks a rule comes back as
@@ -244,7 +266,7 @@ class SandboxClient:
             if parts is not None:
                 return await self._parts(parts)
         _raise_for_status(response)
-        results = _batch_decoder.decode(response.content).results
+        results = _decode(response, _batch_decoder).results
         if len(results) != len(requests):
             raise SandboxHTTPError(
                 response.status_code,
@@ -277,7 +299,18 @@ class SandboxClient:
         (default: the client's timeouts)."""
         response = await self._send("GET", "/health", None, 0.0, timeout_s)
         _raise_for_status(response)
-        return response.json()
+        try:
+            health = json.loads(response.content)
+        except ValueError:
+            health = None
+        if not isinstance(health, dict):
+            raise SandboxHTTPError(
+                response.status_code,
+                "protocol_error",
+                f"{self.base_url}/health answered {response.content[:100]!r}, not a sandbox "
+                "service's health",
+            )
+        return health
 
     async def metrics(self) -> str:
         """The Prometheus text exposition."""
@@ -333,6 +366,20 @@ def _split(
         parts[-1].append(request)
         used += size
     return parts if len(parts) > 1 else None
+
+
+def _decode(response: httpx.Response, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """The answer's value; an answer that is not one (a proxy's page, a service of another
+    version) is a ``SandboxHTTPError``: the request may have run, so it is not re-sent."""
+    try:
+        return decoder.decode(response.content)
+    except msgspec.DecodeError as exc:
+        raise SandboxHTTPError(
+            response.status_code,
+            "protocol_error",
+            f"{response.request.url}: the answer is not what the service sends ({exc}; it "
+            f"begins {response.content[:80]!r}); the request may have run and is not re-sent",
+        ) from exc
 
 
 def _raise_for_status(response: httpx.Response) -> None:

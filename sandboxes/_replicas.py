@@ -39,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from ._client import SandboxClient, SandboxNoAnswer, SandboxUnreachable
+from ._client import SandboxClient, SandboxHTTPError, SandboxNoAnswer, SandboxUnreachable
 from ._errors import PoolBusy, SandboxError
 from ._types import RunRequest, RunResult
 
@@ -73,6 +73,11 @@ class _Replica:
     probe_s: float = 0.0
     busy_until: float = 0.0
     probing: bool = field(default=False, repr=False)
+    backend: str | None = None
+    problem: str | None = None
+    """Why its last probe did not bring it up (for the errors that name it)."""
+    refused: bool = False
+    """Its last probe was answered with an error: it is there but refuses this client."""
 
 
 class ReplicatedSandbox:
@@ -103,17 +108,39 @@ class ReplicatedSandbox:
         self.max_probe_s = max_probe_s
         self.max_backoff_s = max_backoff_s
         self.probe_timeout_s = probe_timeout_s
+        self.backend: str | None = None
+        """The backend every replica runs (from ``refresh``); one that comes back running
+        another stays down."""
         self._turn = 0
 
     async def refresh(self) -> None:
         """Ask every replica's ``/health`` now: learns capacities, marks down the ones that do
-        not answer (they are probed later). Raises ``SandboxUnreachable`` when none answers."""
+        not answer (they are probed later). Raises ``SandboxUnreachable`` when none answers,
+        and ``SandboxError`` when one answers with an error (a wrong token or address: it
+        would never take work) or the replicas run different backends (a program's
+        guarantees would depend on where it lands); each error names the replicas."""
         async with anyio.create_task_group() as tg:
             for replica in self.replicas:
                 tg.start_soon(self._probe, replica)
+        refused = [r for r in self.replicas if r.refused]
+        if refused:
+            found = "; ".join(f"{r.stats.url}: {r.problem}" for r in refused)
+            raise SandboxError(
+                f"sandbox service replica(s) answered /health with an error ({found}): check "
+                "each address and the token (AGENTRL_SANDBOX_TOKEN)"
+            )
         if all(r.down for r in self.replicas):
-            urls = ", ".join(r.stats.url for r in self.replicas)
-            raise SandboxUnreachable(f"no sandbox service replica answers /health ({urls})")
+            found = "; ".join(f"{r.stats.url}: {r.problem}" for r in self.replicas)
+            raise SandboxUnreachable(f"no sandbox service replica answers /health ({found})")
+        up = [r for r in self.replicas if not r.down and r.backend is not None]
+        backends = {r.backend for r in up}
+        if len(backends) > 1:
+            found = ", ".join(f"{r.stats.url} {r.backend}" for r in up)
+            raise SandboxError(
+                f"the sandbox service replicas run different backends ({found}): a program's "
+                "isolation and limits would depend on the replica it lands on; run one backend"
+            )
+        self.backend = backends.pop() if backends else None
 
     def statistics(self) -> list[ReplicaStatistics]:
         """Each replica's counters (copies), in the order of the clients."""
@@ -125,16 +152,27 @@ class ReplicatedSandbox:
 
     async def _probe(self, replica: _Replica) -> None:
         replica.probing = True
+        replica.refused = False
         try:
             health = await replica.client.health(self.probe_timeout_s)
-        except SandboxUnreachable:
+            backend = health.get("backend")
+            if None not in (self.backend, backend) and backend != self.backend:
+                raise SandboxError(f"it runs backend {backend!r}, the others {self.backend!r}")
+        except SandboxUnreachable as exc:
+            replica.problem = str(exc)
             self._mark_down(replica)
-        except Exception:  # noqa: BLE001 — any failure of a probe keeps the replica down
+        except SandboxHTTPError as exc:  # it is there but refuses (token, path): kept down
+            replica.problem, replica.refused = str(exc), True
+            self._mark_down(replica, counted=False)
+        except Exception as exc:  # noqa: BLE001 — any failure of a probe keeps the replica down
+            replica.problem = f"{type(exc).__name__}: {exc}"
             self._mark_down(replica, counted=False)
         else:
             replica.down = False
             replica.probe_s = 0.0
             replica.capacity = _capacity(health)
+            replica.backend = backend if isinstance(backend, str) else None
+            replica.problem = None
         finally:
             replica.probing = False
 
@@ -150,9 +188,12 @@ class ReplicatedSandbox:
         probe to answer; None when the time is up."""
         while True:
             now = time.monotonic()
-            for r in self.replicas:  # probe back the down ones that are due
-                if r.down and not r.probing and r.probe_at <= now:
-                    await self._probe(r)
+            due = [r for r in self.replicas if r.down and not r.probing and r.probe_at <= now]
+            if due:  # probe back the down ones that are due, all at once
+                async with anyio.create_task_group() as tg:
+                    for r in due:
+                        tg.start_soon(self._probe, r)
+                now = time.monotonic()
             ready = [
                 i
                 for i, r in enumerate(self.replicas)
@@ -243,7 +284,7 @@ class ReplicatedSandbox:
         async def run_part(k: int) -> None:
             try:
                 outcomes[k], _ = await self._call("run_batch", parts[k])
-            except (SandboxError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 — that part's items fail, the others stand
                 outcomes[k] = exc
 
         async with anyio.create_task_group() as tg:

@@ -173,6 +173,34 @@ def test_node_local_out_is_refused_on_every_node(tmp_path):
     assert not (tmp_path / "n0" / "ledger.jsonl").exists() or not _ledger(tmp_path / "n0")
 
 
+def test_nodes_given_different_configs_are_refused_naming_the_keys(tmp_path):
+    """Two nodes started with different ``--config`` files (here another learning rate) would
+    each step their shard of the optimizer their own way: both end before any model runs,
+    with the same error naming the key and both values."""
+    folder = [tmp_path / "c0", tmp_path / "c1"]
+    configs = []
+    for rank, lr in enumerate((1e-3, 2e-3)):
+        folder[rank].mkdir()
+        configs.append(_config(folder[rank], optimizer={"lr": lr}))
+    port = free_port()
+    out = ("--out", str(tmp_path / "run"))
+    nodes = [
+        Node(r, port, tmp_path / f"node{r}.log", "train", "--config", str(configs[r]), *out)
+        for r in (0, 1)
+    ]
+    try:
+        codes = [n.wait(BOUND_S) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert codes[0] != 0 and codes[1] != 0
+    for node in nodes:
+        out = node.output()
+        assert "every node must be given the same configuration" in out, out[-3000:]
+        assert "optimizer.lr: 0.001 on rank 0, 0.002 on rank 1" in out, out[-3000:]
+    assert not (tmp_path / "run" / "ledger.jsonl").exists() or not _ledger(tmp_path / "run")
+
+
 def test_a_dead_node_ends_the_other_with_an_error(tmp_path):
     """SIGKILL one node after its first checkpoint: the other ends (non-zero, an error)
     within ``train.collective_timeout_s`` and torchrun's teardown instead of waiting in a

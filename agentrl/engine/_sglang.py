@@ -19,9 +19,10 @@ Weight updates restart every session's chain (streaming KV was computed with the
 Routers (``_sglang_router``). A URL that answers ``GET /workers`` is an ``sglang-router``: plain
 requests go through it (its policy balances them), while sessions, weight updates and model
 info go to the healthy workers it lists, so a session's turns always reach the worker holding
-its KV. Each weight update asks the router for its workers again and reads every worker's
-``weight_version`` back. A session whose worker stops accepting connections moves to another
-worker and sends its whole context there.
+its KV. Each weight update asks the router for its workers again (and once more after loading,
+so a worker registered meanwhile gets the weights too) and reads every worker's
+``weight_version`` back. A session whose worker stops accepting connections, or was left out
+of a weight update, moves to another worker and sends its whole context there.
 
 Connections (``_sglang_http``): one pooled ``httpx.AsyncClient`` lives while requests are in
 flight; ``async with engine:`` keeps it (and its keep-alive connections) for the whole block.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -69,12 +71,12 @@ class SGLangStatistics(msgspec.Struct, frozen=True):
     """Context tokens not sent because the session held them."""
     session_restarts: int
     fallbacks: int
+    """Session requests repeated without the session (server refused or disagreed)."""
     session_moves: int
     """Sessions moved to another of a router's workers because theirs stopped accepting
-    connections (the whole context is sent again there)."""
-    """Session requests repeated without the session (server refused or disagreed)."""
+    connections or was left out of a weight update (the whole context is sent again there)."""
     workers_skipped: int
-    """Workers a router listed as unhealthy when weights were published (left out)."""
+    """Workers a router no longer listed as healthy when weights were published (left out)."""
     connect_retries: int
 
 
@@ -90,6 +92,9 @@ class _Session:
     """What the server holds for ``last_rid``: its input + output ids."""
     last_rid: str | None = None
     busy: bool = False
+    behind: bool = False
+    """Its worker was left out of the last weight update (the router listed it unhealthy):
+    the next turn moves to a worker that holds the new weights."""
 
 
 class SGLangEngine:
@@ -117,16 +122,14 @@ class SGLangEngine:
         session_timeout_s: float | None = 3600.0,
         in_flight: str = "finish",
     ) -> None:
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
-            raise EngineError("SGLangEngine needs at least one server URL")
+        urls = server_urls(urls)
         if in_flight not in IN_FLIGHT_RULES:
             raise EngineError(
                 f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, "
                 f"got {short_repr(in_flight)}"
             )
         self.in_flight = in_flight
-        self._entry = [Upstream(u.rstrip("/")) for u in urls]
+        self._entry = [Upstream(u) for u in urls]
         """Where plain requests go: the given URLs (servers and routers)."""
         self._routers: list[Upstream] = []
         self._servers = list(self._entry)
@@ -285,6 +288,9 @@ class SGLangEngine:
     ) -> GenerateResult:
         """One turn; behind a router, a worker that refuses connections (so nothing was sent)
         loses the session to another worker, where the turn starts over with the whole context."""
+        if state.behind:
+            state.behind = False
+            await self._move(state, relist=False)
         try:
             return await self._in_session(state, ids, sampling)
         except EngineError as exc:
@@ -293,14 +299,24 @@ class SGLangEngine:
                 raise
         return await self._in_session(state, ids, sampling)
 
-    async def _move(self, state: _Session) -> bool:
-        await self._list_workers()
+    async def _move(self, state: _Session, *, relist: bool = True) -> bool:
+        """Put the session on another of the router's workers (asked again when ``relist``),
+        preferring those at the engine's weight version; its next turn sends the whole
+        context there. False when there is no other worker."""
+        if relist:
+            await self._list_workers()
         others = [s for s in self._servers if s.url != state.server.url]
         if not others:
             return False
-        state.server.sessions -= 1
-        state.server = min(others, key=lambda s: (s.sessions, s.inflight))
+        current = [s for s in others if s.weight_version == self._weight_version]
+        old, state.server = state.server, min(current or others, key=_placement)
+        old.sessions -= 1
         state.server.sessions += 1
+        if state.remote_id is not None and not relist:  # the old worker is alive: free its KV
+            try:
+                await self._close_remote(old, state.remote_id)
+            except EngineError:
+                pass
         state.remote_id, state.history, state.last_rid, state.used = None, None, None, False
         self._counts["session_moves"] += 1
         return True
@@ -380,7 +396,7 @@ class SGLangEngine:
         pool = self._servers if sessions else self._entry
         order = pool[self._turn % len(pool) :] + pool
         if sessions:
-            return min(order, key=lambda s: (s.sessions, s.inflight))
+            return min(order, key=_placement)
         return min(order, key=lambda s: s.inflight)
 
     # --- sessions -----------------------------------------------------------------------------
@@ -454,7 +470,10 @@ class SGLangEngine:
         """``/update_weights_from_disk`` on every server (``source``: a folder they can read),
         then ``/flush_cache`` on each, then each server's ``weight_version`` is read back and
         must be ``version``. Behind a router, "every server" is every worker it lists as
-        healthy at this moment (asked again here, so workers added since are included).
+        healthy at this moment (asked again here, so workers added since are included, and
+        asked once more afterwards: a worker registered while the weights loaded is updated
+        too, up to three rounds). Sessions on a worker left out move to an updated worker on
+        their next turn, so they never go on sampling from the old weights.
 
         The update asks for no flush: SGLang 0.5.17's scheduler dies on
         ``flush_cache: true`` while any request is running (an assertion after loading the
@@ -503,13 +522,24 @@ class SGLangEngine:
                 return
             updated.append(server)
 
-        async with anyio.create_task_group() as tg:
-            for server in self._servers:
-                tg.start_soon(one, server)
-        if len(updated) == len(self._servers):  # every server now serves this version
-            self._weight_version = int(version)
+        for _ in range(3):  # a worker the router takes on meanwhile gets this version too
+            pending = [s for s in self._servers if all(s is not u for u in updated)]
+            if not pending:
+                break
+            async with anyio.create_task_group() as tg:
+                for server in pending:
+                    tg.start_soon(one, server)
+            if failures or not self._routers:
+                break
+            try:
+                await self._list_workers()
+            except EngineError as exc:
+                failures.append(f"cannot list the router's workers again: {exc}")
+        if not failures and all(any(s is u for u in updated) for s in self._servers):
+            self._weight_version = int(version)  # every server now serves this version
             for state in self._sessions.values():
                 state.history, state.last_rid = None, None
+                state.behind = self._routers != [] and all(state.server is not u for u in updated)
         if failures:
             raise EngineError("update_weights failed on " + "; ".join(failures))
 
@@ -556,6 +586,40 @@ class SGLangEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.aclose()
+
+
+def server_urls(urls: str | Sequence[str]) -> list[str]:
+    """The servers' base URLs, checked: at least one, each ``http(s)://HOST[:PORT][/PATH]``
+    (a router's or a server's), none given twice; ``EngineError`` names the value."""
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls:
+        raise EngineError("SGLangEngine needs at least one server URL")
+    seen: dict[tuple[str, str, int, str], str] = {}
+    out = []
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url.strip() if isinstance(url, str) else "")
+            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
+        except ValueError as exc:
+            raise EngineError(f"server URL {short_repr(url)}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise EngineError(f"server URL {short_repr(url)}: expected http(s)://HOST:PORT")
+        if parts.query or parts.fragment:
+            raise EngineError(f"server URL {short_repr(url)}: give no query or fragment")
+        key = (parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+        if key in seen:
+            raise EngineError(
+                f"server URL {short_repr(url)} is given twice (as {short_repr(seen[key])}): "
+                "each server or router once"
+            )
+        seen[key] = url
+        out.append(url.strip().rstrip("/"))
+    return out
+
+
+def _placement(server: Upstream) -> tuple[int, int]:
+    """Where a session goes: the server with the fewest sessions, then requests."""
+    return server.sessions, server.inflight
 
 
 def _extends(ids: list[int], held: list[int], bos: int | None) -> bool:

@@ -285,13 +285,19 @@ def error_field(exc: msgspec.MsgspecError) -> str | None:
 
 
 def parse_weight_version(value: str | int | None, default: int = 0) -> int:
-    """SGLang's ``weight_version`` is a string (``"default"`` until set); ours are integers."""
+    """SGLang's ``weight_version`` is a string (``"default"`` until set); ours are integers.
+
+    ``default`` stands in only where the server reports no version at all. A version that is
+    not an integer (``"default"``: a server no publication of ours reached, such as a worker
+    registered with a router since the last one, serving the weights it started with) is 0,
+    the oldest: counting its tokens as the engine's current version would train on them as
+    if the current policy had sampled them."""
     if value is None:
         return default
     try:
         return int(value)
     except (TypeError, ValueError):
-        return default
+        return 0
 
 
 _gc_lock = threading.Lock()

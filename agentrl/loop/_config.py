@@ -24,7 +24,7 @@ from agentrl._config import RolloutConfig, short_repr, validate_config
 from agentrl._config_file import ConfigSyntaxError, load_yaml
 from agentrl._config_file import read_config_file as read_any_config_file
 from agentrl._env import Split
-from agentrl._errors import ConfigError
+from agentrl._errors import ConfigError, EngineError
 from agentrl.engine import EngineOptions
 from agentrl.envs import SandboxSpec, sandbox_spec
 from agentrl.sandboxes import PoolConfig
@@ -214,7 +214,21 @@ class ServerSection(_Section):
     urls: list[str] = pydantic.Field(default_factory=list)
     """Server base URLs (``http://host:port``); empty: the embedded engine in this process.
     A URL may be an ``sglang-router``: plain requests go through it, sessions and weight
-    publication go to the workers it lists (docs/scaling.md)."""
+    publication go to the workers it lists (docs/scaling.md). Each is given once."""
+
+    @pydantic.field_validator("urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        """Checked now, not after the model has loaded: the engine's own rule."""
+        from agentrl.engine._sglang import server_urls
+
+        try:
+            if urls:
+                server_urls(urls)
+        except EngineError as exc:
+            raise ValueError(str(exc)) from None
+        return urls
+
     snapshot_dir: str | None = None
     """Where snapshots are written; every server must read this path (default: OUT/weights)."""
     keep_snapshots: int = pydantic.Field(2, ge=1)

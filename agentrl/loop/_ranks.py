@@ -18,6 +18,9 @@ filesystem that every node sees (NFS, Lustre, a mounted bucket with POSIX rename
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+import agentrl
 from agentrl._errors import ConfigError
 from agentrl.trainer import barrier as barrier
 from agentrl.trainer import rank_world as rank_world
@@ -41,23 +45,110 @@ def gather(obj: Any) -> list[Any]:
 
 
 def check_shared_out(out: Path, config_text: str) -> None:
-    """Every rank must see the ``config.yaml`` rank 0 just wrote into ``out`` (call after a
-    barrier): with a node-local ``--out`` the other nodes' checkpoint partitions would land
-    where no resume finds them. All ranks raise the same error, naming the ranks that differ."""
+    """Every rank must run the same code and configuration as rank 0, and see the
+    ``config.yaml`` rank 0 just wrote into ``out`` (call after a barrier). Nodes started from
+    different installs or with different ``--config`` files would train together in silence
+    (each rank steps its shard of the optimizer with its own settings); with a node-local
+    ``--out`` the other nodes' checkpoint partitions would land where no resume finds them.
+    All ranks raise the same error, naming the ranks that differ and how."""
     if rank_world()[1] == 1:
         return
     try:
         seen = (out / "config.yaml").read_text() == config_text
     except OSError:
         seen = False
-    views = gather((seen, os.uname().nodename))
-    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    ours = {"seen": seen, "host": os.uname().nodename, "code": code_fingerprint()}
+    views = [_view(v) for v in gather({**ours, "config": config_text})]
+    lead = views[0]
+    other_code = [
+        f"rank {r} on {v['host']} ({v['code']})"
+        for r, v in enumerate(views)
+        if v["code"] != lead["code"]
+    ]
+    if other_code:
+        raise ConfigError(
+            f"every node must run the same code: rank 0 on {lead['host']} runs {lead['code']}, "
+            f"{', '.join(other_code)}; install the same agentrl and libraries on every node"
+        )
+    differ = [
+        f"rank {r} on {v['host']} ({config_differences(lead['config'], v['config'], f'rank {r}')})"
+        for r, v in enumerate(views)
+        if v["config"] != lead["config"]
+    ]
+    if differ:
+        raise ConfigError(
+            f"every node must be given the same configuration as rank 0 on {lead['host']}: "
+            f"{', '.join(differ)} differ; start every node with the same --config and --set"
+        )
+    blind = [f"rank {r} on {v['host']}" for r, v in enumerate(views) if not v["seen"]]
     if blind:
         raise ConfigError(
             f"--out {out}: {', '.join(blind)} cannot see the config.yaml rank 0 wrote there; "
             "every node must name the same run folder on a filesystem all nodes share "
             "(checkpoints hold each rank's partitions)"
         )
+
+
+def _view(value: Any) -> dict[str, Any]:
+    """One rank's answer to ``check_shared_out``; a rank on other code may answer in another
+    shape (an older agentrl gathered a tuple)."""
+    if isinstance(value, dict) and {"seen", "host", "code", "config"} <= set(value):
+        return value
+    return {
+        "seen": False,
+        "host": "?",
+        "code": f"another agentrl (it sent {value!r:.80})",
+        "config": "",
+    }
+
+
+def code_fingerprint() -> str:
+    """This process's code, in short: agentrl's version and a hash of its sources (every
+    package of the distribution), and the versions of the libraries that train with it."""
+    digest = hashlib.sha256()
+    for name in (
+        "agentrl",
+        "agentrl.envs",
+        "agentrl.sandboxes",
+        "agentrl.trainer",
+        "agentrl.kernels",
+    ):
+        spec = importlib.util.find_spec(name)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            for path in sorted(Path(root).rglob("*.py")):
+                digest.update(f"{name}/{path.relative_to(root)}".encode() + b"\0")
+                digest.update(path.read_bytes())
+    versions = []
+    for dist in ("torch", "deepspeed", "transformers"):
+        try:
+            versions.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{dist} none")
+    return f"agentrl {agentrl.__version__} (sources {digest.hexdigest()[:12]}), " + ", ".join(
+        versions
+    )
+
+
+def config_differences(lead: str, other: str, name: str, most: int = 5) -> str:
+    """The dotted keys where rank 0's dumped configuration ``lead`` and another rank's
+    (``name``) differ, with both values (at most ``most`` of them)."""
+    import yaml
+
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            for key, item in value.items():
+                out.update(flat(item, f"{prefix}{key}."))
+            return out
+        return {prefix.rstrip("."): value}
+
+    a, b = flat(yaml.safe_load(lead)), flat(yaml.safe_load(other))
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k, "(unset)") != b.get(k, "(unset)")]
+    shown = [
+        f"{k}: {a.get(k, '(unset)')!r} on rank 0, {b.get(k, '(unset)')!r} on {name}" for k in keys
+    ]
+    more = f", and {len(keys) - most} more" if len(keys) > most else ""
+    return "; ".join(shown[:most]) + more
 
 
 def shard(items: list[Any]) -> list[Any]:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve, wait_ready
@@ -79,11 +80,13 @@ def _listed(router: str) -> dict[str, bool]:
 
 def start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
-    one worker by chance) and a 1 s health check."""
+    one worker by chance) and a 1 s health check. Its metrics listener gets a free loopback
+    port too: on its default (29000) a second router on the host fails to start."""
     port = free_port()
     cmd = [
         *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
         *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
         *("--health-check-interval-secs", "1", "--health-failure-threshold", "1"),
         *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
     ]
@@ -238,6 +241,96 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
                     time.sleep(0.2)
             if proc is not None:
                 stop_serve(proc)
+
+
+def _worker_id(router: str, url: str) -> str:
+    workers = httpx.get(router + "/workers", timeout=10).json()["workers"]
+    return next(w["id"] for w in workers if w["url"] == url)
+
+
+def _register(router: str, url: str) -> None:
+    """``POST /workers`` and wait until the router lists ``url`` healthy."""
+    added = httpx.post(router + "/workers", json={"url": url}, timeout=30)
+    assert added.status_code == 202, added.text
+    deadline = time.monotonic() + 30
+    while not _listed(router).get(url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _listed(router).get(url), f"the router did not take {url}"
+
+
+def _deregister(router: str, url: str) -> None:
+    assert httpx.delete(f"{router}/workers/{_worker_id(router, url)}").status_code == 202
+    deadline = time.monotonic() + 30
+    while url in _listed(router) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert url not in _listed(router), f"the router still lists {url}"
+
+
+async def test_a_session_on_a_worker_left_out_of_an_update_moves_to_the_new_weights(
+    fleet: Fleet, update_path: Path, tmp_path: Path
+) -> None:
+    """A worker the router no longer lists (taken out, or unhealthy for a moment) keeps
+    answering its sessions' turns directly: the publish leaves it out, so its sessions move
+    to an updated worker on their next turn instead of sampling from the old weights."""
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    drained = fleet.workers[0]
+    async with SGLangEngine(fleet.router, max_context=2048) as engine:
+        await engine.update_weights(20, str(update_path))
+        sessions = [await engine.open_session() for _ in fleet.workers]  # one on each worker
+        contexts = [list(PROMPT) + [100 + i] for i in range(len(sessions))]
+        for index, session in enumerate(sessions):
+            contexts[index] += list(
+                (await engine.generate(contexts[index], greedy, session)).token_ids
+            )
+        _deregister(fleet.router, drained)
+        try:
+            await engine.update_weights(21, str(update_path))
+            assert engine.statistics().workers_skipped == 1
+            assert httpx.get(drained + "/get_model_info").json()["weight_version"] == "20"
+            for index, session in enumerate(sessions):
+                result = await engine.generate(contexts[index] + [7], greedy, session)
+                assert result.weight_version == 21, (index, result)
+            assert engine.statistics().session_moves == 1
+            if not fleet.sglang:  # the drained worker's session was closed there
+                assert _metric(drained, "agentrl:open_sessions") == 0.0
+            for session in sessions:
+                await engine.close_session(session)
+        finally:
+            _register(fleet.router, drained)
+        await engine.update_weights(22, str(update_path))
+
+
+async def test_a_worker_registered_while_weights_load_gets_them_too(
+    fleet: Fleet, update_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker the router takes on after the engine listed the workers, and before the
+    update ended (here: registered while the first worker's version is read back), is
+    found by the listing after the load and updated too; the engine's version moves only
+    once it holds it."""
+    spare = os.environ.get("AGENTRL_SGLANG_SPARE_URL", "").rstrip("/")
+    if fleet.sglang and not spare:
+        pytest.skip("real SGLang workers: AGENTRL_SGLANG_SPARE_URL names no spare one to add")
+    proc, late = (None, spare) if fleet.sglang else start_serve(update_path, tmp_path / "l.log")
+    try:
+        async with SGLangEngine(fleet.router, max_context=2048) as engine:
+            probe = engine._http.probe
+            registered: list[str] = []
+
+            async def probe_then_register(server):  # the first read-back registers the worker
+                await probe(server)
+                if not registered:
+                    registered.append(late)
+                    await anyio.to_thread.run_sync(_register, fleet.router, late)
+
+            monkeypatch.setattr(engine._http, "probe", probe_then_register)
+            await engine.update_weights(30, str(update_path))
+            assert registered and engine.weight_version == 30
+            assert httpx.get(late + "/get_model_info").json()["weight_version"] == "30"
+    finally:
+        if late in _listed(fleet.router):
+            _deregister(fleet.router, late)
+        if proc is not None:
+            stop_serve(proc)
 
 
 def _kill_last_worker(fleet: Fleet) -> None:

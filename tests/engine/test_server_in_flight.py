@@ -128,18 +128,19 @@ def test_a_reply_without_versions_counts_every_token_as_its_weight_version() -> 
             to_result(reply(bad), sampling, 0, "http://s", True, [1, 2])
 
 
-def test_a_reply_from_a_server_no_update_reached_is_version_0() -> None:
-    """SGLang reports ``weight_version: "default"`` until it loads an update: a server
-    restarted after the last publish samples with its launch weights. Its tokens count as
-    version 0 (so the version bound sees how stale they are), never as the version the client
-    published last; a reply without the field counts as the engine's version."""
+def test_a_reply_from_a_server_no_publication_reached_counts_as_the_oldest_version() -> None:
+    """A fresh SGLang worker (one a router took on since the last publication, or restarted)
+    reports ``weight_version`` ``"default"`` and serves the weights it started with: its tokens
+    are version 0, never the engine's current version; a reply with no version at all takes
+    the engine's."""
     sampling = SamplingParams(max_new_tokens=2)
-    restarted = to_result(_reply([-1.0, -2.0], weight_version="default"), sampling, 7,
-                          "http://s", True, [1, 2])  # fmt: skip
-    assert (restarted.weight_version, restarted.token_versions) == (0, [0, 0])
+    fresh = to_result(
+        _reply([-1.0, -2.0], weight_version="default"), sampling, 7, "u", True, [1, 2]
+    )
+    assert (fresh.weight_version, fresh.token_versions) == (0, [0, 0])
     silent = _reply([-1.0, -2.0])
     silent.meta_info.weight_version = None
-    result = to_result(silent, sampling, 7, "http://s", True, [1, 2])
+    result = to_result(silent, sampling, 7, "u", True, [1, 2])
     assert (result.weight_version, result.token_versions) == (7, [7, 7])
 
 

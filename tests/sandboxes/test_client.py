@@ -181,6 +181,56 @@ async def test_server_errors_are_not_retried(anyio_backend):
     assert caught.value.status_code == 500 and hits == ["/v1/run"]
 
 
+async def test_no_free_connection_of_the_client_is_busy_not_a_request_that_may_have_run(
+    anyio_backend,
+):
+    """With every connection of the client in use for longer than its timeout, the next
+    request never leaves the client (httpx's pool timeout): it is ``SandboxBusy`` (nothing
+    ran), not ``SandboxNoAnswer``, and the stand-in sees it arrive only when retried."""
+    if anyio_backend != "asyncio":
+        pytest.skip("the stand-in server is aiohttp (asyncio only)")
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    hits = []
+    release = anyio.Event()
+
+    async def hold(request):
+        hits.append(request.path)
+        await release.wait()
+        return web.json_response({"status": "ok", "exit_code": 0})
+
+    app = web.Application()
+    app.router.add_post("/v1/run", hold)
+    async with TestServer(app) as server:
+        url = str(server.make_url("/"))
+        async with SandboxClient(url, timeout=0.3, max_connections=1) as client:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.run, py("print(1)", timeout_s=5))
+                while not hits:
+                    await anyio.sleep(0.01)
+                with pytest.raises(SandboxBusy, match="nothing was sent"):
+                    await client.run(py("print(2)"))
+                assert hits == ["/v1/run"]
+                release.set()
+        async with SandboxClient(url, timeout=0.3, max_connections=1, retry_busy=True) as client:
+            release = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.run, py("print(1)", timeout_s=5))
+                while len(hits) < 2:
+                    await anyio.sleep(0.01)
+
+                async def release_later() -> None:
+                    await anyio.sleep(0.5)  # the second request's first wait timed out by then
+                    release.set()
+
+                tg.start_soon(release_later)
+                with anyio.fail_after(10):
+                    result = await client.run(py("print(2)"))
+                assert result.status == "ok"
+    assert hits == ["/v1/run"] * 3
+
+
 @pytest.mark.parametrize("limit", [10, 3, 0, -1])
 async def test_a_too_many_items_answer_that_cannot_split_the_batch_is_not_retried(
     anyio_backend, limit

@@ -5,6 +5,7 @@ that takes the request and never answers (or answers 500): counted arrivals prov
 
 from __future__ import annotations
 
+import http.server
 import json
 import signal
 import socket
@@ -24,6 +25,7 @@ from agentrl.sandboxes import (
     ReplicatedSandbox,
     RunRequest,
     SandboxClient,
+    SandboxError,
     SandboxHTTPError,
     SandboxNoAnswer,
     SandboxUnreachable,
@@ -303,6 +305,118 @@ async def test_every_replica_refusing_is_bounded():
     assert a.connect_attempts + b.connect_attempts <= 2 + 4 * 2 + 20  # bounded, not a spin
     stats = replicas.statistics()
     assert all(s.unreachable >= 1 and not s.up and s.requests == 0 for s in stats), stats
+
+
+@contextmanager
+def health_standin(status: int, body: dict, posts: list[str] | None = None) -> Iterator[str]:
+    """A loopback server answering every GET with ``status`` and ``body`` (JSON), and every
+    POST (read whole, its path appended to ``posts``) with 200 and an HTML page; its URL."""
+    payload = json.dumps(body).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 — the stdlib's name
+            self._answer(status, "application/json", payload)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if posts is not None:
+                posts.append(self.path)
+            self._answer(200, "text/html", b"<html>a proxy's page</html>")
+
+        def _answer(self, code: int, kind: str, data: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+async def test_a_replica_that_refuses_the_client_or_runs_another_backend_stops_the_start(
+    small_and_big,
+):
+    """At start, a replica that answers ``/health`` with an error (here 401: another token)
+    would never take work, and one running another backend would give programs other
+    guarantees: ``refresh`` raises naming it, rather than leaving it down in silence."""
+    _, big = small_and_big
+    unauthorized = {"error": {"type": "unauthorized", "message": "missing or wrong token"}}
+    docker = {"status": "ok", "backend": "docker", "limits": {"size": 4, "max_queue": 4}}
+    with health_standin(401, unauthorized) as refusing, health_standin(200, docker) as other:
+        for url, match in ((refusing, "401 unauthorized"), (other, "different backends")):
+            async with (
+                SandboxClient(big.url, connect_retries=0) as a,
+                SandboxClient(url, connect_retries=0) as b,
+            ):
+                replicas = ReplicatedSandbox([a, b])
+                with pytest.raises(SandboxError, match=match) as caught:
+                    await replicas.refresh()
+                assert url in str(caught.value)
+        async with SandboxClient(refusing, connect_retries=0) as only:
+            with pytest.raises(SandboxError, match="401 unauthorized"):
+                await ReplicatedSandbox([only]).refresh()
+
+
+async def test_an_answer_that_is_not_the_services_fails_that_request_only(small_and_big):
+    """A replica answering 200 with something that is not a result (a proxy's page, a service
+    speaking another version): that request fails as a ``SandboxHTTPError`` (it may have run:
+    not re-sent), and in a batch only that part's items fail, while the part on the real
+    replica runs and keeps its results (a raw decoding error used to cancel it)."""
+    _, big = small_and_big
+    posts: list[str] = []
+    healthy = {"status": "ok", "backend": "local", "limits": {"size": 64, "max_queue": 0}}
+    with health_standin(200, healthy, posts) as garbled:
+        async with (
+            SandboxClient(garbled, connect_retries=0) as a,
+            SandboxClient(big.url, connect_retries=0) as b,
+        ):
+            replicas = ReplicatedSandbox([a, b])
+            await replicas.refresh()  # the stand-in's capacity makes it the first choice
+            with pytest.raises(SandboxHTTPError, match="not what the service sends"):
+                await replicas.run(py("print(1)"))
+            assert posts == ["/v1/run"]
+            before = _execs(big.url)
+            slow = "import time; time.sleep(0.5); print(2)"
+            results = await replicas.run_batch([py(slow) for _ in range(4)])
+    assert posts == ["/v1/run", "/v1/run_batch"]
+    assert [r.status for r in results].count("ok") == 2, results
+    failed = [r for r in results if r.status == "sandbox_error"]
+    assert len(failed) == 2 and all("not re-sent" in (r.error or "") for r in failed), failed
+    assert _execs(big.url) - before == 2
+
+
+async def test_replicas_due_for_a_probe_are_probed_at_once(small_and_big):
+    """Two replicas that take connections and never answer (a hung host) are probed back
+    together: the request that finds their probes due waits for one probe's bound, not one
+    per hung replica, before it runs on the live replica."""
+    _, big = small_and_big
+    with stand_in("hang") as first, stand_in("hang") as second:
+        async with (
+            SandboxClient(first.url, connect_retries=0) as a,
+            SandboxClient(second.url, connect_retries=0) as b,
+            SandboxClient(big.url, connect_retries=0) as c,
+        ):
+            replicas = ReplicatedSandbox(
+                [a, b, c], probe_s=0.1, max_probe_s=0.1, probe_timeout_s=1.5
+            )
+            await replicas.refresh()  # the hung ones time out: down
+            assert [s.up for s in replicas.statistics()] == [False, False, True]
+            await anyio.sleep(0.2)  # both probes are due now
+            started = time.monotonic()
+            assert (await replicas.run(py("print(1)"))).stdout == "1\n"
+            waited = time.monotonic() - started
+    assert 1.5 <= waited < 2.9, waited  # one probe's bound (and the run), not two
 
 
 async def test_every_replica_busy_raises_pool_busy_within_the_wait(small_and_big):

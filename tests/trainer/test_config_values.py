@@ -109,6 +109,11 @@ def test_every_float_field_refuses_non_finite_numbers(model, name, tupled, bad):
         (["engine.dtype=int64"], "engine.dtype: dtype must be one of float32, bfloat16, "
          "float16, float64, got 'int64'"),
         (["engine.dtype=float33"], "engine.dtype: dtype must be one of"),
+        (["server.urls=[router:30000]"],
+         "server.urls: server URL 'router:30000': expected http(s)://HOST:PORT"),
+        (["server.urls=[http://a:1,http://b:2/,http://a:1/]"],
+         "server.urls: server URL 'http://a:1/' is given twice (as 'http://a:1')"),
+        (["server.urls=[http://a:99999]"], "server.urls: server URL 'http://a:99999'"),
     ],
 )  # fmt: skip
 def test_values_that_could_only_fail_later_are_refused_at_load(sets, needle):
