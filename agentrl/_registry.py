@@ -62,7 +62,10 @@ class EnvSpec:
         except EnvError:
             raise
         except Exception as exc:
-            raise EnvError(f"{self.id}: constructor failed with {merged}: {exc}") from exc
+            given = f" (kwargs {merged})" if merged else ""
+            raise EnvError(
+                f"{self.id}: the constructor{given} raised {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 _registry: dict[str, EnvSpec] = {}

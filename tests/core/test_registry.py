@@ -535,6 +535,46 @@ class _RespondReturnsStrings(_MinimalEnv):
         return ["not a message"]
 
 
+class _ResetRaises(_MinimalEnv):
+    async def reset(self, task):
+        raise KeyError("prompt")
+
+
+class _RewardRaises(_MinimalEnv):
+    def reward(self, episode):  # a plain hook, as the runtime allows
+        raise RuntimeError("verifier exploded")
+
+
+class _ConstructorRaises(_MinimalEnv):
+    def __init__(self) -> None:
+        raise OSError("no dataset file")
+
+
+class _PlainHooks:
+    """Every hook a plain function: the runtime runs them in threads, the checker calls them."""
+
+    def tasks(self, split, *, seed=0):
+        return [Task(id=f"{split}-0", prompt="p")]
+
+    def reset(self, task):
+        return [Message("user", task.prompt)]
+
+    def respond(self, message):
+        return None
+
+    def reward(self, episode):
+        return 0.0
+
+    def close(self):
+        return None
+
+
+def test_check_env_accepts_plain_hooks(temp_ids):
+    temp_ids.append("test-plain-v0")
+    agentrl.register("test-plain-v0", _PlainHooks)
+    agentrl.check_env("test-plain-v0")
+
+
 class _TwoToolsOneName(_MinimalEnv):
     @agentrl.tool
     def lookup(self, key: str) -> str:
@@ -561,6 +601,12 @@ class _TwoToolsOneName(_MinimalEnv):
         (_RewardNaN, r"reward\(\) must return a float or Reward"),
         (_NoClose, r"missing required method close\(\)"),
         (_RespondReturnsStrings, r"respond\(\) returned str, not Message"),
+        (_ResetRaises, r"reset\(\) raised KeyError: 'prompt'"),
+        (
+            _RewardRaises,
+            r"reward\(\) of an episode with an empty answer raised RuntimeError: verifier exploded",
+        ),
+        (_ConstructorRaises, r"the constructor raised OSError: no dataset file"),
     ],
 )
 def test_check_env_rejects_broken_envs(temp_ids, cls, match):
