@@ -257,8 +257,9 @@ def test_module_prefix_imports_the_module_lazily(tmp_path, monkeypatch, temp_ids
 
 
 def test_module_prefix_that_cannot_be_imported():
-    with pytest.raises(agentrl.EnvError, match="cannot import module 'agentrl_no_such_mod'"):
+    with pytest.raises(agentrl.EnvError, match="cannot import module 'agentrl_no_such_mod'") as e:
         agentrl.spec("agentrl_no_such_mod:calc-v0")
+    assert "run it from the folder that holds the module" in str(e.value)
 
 
 # -- entry points ------------------------------------------------------------------------------
@@ -370,6 +371,15 @@ def test_version_not_found_lists_versions(temp_ids):
 def test_malformed_ids(bad):
     with pytest.raises(agentrl.BadEnvSpec):
         agentrl.spec(bad)
+
+
+@pytest.mark.parametrize(
+    ("given", "module"),
+    [("examples/echo_env.py:echo-v0", "examples.echo_env"), ("./my_env.py:echo-v0", "my_env")],
+)
+def test_a_file_path_for_a_module_gets_its_import_path(given, module):
+    with pytest.raises(agentrl.BadEnvSpec, match=f"import path: '{module}:echo-v0'"):
+        agentrl.spec(given)
 
 
 @pytest.mark.parametrize("version", ["01", "00", "007", "\u0661", "\u0660", "\uff11", "\u00b2"])
