@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ YAML = blocks("yaml")
 
 
 def test_the_pages_hold_snippets():
-    assert PYTHON and len(YAML) >= 4, (PYTHON, YAML)
+    assert PYTHON and TOML and len(YAML) >= 4, (PYTHON, TOML, YAML)
 
 
 @pytest.mark.parametrize(("page", "line", "before", "code"), PYTHON, ids=_ids(PYTHON))
@@ -97,6 +98,19 @@ def test_yaml_snippet_is_a_valid_run_configuration(page, line, before, text, tmp
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"model": "tiny-random", "env": "calc-v0", **fragment}))
     load_train_config(config)  # raises ConfigError naming the field
+
+
+TOML = blocks("toml")
+
+
+@pytest.mark.parametrize(("page", "line", "before", "text"), TOML, ids=_ids(TOML))
+def test_toml_snippet_parses_and_names_the_entry_point_group(page, line, before, text):
+    from agentrl._registry import ENTRY_POINT_GROUP
+
+    groups = tomllib.loads(text).get("project", {}).get("entry-points", {})
+    assert set(groups) <= {ENTRY_POINT_GROUP}, groups
+    for value in groups.get(ENTRY_POINT_GROUP, {}).values():
+        assert re.fullmatch(r"[\w.]+:[\w.]+", value), value  # module:attr
 
 
 def _help(path: tuple[str, ...]) -> str:
