@@ -206,7 +206,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     data.update({k: v for k, v in overrides.items() if v is not None})
     if args.env_kwargs:
         data["env_kwargs"] = load_json(args.env_kwargs, "--env-kwargs")
-    cfg = validate_config(RolloutConfig, data)
+    # a file's mistakes are named as the file spells them (rollout.tempreature)
+    cfg = validate_config(RolloutConfig, data, where="rollout" if args.config else "")
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
     # the settings, the environment and the model are checked before torch is imported (an
