@@ -7,17 +7,21 @@ verifier on an episode with no answer, ``respond`` when present, and ``close``.
 
 from __future__ import annotations
 
+import inspect
 import json
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 
 from ._env import Episode
 from ._env_values import REPLY_ROLES, check_messages, check_reward, check_task_ids
-from ._errors import EnvError
+from ._errors import AgentRLError, EnvError
 from ._registry import EnvSpec, spec
 from ._tools import collect_tools
 from ._types import Message
+
+T = TypeVar("T")
 
 
 async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None = None) -> None:
@@ -29,12 +33,34 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
     def fail(msg: str) -> EnvError:
         return EnvError(f"{where}: {msg}")
 
-    env = es.make(**kwargs)
+    def call(what: str, hook: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``hook(...)``; an exception in env code becomes an ``EnvError`` naming the call."""
+        try:
+            return hook(*args, **kw)
+        except AgentRLError:
+            raise
+        except Exception as exc:
+            raise fail(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    async def acall(what: str, hook: Callable[..., Awaitable[T] | T], *args: Any) -> T:
+        """A hook, async or plain (the runtime accepts both)."""
+        try:
+            result = hook(*args)
+            return await result if inspect.isawaitable(result) else result
+        except AgentRLError:
+            raise
+        except Exception as exc:
+            raise fail(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    def tasks(split: str) -> list[Any]:
+        return list(call(f"tasks({split!r}, seed=0)", env.tasks, split, seed=0))
+
+    env = es.make(**kwargs)  # its errors name the constructor
     for name in ("tasks", "reset", "reward", "close"):
         if not callable(getattr(env, name, None)):
             raise fail(f"missing required method {name}()")
     for split in ("train", "eval"):
-        first = list(env.tasks(split, seed=0))
+        first = tasks(split)
         again = list(es.make(**kwargs).tasks(split, seed=0))
         if not first:
             raise fail(f"tasks({split!r}) is empty")
@@ -42,15 +68,15 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
         ids = [str(t.id) for t in first]
         if ids != [str(getattr(t, "id", None)) for t in again]:
             raise fail(f"tasks({split!r}, seed=0) is not deterministic")
-    train_ids = {str(t.id) for t in env.tasks("train", seed=0)}
-    if train_ids & {str(t.id) for t in env.tasks("eval", seed=0)}:
+    train_ids = {str(t.id) for t in tasks("train")}
+    if train_ids & {str(t.id) for t in tasks("eval")}:
         raise fail("train and eval splits share task ids")
 
     tools = collect_tools(env)
     for bound in tools.values():
         json.dumps(bound.spec.schema())  # must be JSON-serialisable
-    task = env.tasks("train", seed=0)[0]
-    messages = check_messages(await env.reset(task), f"{where}: reset()")
+    task = tasks("train")[0]
+    messages = check_messages(await acall("reset()", env.reset, task), f"{where}: reset()")
     if messages[-1].role not in ("user", "tool"):
         raise fail(f"reset() must end with a user turn, not {messages[-1].role!r}")
     episode = Episode(
@@ -61,13 +87,14 @@ async def acheck_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None
         termination_reason="stop",
         prompt_messages=len(messages),
     )
-    check_reward(await env.reward(episode), f"{where}: reward()")
+    reward = await acall("reward() of an episode with an empty answer", env.reward, episode)
+    check_reward(reward, f"{where}: reward()")
     respond = getattr(env, "respond", None)
     if respond is not None:
-        reply = await respond(Message("assistant", "I am not sure."))
+        reply = await acall("respond()", respond, Message("assistant", "I am not sure."))
         if reply is not None:
             check_messages(reply, f"{where}: respond()", REPLY_ROLES, none_ends=True)
-    await env.close()
+    await acall("close()", env.close)
 
 
 def check_env(env_id: str | EnvSpec, *, env_kwargs: dict[str, Any] | None = None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+import typing
 from typing import Any
 
 import pydantic
@@ -106,9 +108,38 @@ def short_repr(value: Any) -> str:
     return text
 
 
-def describe_errors(exc: pydantic.ValidationError, where: str = "") -> str:
+def _model_at(model: type[pydantic.BaseModel], path: tuple[Any, ...]) -> Any:
+    """The pydantic model a field path leads to inside ``model`` (None past a union of models,
+    a list or a dict)."""
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        options = [field.annotation, *typing.get_args(field.annotation)]
+        found = [o for o in options if isinstance(o, type) and issubclass(o, pydantic.BaseModel)]
+        if len(found) != 1:
+            return None
+        model = found[0]
+    return model
+
+
+def _did_you_mean(model: type[pydantic.BaseModel] | None, loc: tuple[Any, ...]) -> str:
+    """``; did you mean 'temperature'?`` for an unknown field close to one of its model's."""
+    inner = _model_at(model, loc[:-1]) if model is not None and loc else None
+    if inner is None or not isinstance(loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(inner.model_fields), n=1, cutoff=0.7)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def describe_errors(
+    exc: pydantic.ValidationError,
+    where: str = "",
+    model: type[pydantic.BaseModel] | None = None,
+) -> str:
     """Each error of ``exc`` as ``dotted.field: message (got value)``, ``where`` prefixed; values
-    shown shortened (``short_repr``)."""
+    shown shortened (``short_repr``). Given the ``model`` validated, an unknown field close to a
+    known one says which."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in (*([where] if where else []), *err["loc"]))
@@ -117,6 +148,8 @@ def describe_errors(exc: pydantic.ValidationError, where: str = "") -> str:
         shown = isinstance(value, dict) or short_repr(value) in message
         got = "" if shown else f" (got {short_repr(value)})"
         named = not loc or message.startswith(f"{loc} ")  # "device must be ...": named already
+        if err["type"] == "extra_forbidden":
+            got += _did_you_mean(model, tuple(err["loc"]))
         parts.append(f"{message}{got}" if named else f"{loc}: {message}{got}")
     return "; ".join(parts)
 
@@ -127,4 +160,4 @@ def validate_config(model: type[pydantic.BaseModel], data: Any, *, where: str = 
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        raise ConfigError("invalid config: " + describe_errors(exc, where)) from None
+        raise ConfigError("invalid config: " + describe_errors(exc, where, model)) from None

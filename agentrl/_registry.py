@@ -62,7 +62,10 @@ class EnvSpec:
         except EnvError:
             raise
         except Exception as exc:
-            raise EnvError(f"{self.id}: constructor failed with {merged}: {exc}") from exc
+            given = f" (kwargs {merged})" if merged else ""
+            raise EnvError(
+                f"{self.id}: the constructor{given} raised {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 _registry: dict[str, EnvSpec] = {}
@@ -80,9 +83,14 @@ def parse_env_id(env_id: str) -> tuple[str | None, str, int]:
         raise BadEnvSpec(f"environment id must be a string, got {type(env_id).__name__}")
     m = _ID_RE.fullmatch(env_id)
     if m is None:
+        module, _, name = env_id.rpartition(":")
+        hint = ""
+        if module.endswith(".py") and _ID_RE.fullmatch(name):  # a file path, not a module
+            dotted = module.removesuffix(".py").removeprefix("./").replace("/", ".")
+            hint = f"; a module is named by its import path: '{dotted}:{name}'"
         raise BadEnvSpec(
             f"malformed environment id {short_repr(env_id)}: expected 'name-vN' or "
-            "'module:name-vN' (e.g. 'calc-v0')"
+            f"'module:name-vN' (e.g. 'calc-v0'){hint}"
         )
     version = m["version"]
     if not _VERSION_RE.fullmatch(version):
@@ -280,7 +288,13 @@ def spec(env_id: str) -> EnvSpec:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise EnvError(f"{env_id!r}: cannot import module {module!r}: {exc}") from exc
+            hint = ""
+            if isinstance(exc, ModuleNotFoundError) and exc.name and module.startswith(exc.name):
+                hint = (
+                    " (the agentrl command imports from the working directory and the Python"
+                    " path: run it from the folder that holds the module, or install its package)"
+                )
+            raise EnvError(f"{env_id!r}: cannot import module {module!r}: {exc}{hint}") from exc
     key = f"{name}-v{version}"
     with _lock:
         found = _registry.get(key)

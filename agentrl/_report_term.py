@@ -246,7 +246,7 @@ def render_summary(summary: Summary, console: Console) -> None:
         "n/a"
         if s.reward_mean is None
         else f"mean {s.reward_mean:.4g}  min {s.reward_min:.4g}  max {s.reward_max:.4g}"
-        f"  (rewarded {s.rewarded}/{s.trajectories})"
+        f"  (over the {s.rewarded}/{s.trajectories} scored)"
     )
     if s.tokens_per_s is None:
         rate = "n/a"

@@ -22,19 +22,37 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("rollout", help="run real rollouts and write trajectories")
     r.add_argument("--env", required=True, help="environment id, e.g. calc-v0 or mod:name-v0")
-    r.add_argument("--model", default="smollm2-135m", help="registered model name or HF folder")
-    r.add_argument("-n", "--num-tasks", type=int, default=8, help="tasks to roll out")
-    r.add_argument("--group", type=int, default=None, help="samples per task (GRPO G)")
-    r.add_argument("--max-turns", type=int, default=None)
-    r.add_argument("--max-new-tokens", type=int, default=None, help="per turn")
-    r.add_argument("--temperature", type=float, default=None)
-    r.add_argument("--top-p", type=float, default=None)
-    r.add_argument("--top-k", type=int, default=None)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--concurrency", type=int, default=None)
-    r.add_argument("--split", default="train", choices=["train", "eval"])
-    r.add_argument("--task-offset", type=int, default=0)
-    r.add_argument("--env-kwargs", default=None, help="JSON object, e.g. '{\"levels\": [0]}'")
+    r.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="registered model name or HF folder (default %(default)s; agentrl models list)",
+    )
+    r.add_argument(
+        "-n", "--num-tasks", type=int, default=8, help="tasks to roll out (default %(default)s)"
+    )
+    r.add_argument("--group", type=int, default=None, help="samples per task (GRPO G; default 1)")
+    r.add_argument("--max-turns", type=int, default=None, help="default: the env's")
+    r.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: the env's)")
+    r.add_argument("--temperature", type=float, default=None, help="default 1.0")
+    r.add_argument("--top-p", type=float, default=None, help="default 1.0")
+    r.add_argument("--top-k", type=int, default=None, help="default -1 (off)")
+    r.add_argument(
+        "--seed", type=int, default=None, help="every sample's seed derives from it (default 0)"
+    )
+    r.add_argument(
+        "--concurrency", type=int, default=None, help="trajectories running at once (default 16)"
+    )
+    r.add_argument(
+        "--split", default="train", choices=["train", "eval"], help="default %(default)s"
+    )
+    r.add_argument(
+        "--task-offset", type=int, default=0, help="skip this many tasks of the split (default 0)"
+    )
+    r.add_argument(
+        "--env-kwargs",
+        default=None,
+        help="JSON object of the env's constructor arguments, e.g. '{\"levels\": [0]}'",
+    )
     r.add_argument(
         "--config",
         default=None,
@@ -55,8 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--dry-run", action="store_true", help="render masks, write report.html")
     r.add_argument("--check", action="store_true", help="boundary-check every trajectory")
-    r.add_argument("--show", type=int, default=2, help="trajectories to render with --dry-run")
-    r.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
+    r.add_argument(
+        "--show", type=int, default=2, help="trajectories to render with --dry-run (default 2)"
+    )
+    r.add_argument(
+        "--backend", default="trio", choices=["trio", "asyncio"], help="event loop (default trio)"
+    )
     r.add_argument(
         "--engine",
         default="embedded",
@@ -77,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="a run directory or its trajectories.jsonl")
     i.add_argument("--html", default=None, help="write the HTML mask report here")
     i.add_argument("--model", default=None, help="tokenizer source (default: from config.json)")
-    i.add_argument("--show", type=int, default=2)
+    i.add_argument("--show", type=int, default=2, help="trajectories to render (default 2)")
     i.add_argument("--check", action="store_true", help="boundary-check every trajectory")
 
     e = sub.add_parser("envs", help="list, show or check registered environments")
@@ -206,7 +228,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     data.update({k: v for k, v in overrides.items() if v is not None})
     if args.env_kwargs:
         data["env_kwargs"] = load_json(args.env_kwargs, "--env-kwargs")
-    cfg = validate_config(RolloutConfig, data)
+    # a file's mistakes are named as the file spells them (rollout.tempreature)
+    cfg = validate_config(RolloutConfig, data, where="rollout" if args.config else "")
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
     # the settings, the environment and the model are checked before torch is imported (an

@@ -30,7 +30,7 @@ import pydantic
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ._config import PoolConfig, ServiceConfig
+from ._config import DEFAULT_IMAGE, PoolConfig, ServiceConfig
 from ._connections import MAX_LINGERING, ConnectionGuard
 from ._errors import BackendUnavailable, SandboxError
 from ._pool import open_sandbox_pool
@@ -303,7 +303,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="where programs run (default: the --config file's backend, else docker)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="default %(default)s; 0 picks a free one"
+    )
     parser.add_argument(
         "--token",
         default=None,
@@ -313,11 +315,27 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--config", default=None, help="PoolConfig as a JSON file (JSON only: no YAML here)"
     )
-    parser.add_argument("--image", default=None, help="image for docker/gvisor")
-    parser.add_argument("--size", type=int, default=None, help="warm sandboxes (default 4)")
-    parser.add_argument("--max-queue", type=int, default=None, help="waiting requests (64)")
-    parser.add_argument("--queue-timeout-s", type=float, default=None, help="(default 30)")
-    parser.add_argument("--recycle-after", type=int, default=None, help="(default 100)")
+    parser.add_argument(
+        "--image", default=None, help=f"image for docker/gvisor (default {DEFAULT_IMAGE})"
+    )
+    parser.add_argument(
+        "--size", type=int, default=None, help="warm sandboxes, the most runs at once (default 4)"
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=None, help="requests that may wait for one (default 64)"
+    )
+    parser.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a request waits for a sandbox before a 429 busy (default 30)",
+    )
+    parser.add_argument(
+        "--recycle-after",
+        type=int,
+        default=None,
+        help="runs per sandbox before a fresh one replaces it (default 100)",
+    )
     limits = parser.add_argument_group(
         "service limits", "ServiceConfig; also the 'service' object of --config (flags win)"
     )

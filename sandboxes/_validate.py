@@ -280,7 +280,9 @@ def request_from_json(obj: Any, limits: RequestLimits | None = None) -> RunReque
     except msgspec.ValidationError as exc:
         field = validation_field(exc) or "request"
         message = str(exc).split(" - at `", 1)[0]
-        if isinstance(obj, dict) and field in obj:
+        if field == "language" and message.startswith("Invalid enum value"):
+            message = f"must be one of {LANGUAGES}, got {show(obj[field])}"
+        elif isinstance(obj, dict) and field in obj:
             message += f": {show(obj[field])}"
         raise InvalidRequest(field, message) from None
     validate_request(req, limits)

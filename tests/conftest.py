@@ -6,6 +6,11 @@
 - ``gpu``-marked tests are skipped where CUDA is not available, so a plain run needs no GPU and
   ``pytest -m gpu`` on a GPU machine runs them.
 - The real SmolLM2 tokenizer (via the tiny-random model folder), a seeded ``rng``.
+- Every part of agentrl comes from one copy: ``agentrl`` and its mapped subpackages (``envs``,
+  ``sandboxes``, ``kernels``, ``trainer``: top-level folders, see pyproject's ``package-dir``)
+  from the same checkout or installed tree, or the session stops before collecting. Pointing
+  ``PYTHONPATH`` at one checkout while another is installed editable would otherwise test the
+  first one's core against the second one's subpackages.
 - Every test leaves the host's ``/dev/null`` as it found it (owner and mode): a test that changes
   it fails by name and, run as root, puts it back, so that the tests after it are not broken too
   (runsc hands the stdio files of every process it starts to its sandbox user).
@@ -33,6 +38,40 @@ DEFAULT_ANYIO_BACKEND = "trio"
 # interpreter (numpy on CPU) when a test asks for the Triton backend explicitly.
 if "TRITON_INTERPRET" not in os.environ and not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+MAPPED_PACKAGES = ("envs", "sandboxes", "kernels", "trainer")
+
+
+def mixed_copies() -> list[str]:
+    """The mapped subpackages that would be imported from another copy of agentrl than
+    ``agentrl`` itself (found without importing them: agentrl.kernels must not load before
+    TRITON_INTERPRET is set)."""
+    import importlib.util
+    from pathlib import Path
+
+    core = importlib.util.find_spec("agentrl")
+    assert core is not None and core.origin is not None
+    base = Path(core.origin).resolve().parent  # CHECKOUT/agentrl, or an installed agentrl/
+    mixed = []
+    for name in MAPPED_PACKAGES:
+        found = importlib.util.find_spec(f"agentrl.{name}")
+        where = Path(found.origin).resolve().parent if found and found.origin else None
+        if where not in (base.parent / name, base / name):  # a checkout's layout, pip's layout
+            mixed.append(f"agentrl.{name} from {where}")
+    return mixed
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if mixed := mixed_copies():
+        import agentrl
+
+        raise pytest.UsageError(
+            f"agentrl is imported from {os.path.dirname(agentrl.__file__)} but "
+            f"{', '.join(mixed)}: two copies of agentrl are mixed (PYTHONPATH names one checkout "
+            "while another is installed). Install the checkout under test (pip install --no-deps"
+            " -e CHECKOUT, in a venv of its own) and run pytest without PYTHONPATH."
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

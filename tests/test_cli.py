@@ -745,3 +745,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
         os.close(write)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
+
+
+def test_a_misspelt_setting_of_a_rollout_config_file_is_named_as_the_file_spells_it(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("rollout:\n  tempreature: 1.0\n")
+    proc = agentrl("rollout", "--env", "calc-v0", "--model", "tiny-random", "-n", "1",
+                   "--config", str(config), "--out", str(tmp_path / "run"))  # fmt: skip
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    assert "rollout.tempreature: Extra inputs are not permitted" in proc.stderr, proc.stderr
+    assert "did you mean 'temperature'?" in proc.stderr, proc.stderr

@@ -121,3 +121,18 @@ def test_the_rules_have_no_copies_in_test_modules():
         if re.search(r"sys\.path\.(insert|append)\(", text) and not registry:
             copies.append(f"{rel}: edits sys.path (pyproject's pytest pythonpath has tests/)")
     assert not copies, "\n".join(copies)
+
+
+def test_two_copies_of_agentrl_are_refused(project, monkeypatch, tmp_path):
+    """PYTHONPATH naming another checkout's ``agentrl`` while this one is installed would test
+    that core against this install's envs/sandboxes/kernels/trainer: refused before collecting."""
+    other = tmp_path / "other-checkout"
+    (other / "agentrl").mkdir(parents=True)
+    (other / "agentrl" / "__init__.py").write_text("")
+    project.makepyfile(test_x="def test_x():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(other))
+    result = project.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*agentrl.envs from *two copies of agentrl are mixed*"])
+    monkeypatch.delenv("PYTHONPATH")
+    project.runpytest_subprocess().assert_outcomes(passed=1)

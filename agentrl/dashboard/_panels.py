@@ -150,7 +150,22 @@ def _runtime(*keys: str, names: dict[str, str] | None = None):
 
 def _backlog(run: RunData) -> list[Trace]:
     keys = {"buffer_backlog": "backlog (groups)", "in_flight_groups": "in flight (groups)"}
-    return _lines(run.runtime, "time_s", keys) or _lines(run.ledger, "step", keys)
+    # a run without interval records falls back to the per-step values: a step axis of its own
+    return _lines(run.runtime, "time_s", keys) or _lines(run.ledger, "step", keys, xaxis="x2")
+
+
+def _time_or_step_axis(traces: list[Trace], layout: dict[str, Any]) -> dict[str, Any]:
+    """The layout for traces on seconds (``x``) and per-step ones (``x2``): one axis titled
+    for what it shows, or both (steps on top) when runs of each kind are overlaid."""
+    on_steps = [t for t in traces if t.get("xaxis") == "x2"]
+    if not on_steps:
+        return layout
+    if len(on_steps) == len(traces):
+        for trace in on_steps:
+            del trace["xaxis"]
+        return {**layout, "xaxis": {"title": {"text": "step"}}}
+    step_axis = {"title": {"text": "step (runs without runtime.jsonl records)"}}
+    return {**layout, "xaxis2": {**step_axis, "overlaying": "x", "side": "top"}}
 
 
 def lag_histogram(run: RunData) -> dict[int, float]:
@@ -300,7 +315,8 @@ def _specs() -> list[_Spec]:
                 "trained_tokens",
                 names={"generated_tokens": "generated", "trained_tokens": "trained"},
             ),
-            "runtime.jsonl (logging.interval_s > 0)",
+            "interval records in runtime.jsonl (one every logging.interval_s seconds: none when "
+            "that is 0 or longer than the run)",
             time,
         ),
         _Spec(
@@ -422,6 +438,8 @@ def build_panels(runs: list[RunData]) -> list[Panel]:
             **spec.layout,
             **(_lag_layout(runs) if spec.id == "version_lag" else {}),
         }
+        if spec.id == "backlog":
+            layout = _time_or_step_axis(traces, layout)
         missing = None
         if not traces:
             missing = f"No data in this run: it wrote no {spec.looked_for}."

@@ -708,18 +708,31 @@ async def run_server(
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``agentrl serve`` options (SGLang's names where they exist)."""
-    parser.add_argument("--model", "--model-path", dest="model", default="smollm2-135m",
-                        help="registered model name or local HF folder")  # fmt: skip
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default="smollm2-135m",
+        help="registered model name or local HF folder (default %(default)s)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=30000, help="default %(default)s (SGLang's); 0 picks a free one"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in /v1/models, /server_info and /metrics (default: its path)",
+    )
     parser.add_argument(
         "--max-batch-size",
         "--max-running-requests",
         dest="max_batch_size",
         type=int,
         default=None,
-        help="most requests running at once",
+        help="most requests running at once (default 32)",
     )
     parser.add_argument(
         "--max-step-tokens",
@@ -764,9 +777,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="block_size",
         type=int,
         default=None,
-        help="KV block size in tokens (the embedded engine's block_size)",
+        help="KV block size in tokens (the embedded engine's block_size; default 16)",
     )
-    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size")
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens (default: 1 GiB of KV, at most batch size x context)",
+    )
     parser.add_argument(
         "--context-length",
         dest="context_length",
@@ -795,32 +813,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-samples-per-request",
         type=int,
         default=DEFAULT_MAX_SAMPLES_PER_REQUEST,
-        help="most samples (prompts x n) one /generate request may ask for; more is a 400",
+        help="most samples (prompts x n) one /generate request may ask for; more is a 400 "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--max-sessions",
         type=int,
         default=DEFAULT_MAX_SESSIONS,
-        help="most sessions open at once; /open_session beyond it is a 400",
+        help="most sessions open at once; /open_session beyond it is a 400 (default %(default)s)",
     )
     parser.add_argument(
         "--max-logprob-entries",
         type=int,
         default=DEFAULT_MAX_LOGPROB_ENTRIES,
         help="most top-k and chosen-id logprob entries (positions x (top_logprobs_num + "
-        "token_ids_logprob ids)) one /generate request may ask for; more is a 400",
+        "token_ids_logprob ids)) one /generate request may ask for; more is a 400 "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--max-stop-strings",
         type=int,
         default=DEFAULT_MAX_STOP_STRINGS,
-        help="most strings one sampling_params.stop may hold; more is a 400",
+        help="most strings one sampling_params.stop may hold; more is a 400 (default %(default)s)",
     )
     parser.add_argument(
         "--max-stop-string-length",
         type=int,
         default=DEFAULT_MAX_STOP_STRING_LENGTH,
-        help="most characters of one stop string; a longer one is a 400",
+        help="most characters of one stop string; a longer one is a 400 (default %(default)s)",
     )
     parser.add_argument(
         "--incremental-streaming-output",
@@ -832,7 +852,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="tokens per streamed chunk when a request's sampling_params.stream_interval is unset "
-        "(the first token is always sent at once)",
+        "(default %(default)s; the first token is always sent at once)",
     )
 
 

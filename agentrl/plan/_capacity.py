@@ -60,8 +60,9 @@ class CapacitySettings:
         for name in ("group_size", "tasks_per_step", "concurrency", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} {getattr(self, name)}: at least 1")
-        if self.max_version_lag < 0 or self.publish_s < 0:
-            raise ConfigError("max_version_lag and publish_s must be >= 0")
+        for name in ("max_version_lag", "publish_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} {getattr(self, name)}: must be >= 0")
         # the simulation walks every step, and every sample of a step: bounds that keep a plan
         # to seconds (a longer one is no more informative)
         for name, most in (("steps", MAX_STEPS), ("max_version_lag", MAX_STEPS)):

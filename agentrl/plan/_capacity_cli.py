@@ -23,13 +23,30 @@ def capacity_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--from-run", default=None, help="calibrate every rate from a run folder")
     for name, text in _RATES.items():
         c.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=text)
-    c.add_argument("--group-size", type=int, default=None)
-    c.add_argument("--tasks-per-step", type=int, default=None)
-    c.add_argument("--max-version-lag", type=int, default=None)
-    c.add_argument("--publish-s", type=float, default=None, help="seconds per published version")
-    c.add_argument("--concurrency", type=int, default=None, help="samples per engine at once")
+    c.add_argument("--group-size", type=int, default=None, help="samples per task (G)")
+    c.add_argument("--tasks-per-step", type=int, default=None, help="tasks per step (M)")
+    c.add_argument(
+        "--max-version-lag",
+        type=int,
+        default=None,
+        help="versions a sample may lag (train.max_version_lag; default: the run's, else 1)",
+    )
+    c.add_argument(
+        "--publish-s",
+        type=float,
+        default=None,
+        help="seconds per published version (default: the run's, else 0)",
+    )
+    c.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="samples per engine at once (default: the run's, else 64)",
+    )
     c.add_argument("--actors", type=int, default=None, help="evaluate this many (default: plan)")
-    c.add_argument("--steps", type=int, default=40, help="steps simulated per actor count")
+    c.add_argument(
+        "--steps", type=int, default=40, help="steps simulated per actor count (default 40)"
+    )
     c.add_argument("--json", action="store_true")
 
 

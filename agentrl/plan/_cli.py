@@ -19,28 +19,63 @@ from ._units import gb, gib, parse_bytes
 def _memory_parser(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("memory", help="per-GPU memory of a training layout")
     m.add_argument("--model", required=True, help="7B | config.json | HF folder | model name")
-    m.add_argument("--algorithm", default="grpo", help="grpo, ppo, ... (agentrl's table)")
-    m.add_argument("--kl-coef", type=float, default=None, help="> 0: a reference model is kept")
-    m.add_argument("--reward-model", default="none", help="none | same | MODEL (as --model)")
-    m.add_argument("--gpus", type=int, default=1, help="GPUs the learner is sharded over")
-    m.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 80GiB or 80GB")
-    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    m.add_argument("--zero", type=int, default=3, choices=[0, 1, 2, 3])
-    m.add_argument("--offload", default="none", help=f"none or a list of {','.join(OFFLOADABLE)}")
+    m.add_argument(
+        "--algorithm", default="grpo", help="grpo, ppo, ... (agentrl's table; default grpo)"
+    )
+    m.add_argument(
+        "--kl-coef",
+        type=float,
+        default=None,
+        help="> 0: a reference model is kept (default: the algorithm's)",
+    )
+    m.add_argument(
+        "--reward-model", default="none", help="none (default) | same | MODEL (as --model)"
+    )
+    m.add_argument(
+        "--gpus", type=int, default=1, help="GPUs the learner is sharded over (default 1)"
+    )
+    m.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="per GPU, e.g. 80GiB or 80GB; given, exit 1 when the layout does not fit",
+    )
+    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="default bf16")
+    m.add_argument(
+        "--zero", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)"
+    )
+    m.add_argument(
+        "--offload", default="none", help=f"none (default) or a list of {','.join(OFFLOADABLE)}"
+    )
     states = ["fp32-master", "bf16", "fp32"]
-    m.add_argument("--optimizer-state", default="fp32-master", choices=states)
-    m.add_argument("--seq-len", type=int, default=4096, help="context of a rollout (KV cache)")
-    m.add_argument("--micro-batch-tokens", type=int, default=4096, help="tokens per micro-batch")
+    m.add_argument(
+        "--optimizer-state",
+        default="fp32-master",
+        choices=states,
+        help="fp32-master (default): DeepSpeed's mixed-precision Adam; bf16 / fp32: no master copy",
+    )
+    m.add_argument(
+        "--seq-len", type=int, default=4096, help="context of a rollout (KV cache; default 4096)"
+    )
+    m.add_argument(
+        "--micro-batch-tokens", type=int, default=4096, help="tokens per micro-batch (default 4096)"
+    )
     m.add_argument("--activation-checkpointing", action="store_true")
     m.add_argument(
         "--logprob",
         default="fused",
         choices=["fused", "chunked", "naive"],
-        help="fused: the Triton kernel (GPU); chunked: its torch fallback; naive",
+        help="fused (default): the Triton kernel (GPU); chunked: its torch fallback; naive",
     )
-    m.add_argument("--chunk-size", type=int, default=1024, help="the chunked path's chunk")
+    m.add_argument(
+        "--chunk-size", type=int, default=1024, help="the chunked path's chunk (default 1024)"
+    )
     m.add_argument("--colocate", action="store_true", help="the rollout engine shares the GPU")
-    m.add_argument("--rollout-batch", type=int, default=64, help="sequences the engine holds")
+    m.add_argument(
+        "--rollout-batch",
+        type=int,
+        default=64,
+        help="sequences the engine holds with --colocate (default 64)",
+    )
     m.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -116,7 +151,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     # the model's name may come from a downloaded folder: its text never drives the terminal
     print(json.dumps(plan.to_json(), indent=2) if args.json else terminal_safe(render_memory(plan)))
     left = plan.left_bytes
-    return 1 if left is not None and left < 0 else 0
+    if left is not None and left < 0:
+        print(
+            f"does not fit: {gib(-left)} GiB over --gpu-memory {args.gpu_memory} per GPU",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def parser(prog: str = "agentrl plan") -> argparse.ArgumentParser:

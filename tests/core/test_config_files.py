@@ -136,6 +136,16 @@ def test_validation_errors_show_a_huge_value_shortened():
     assert len(message) < 500, message
 
 
+def test_a_misspelt_rollout_setting_gets_the_close_one(tmp_path):
+    from agentrl._config import validate_config
+
+    with pytest.raises(ConfigError, match=r"tempreature: .*; did you mean 'temperature'\?"):
+        validate_config(RolloutConfig, {"tempreature": 1.0})
+    with pytest.raises(ConfigError) as far:
+        validate_config(RolloutConfig, {"zzzz": 1})
+    assert "did you mean" not in str(far.value)
+
+
 def test_json_config_is_read_as_json(tmp_path):
     path = tmp_path / "pool.json"
     path.write_text(json.dumps({"size": 2}))

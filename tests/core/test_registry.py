@@ -257,8 +257,9 @@ def test_module_prefix_imports_the_module_lazily(tmp_path, monkeypatch, temp_ids
 
 
 def test_module_prefix_that_cannot_be_imported():
-    with pytest.raises(agentrl.EnvError, match="cannot import module 'agentrl_no_such_mod'"):
+    with pytest.raises(agentrl.EnvError, match="cannot import module 'agentrl_no_such_mod'") as e:
         agentrl.spec("agentrl_no_such_mod:calc-v0")
+    assert "run it from the folder that holds the module" in str(e.value)
 
 
 # -- entry points ------------------------------------------------------------------------------
@@ -370,6 +371,15 @@ def test_version_not_found_lists_versions(temp_ids):
 def test_malformed_ids(bad):
     with pytest.raises(agentrl.BadEnvSpec):
         agentrl.spec(bad)
+
+
+@pytest.mark.parametrize(
+    ("given", "module"),
+    [("examples/echo_env.py:echo-v0", "examples.echo_env"), ("./my_env.py:echo-v0", "my_env")],
+)
+def test_a_file_path_for_a_module_gets_its_import_path(given, module):
+    with pytest.raises(agentrl.BadEnvSpec, match=f"import path: '{module}:echo-v0'"):
+        agentrl.spec(given)
 
 
 @pytest.mark.parametrize("version", ["01", "00", "007", "\u0661", "\u0660", "\uff11", "\u00b2"])
@@ -535,6 +545,46 @@ class _RespondReturnsStrings(_MinimalEnv):
         return ["not a message"]
 
 
+class _ResetRaises(_MinimalEnv):
+    async def reset(self, task):
+        raise KeyError("prompt")
+
+
+class _RewardRaises(_MinimalEnv):
+    def reward(self, episode):  # a plain hook, as the runtime allows
+        raise RuntimeError("verifier exploded")
+
+
+class _ConstructorRaises(_MinimalEnv):
+    def __init__(self) -> None:
+        raise OSError("no dataset file")
+
+
+class _PlainHooks:
+    """Every hook a plain function: the runtime runs them in threads, the checker calls them."""
+
+    def tasks(self, split, *, seed=0):
+        return [Task(id=f"{split}-0", prompt="p")]
+
+    def reset(self, task):
+        return [Message("user", task.prompt)]
+
+    def respond(self, message):
+        return None
+
+    def reward(self, episode):
+        return 0.0
+
+    def close(self):
+        return None
+
+
+def test_check_env_accepts_plain_hooks(temp_ids):
+    temp_ids.append("test-plain-v0")
+    agentrl.register("test-plain-v0", _PlainHooks)
+    agentrl.check_env("test-plain-v0")
+
+
 class _TwoToolsOneName(_MinimalEnv):
     @agentrl.tool
     def lookup(self, key: str) -> str:
@@ -561,6 +611,12 @@ class _TwoToolsOneName(_MinimalEnv):
         (_RewardNaN, r"reward\(\) must return a float or Reward"),
         (_NoClose, r"missing required method close\(\)"),
         (_RespondReturnsStrings, r"respond\(\) returned str, not Message"),
+        (_ResetRaises, r"reset\(\) raised KeyError: 'prompt'"),
+        (
+            _RewardRaises,
+            r"reward\(\) of an episode with an empty answer raised RuntimeError: verifier exploded",
+        ),
+        (_ConstructorRaises, r"the constructor raised OSError: no dataset file"),
     ],
 )
 def test_check_env_rejects_broken_envs(temp_ids, cls, match):

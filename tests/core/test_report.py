@@ -206,7 +206,7 @@ def test_render_summary_table():
     assert "tool-call rate" in out and "75.0%" in out
     assert "parse_error=1" in out and "engine:EngineError=1" in out
     assert "5.0 (wall clock)" in out
-    assert "mean 0.5  min 0  max 1" in out
+    assert "mean 0.5  min 0  max 1  (over the 3/4 scored)" in out  # the error has no reward
 
 
 # --- terminal -----------------------------------------------------------------------------------

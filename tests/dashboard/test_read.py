@@ -109,6 +109,39 @@ def test_each_panel_plots_its_fields_and_says_when_a_run_has_none(tmp_path, rng)
     assert page.count('class="plot"') == sum(1 for p in panels.values() if not p.missing)
 
 
+def test_the_backlog_axis_says_steps_when_a_run_has_no_interval_records(tmp_path, rng):
+    """A run shorter than logging.interval_s writes an empty runtime.jsonl: its backlog comes
+    from the ledger, by step, and the axis says so (not "seconds since start")."""
+    (tmp_path / "timed").mkdir()
+    (tmp_path / "short").mkdir()
+    timed, _ = make_run(tmp_path / "timed", rng)
+    short, _ = make_run(tmp_path / "short", rng)
+    ledger = [json.loads(x) for x in (short / "ledger.jsonl").read_text().splitlines()[:5]]
+    for record in ledger:
+        record["buffer_backlog"] = 1
+    _write(short / "ledger.jsonl", [json.dumps(r) for r in ledger])
+    _write(short / "runtime.jsonl", [])
+
+    def backlog(*runs):
+        return next(
+            p for p in build_panels([load_run(r, r.parent.name) for r in runs]) if p.id == "backlog"
+        )
+
+    alone = backlog(short)
+    assert alone.layout["xaxis"]["title"]["text"] == "step" and "xaxis2" not in alone.layout
+    assert all("xaxis" not in t for t in alone.traces) and alone.traces[0]["x"] == [0, 1, 2, 3, 4]
+    assert backlog(timed).layout["xaxis"]["title"]["text"] == "seconds since start"
+    both = backlog(timed, short)
+    assert both.layout["xaxis"]["title"]["text"] == "seconds since start"
+    assert both.layout["xaxis2"]["title"]["text"].startswith("step")
+    assert {t["name"].split(" · ")[1]: t.get("xaxis", "x") for t in both.traces} == {
+        "timed": "x",
+        "short": "x2",
+    }
+    interval = next(p for p in build_panels([load_run(short)]) if p.id == "tokens_interval")
+    assert "interval records in runtime.jsonl" in interval.missing
+
+
 def test_compare_overlays_runs_with_their_names_and_dashes(tmp_path, rng):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -264,3 +264,17 @@ def test_a_run_file_that_would_block_is_refused(tmp_path, capsys, name):
     assert main(["plan", "capacity", "--from-run", str(run)]) == 2
     err = capsys.readouterr().err
     assert f"{name} is a file of the kernel's /proc, not a run file" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-version-lag", "-1", "max_version_lag -1: must be >= 0"),
+        ("--publish-s", "-0.5", "publish_s -0.5: must be >= 0"),
+    ],
+)
+def test_a_negative_setting_is_named_with_its_value(capsys, flag, value, message):
+    rates = ["--actor-tokens-per-s", "500", "--learner-tokens-per-s", "2000", "--gen-tokens", "100"]
+    rates += ["--learner-tokens", "300", "--group-size", "8", "--tasks-per-step", "4"]
+    assert main(["plan", "capacity", *rates, flag, value]) == 2
+    assert message in capsys.readouterr().err

@@ -187,9 +187,11 @@ def test_activation_bytes_are_what_autograd_saves(name):
 
 def test_the_table_and_the_exit_code_say_whether_it_fits(capsys):
     assert main(["plan", "memory", *TEXTBOOK[:-1], "--gpu-memory", "80GB"]) == 1
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert re.search(r"^total\s+84\.00\s+78\.23$", out, re.M), out
     assert re.search(r"^left of 74\.51 GiB\s+-4\.00", out, re.M), out
+    assert "does not fit: 3.73 GiB over --gpu-memory 80GB per GPU" in captured.err, captured.err
     assert main(["plan", "memory", *TEXTBOOK[:-1], "--gpu-memory", "90GB"]) == 0
 
 

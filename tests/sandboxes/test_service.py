@@ -102,6 +102,7 @@ async def test_run_and_batch(sandbox_backend):
         assert results[0]["error"].startswith("requests[0].foo")
         assert results[1]["error"].startswith("requests[1].timeout_s")
         assert results[2]["error"].startswith("requests[2].language")
+        assert "must be one of ('python', 'bash'), got 'rust'" in results[2]["error"]
         assert results[3]["exit_code"] == 3 and results[4]["stdout"] == "5\n"
         response = await client.post("/v1/run_batch", json={"requests": []})
         assert (await response.json()) == {"results": []}

@@ -158,6 +158,26 @@ def test_an_engine_typo_fails_at_load_with_its_name(sets, needle):
     assert needle in refused(*sets)
 
 
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (
+            ["optimizer.lrr=1"],
+            "optimizer.lrr: Extra inputs are not permitted (got 1); did you mean 'lr'?",
+        ),
+        (["rollout.tempreature=1"], "did you mean 'temperature'?"),
+        (["trian.max_steps=1"], "trian: Extra inputs are not permitted; did you mean 'train'?"),
+        (["engine.max_batch=4"], "(got 4); did you mean 'max_batch_size'?"),
+    ],
+)
+def test_a_misspelt_field_gets_the_close_one(sets, needle):
+    assert needle in refused(*sets)
+
+
+def test_an_unknown_field_close_to_none_gets_no_guess():
+    assert "did you mean" not in refused("optimizer.zzzz=1")
+
+
 def test_engine_options_stay_one_validated_type():
     cfg = load("engine.max_batch_size=3", "engine.device=cuda:1")
     assert isinstance(cfg.engine, EngineOptions) and cfg.engine.max_batch_size == 3
