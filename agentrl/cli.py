@@ -575,7 +575,8 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     s = spec(args.env_id)
     env = s.make()
     console.print(f"[bold]{s.id}[/]  ({s.module}.{getattr(s.entry_point, '__qualname__', '')})")
-    console.print(s.description)
+    if s.description:  # the description, else the class's docstring
+        console.print(s.description)
     console.print(f"max_turns={s.max_turns} max_new_tokens={s.max_new_tokens} tags={s.tags}")
     for name, bound in collect_tools(env).items():
         console.print(f"tool [cyan]{name}[/]: {json.dumps(bound.spec.parameters)}")

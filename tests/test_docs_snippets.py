@@ -1,7 +1,8 @@
-"""What README.md and docs/*.md tell a user to copy works as written: every ```python block runs,
-every ```yaml block is a valid (partial) run configuration, every flag of an ``agentrl ...``
-command they show exists in that command's ``--help``, and an ``$ agentrl plan ...`` block
-prints what it shows. ``docs/reference/`` is generated and checked by test_reference_docs.py.
+"""What README.md, docs/*.md and the example configs tell a user to copy works as written:
+every ```python block runs, every ```yaml block is a valid (partial) run configuration, every
+flag of an ``agentrl ...`` command they show (the examples: in their comments) exists in that
+command's ``--help``, and an ``$ agentrl plan ...`` block prints what it shows.
+``docs/reference/`` is generated and checked by test_reference_docs.py.
 
 A python block that cannot run in a plain test run says so on the line before it:
 ``<!-- snippet: not run (REASON) -->``.
@@ -121,13 +122,21 @@ def _help(path: tuple[str, ...]) -> str:
     return out.getvalue()
 
 
+EXAMPLES = sorted((ROOT / "examples").glob("*.y*ml"))
+"""Example configs whose comments show the commands that use them."""
+
+
 def _command_lines() -> list[tuple[str, str]]:
-    """(page, command text after ``agentrl``) of every command in code spans and blocks."""
+    """(page, command text after ``agentrl``) of every command in code spans and blocks, and
+    in the example configs' comments."""
     found = []
-    for page in PAGES:
+    for page in [*PAGES, *EXAMPLES]:
         text = page.read_text()
-        code = [m.group(2) for m in FENCE.finditer(text)]
-        code += re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+        if page.suffix != ".md":
+            code = [line.lstrip("# ") for line in text.splitlines() if line.startswith("#")]
+        else:
+            code = [m.group(2) for m in FENCE.finditer(text)]
+            code += re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
         for chunk in code:
             chunk = chunk.replace("\\\n", " ")
             for m in COMMAND.finditer(chunk):

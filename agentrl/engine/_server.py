@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import inspect
 import signal
 import sys
@@ -934,7 +935,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except asyncio.CancelledError:
         pass
     except (AgentRLError, OSError) as exc:
-        print(f"agentrl serve: {exc}", file=sys.stderr)
+        hint = ""
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            hint = f" (another process serves on port {args.port}: pass another --port, or 0)"
+        print(f"agentrl serve: {exc}{hint}", file=sys.stderr)
         return 1
     return 0
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import random
 import shutil
+import socket
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -651,3 +652,15 @@ def test_a_step_runs_on_a_device_other_than_the_cpu(tiny_dir: Path) -> None:
         logits = model.forward(batch, pool, decode)
         assert logits.shape == (3, c.vocab_size) and logits.device.type == "meta"
     pool.copy_block(1, 2)
+
+
+def test_serve_on_a_port_in_use_says_to_pick_another(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert serve_main(["--model", str(tiny_dir), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"another process serves on port {port}: pass another --port, or 0" in err, err
