@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     ec.add_argument("env_ids", nargs="*", metavar="ENV_ID", help="environment ids to check")
     ec.add_argument("--all", action="store_true", help="check every registered environment")
     ec.add_argument("--env-kwargs", default=None, help="JSON object passed to each factory")
+    ec.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="deadline of each call into the environment: the constructor, tasks() and each "
+        "hook (default %(default)g)",
+    )
 
     m = sub.add_parser("models", help="list or pull models")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -602,6 +609,8 @@ def _check_envs(args: argparse.Namespace, console) -> int:
             raise ConfigError(
                 f"--env-kwargs must be a JSON object, got {short_repr(args.env_kwargs)}"
             )
+    if not args.timeout_s > 0 or args.timeout_s == float("inf"):
+        raise ConfigError(f"--timeout-s must be a number of seconds > 0, got {args.timeout_s!r}")
     ids = list(args.env_ids)
     failed = passed = 0
     if args.all:
@@ -613,7 +622,7 @@ def _check_envs(args: argparse.Namespace, console) -> int:
         raise ConfigError("agentrl envs check: give environment ids, or --all")
     for env_id in ids:
         try:
-            check_env(env_id, env_kwargs=kwargs)
+            check_env(env_id, env_kwargs=kwargs, timeout_s=args.timeout_s)
         except Exception as exc:
             failed += 1
             message = str(exc) if isinstance(exc, AgentRLError) else f"{type(exc).__name__}: {exc}"

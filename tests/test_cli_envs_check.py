@@ -40,6 +40,16 @@ class Shuffled:
 class Fine(Shuffled):
     def tasks(self, split, *, seed=0):
         return [Task(id=f"{split}-{i}", prompt="hi") for i in range(5)]
+
+
+@agentrl.env("stuck-v0")
+class Stuck(Fine):
+    """A verifier that never returns (a blocking call: only a thread can be left behind)."""
+
+    def reward(self, episode):
+        import time
+
+        time.sleep(3600)
 '''
 
 
@@ -86,6 +96,24 @@ def test_env_kwargs_reach_the_factory_and_bad_input_is_named():
         ([], "give environment ids, or --all"),
         (["calc-v0", "--env-kwargs", "{bad"], "--env-kwargs is not valid JSON"),
         (["calc-v0", "--env-kwargs", "[1]"], "--env-kwargs must be a JSON object"),
+        (["calc-v0", "--timeout-s", "0"], "--timeout-s must be a number of seconds > 0, got 0.0"),
+        (["calc-v0", "--timeout-s", "nan"], "--timeout-s must be a number of seconds > 0"),
     ):
         proc = agentrl_cli("envs", "check", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_a_hook_that_hangs_fails_by_name_within_the_deadline(tmp_path):
+    """A hanging hook is a failed check (named, with the deadline), not a hung command; the
+    ids after it are still checked."""
+    (tmp_path / "broken_envs.py").write_text(BROKEN)
+    proc = agentrl_cli(
+        "envs", "check", "broken_envs:stuck-v0", "fine-v0", "--timeout-s", "1", cwd=tmp_path
+    )
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    out = " ".join(proc.stdout.split())
+    assert (
+        "FAIL broken_envs:stuck-v0: stuck-v0: reward() of an episode with an empty answer did "
+        "not finish within 1 s (check_env timeout_s)" in out
+    ), out
+    assert "ok fine-v0" in out and "1 failed, 1 passed" in out

@@ -10,7 +10,10 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
+import anyio
 import pytest
 
 import agentrl
@@ -625,6 +628,63 @@ def test_check_env_rejects_broken_envs(temp_ids, cls, match):
     agentrl.register(env_id, cls)
     with pytest.raises(agentrl.EnvError, match=f"^{env_id}: {match}"):
         agentrl.check_env(env_id)
+
+
+_release = threading.Event()  # set after each test, so no abandoned thread outlives it
+
+
+class _HangingTasks(_MinimalEnv):
+    def tasks(self, split, *, seed=0):
+        _release.wait(3600)
+
+
+class _HangingConstructor(_MinimalEnv):
+    def __init__(self) -> None:
+        _release.wait(3600)
+
+
+class _HangingAsyncReset(_MinimalEnv):
+    async def reset(self, task):
+        await anyio.sleep(3600)
+
+
+class _HangingPlainClose(_MinimalEnv):
+    def close(self):
+        _release.wait(3600)
+
+
+@pytest.mark.parametrize(
+    ("cls", "what"),
+    [
+        (_HangingConstructor, "the constructor"),
+        (_HangingTasks, "tasks('train', seed=0)"),
+        (_HangingAsyncReset, "reset()"),
+        (_HangingPlainClose, "close()"),
+    ],
+)
+def test_check_env_fails_a_call_that_hangs_by_name(temp_ids, cls, what):
+    """Each call into the environment has a deadline: a plain one is left in its thread, an
+    async one is cancelled; the check fails by name soon after it."""
+    env_id = "test-broken-v0"
+    temp_ids.append(env_id)
+    agentrl.register(env_id, cls)
+    started = time.monotonic()
+    _release.clear()
+    try:
+        with pytest.raises(agentrl.EnvError) as caught:
+            agentrl.check_env(env_id, timeout_s=0.5)
+    finally:
+        _release.set()
+    assert str(caught.value) == (
+        f"{env_id}: {what} did not finish within 0.5 s (check_env timeout_s)"
+    )
+    assert time.monotonic() - started < 30  # the deadline held, not the 3600 s sleep
+
+
+def test_check_env_refuses_a_deadline_that_is_not_positive(temp_ids):
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            agentrl.check_env("calc-v0", timeout_s=bad)
 
 
 def test_check_env_rejects_two_tools_with_one_name(temp_ids):
