@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -269,9 +270,10 @@ class SGLangEngine:
         with anyio.CancelScope() as scope:
             self._scopes.add(scope)
             try:
-                if state is None or state.busy:
-                    server = state.server if state else self._least_loaded(sessions=False)
-                    return await self._generate(server, ids, ids, sampling)
+                if state is None:
+                    return await self._plain(ids, sampling)
+                if state.busy:
+                    return await self._generate(state.server, ids, ids, sampling)
                 state.busy = True
                 try:
                     return await self._session_turn(state, ids, sampling)
@@ -282,6 +284,20 @@ class SGLangEngine:
         # only reached when aclose() cancelled this request
         version = self._weight_version
         return GenerateResult([], [], "abort", prompt_tokens=len(ids), weight_version=version)
+
+    async def _plain(self, ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        """A request outside sessions on the least-loaded URL given; one that refuses the
+        connection (nothing was sent) hands it to another, when there is another."""
+        tried: list[Upstream] = []
+        while True:
+            server = self._least_loaded(sessions=False, avoid=tried)
+            try:
+                return await self._generate(server, ids, ids, sampling)
+            except EngineError as exc:
+                if not _refused(exc) or len(tried) + 1 >= len(self._entry):
+                    raise
+                server.refused_at = time.monotonic()
+                tried.append(server)
 
     async def _session_turn(
         self, state: _Session, ids: list[int], sampling: SamplingParams
@@ -294,8 +310,10 @@ class SGLangEngine:
         try:
             return await self._in_session(state, ids, sampling)
         except EngineError as exc:
-            connect_failed = isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
-            if not (self._routers and connect_failed and await self._move(state)):
+            if not (self._routers and _refused(exc)):
+                raise
+            state.server.refused_at = time.monotonic()
+            if not await self._move(state):
                 raise
         return await self._in_session(state, ids, sampling)
 
@@ -308,6 +326,7 @@ class SGLangEngine:
         others = [s for s in self._servers if s.url != state.server.url]
         if not others:
             return False
+        others = _answering(others) or others
         current = [s for s in others if s.weight_version == self._weight_version]
         old, state.server = state.server, min(current or others, key=_placement)
         old.sessions -= 1
@@ -377,6 +396,7 @@ class SGLangEngine:
             body = await self._http.call(server, "POST", "/generate", request)
         finally:
             server.inflight -= 1
+        server.refused_at = None
         self._counts["requests"] += 1
         self._counts["tokens_sent"] += len(send)
         try:
@@ -391,9 +411,13 @@ class SGLangEngine:
             reply, sampling, self._weight_version, server.url, session is None, context
         )
 
-    def _least_loaded(self, *, sessions: bool) -> Upstream:
+    def _least_loaded(self, *, sessions: bool, avoid: Sequence[Upstream] = ()) -> Upstream:
+        """The server for a new session (fewest sessions, then requests) or a plain request
+        (fewest requests), among those not in ``avoid`` that have not refused a connection
+        lately (all of them when none is left)."""
         self._turn += 1
         pool = self._servers if sessions else self._entry
+        pool = _answering([s for s in pool if all(s is not a for a in avoid)]) or pool
         order = pool[self._turn % len(pool) :] + pool
         if sessions:
             return min(order, key=_placement)
@@ -406,8 +430,19 @@ class SGLangEngine:
         await self._ready()
         if capacity_tokens is not None and capacity_tokens < 2:
             raise EngineError(f"capacity_tokens must be >= 2, got {capacity_tokens}")
-        state = _Session(self._least_loaded(sessions=True), capacity_tokens or self.max_context)
-        await self._open_remote(state)
+        capacity = capacity_tokens or self.max_context
+        tried: list[Upstream] = []
+        while True:  # a server that refuses the connection (nothing was sent): another one
+            state = _Session(self._least_loaded(sessions=True, avoid=tried), capacity)
+            try:
+                await self._open_remote(state)
+                break
+            except EngineError as exc:
+                if not _refused(exc) or len(tried) + 1 >= len(self._servers):
+                    raise
+                state.server.refused_at = time.monotonic()
+                tried.append(state.server)
+        state.server.refused_at = None
         session_id = uuid.uuid4().hex
         self._sessions[session_id] = state
         state.server.sessions += 1
@@ -615,6 +650,22 @@ def server_urls(urls: str | Sequence[str]) -> list[str]:
         seen[key] = url
         out.append(url.strip().rstrip("/"))
     return out
+
+
+REFUSED_S = 30.0
+"""How long a server that refused a connection gets no new sessions or plain requests (unless
+every server did)."""
+
+
+def _refused(exc: BaseException) -> bool:
+    """The request failed to connect: nothing was sent."""
+    return isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def _answering(pool: list[Upstream]) -> list[Upstream]:
+    """The servers in ``pool`` that have not refused a connection in the last ``REFUSED_S``."""
+    now = time.monotonic()
+    return [s for s in pool if s.refused_at is None or now - s.refused_at > REFUSED_S]
 
 
 def _placement(server: Upstream) -> tuple[int, int]:
