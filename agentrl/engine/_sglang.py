@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -46,7 +45,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 import msgspec
 
 from agentrl._config import short_repr
@@ -57,6 +55,7 @@ from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
 from ._sglang_router import router_workers, router_workers_blocking
+from ._sglang_servers import answering, placement, refused, server_urls
 
 T = TypeVar("T")
 
@@ -294,7 +293,7 @@ class SGLangEngine:
             try:
                 return await self._generate(server, ids, ids, sampling)
             except EngineError as exc:
-                if not _refused(exc) or len(tried) + 1 >= len(self._entry):
+                if not refused(exc) or len(tried) + 1 >= len(self._entry):
                     raise
                 server.refused_at = time.monotonic()
                 tried.append(server)
@@ -310,7 +309,7 @@ class SGLangEngine:
         try:
             return await self._in_session(state, ids, sampling)
         except EngineError as exc:
-            if not (self._routers and _refused(exc)):
+            if not (self._routers and refused(exc)):
                 raise
             state.server.refused_at = time.monotonic()
             if not await self._move(state):
@@ -326,9 +325,9 @@ class SGLangEngine:
         others = [s for s in self._servers if s.url != state.server.url]
         if not others:
             return False
-        others = _answering(others) or others
+        others = answering(others) or others
         current = [s for s in others if s.weight_version == self._weight_version]
-        old, state.server = state.server, min(current or others, key=_placement)
+        old, state.server = state.server, min(current or others, key=placement)
         old.sessions -= 1
         state.server.sessions += 1
         if state.remote_id is not None and not relist:  # the old worker is alive: free its KV
@@ -417,10 +416,10 @@ class SGLangEngine:
         lately (all of them when none is left)."""
         self._turn += 1
         pool = self._servers if sessions else self._entry
-        pool = _answering([s for s in pool if all(s is not a for a in avoid)]) or pool
+        pool = answering([s for s in pool if all(s is not a for a in avoid)]) or pool
         order = pool[self._turn % len(pool) :] + pool
         if sessions:
-            return min(order, key=_placement)
+            return min(order, key=placement)
         return min(order, key=lambda s: s.inflight)
 
     # --- sessions -----------------------------------------------------------------------------
@@ -438,7 +437,7 @@ class SGLangEngine:
                 await self._open_remote(state)
                 break
             except EngineError as exc:
-                if not _refused(exc) or len(tried) + 1 >= len(self._servers):
+                if not refused(exc) or len(tried) + 1 >= len(self._servers):
                     raise
                 state.server.refused_at = time.monotonic()
                 tried.append(state.server)
@@ -621,56 +620,6 @@ class SGLangEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.aclose()
-
-
-def server_urls(urls: str | Sequence[str]) -> list[str]:
-    """The servers' base URLs, checked: at least one, each ``http(s)://HOST[:PORT][/PATH]``
-    (a router's or a server's), none given twice; ``EngineError`` names the value."""
-    urls = [urls] if isinstance(urls, str) else list(urls)
-    if not urls:
-        raise EngineError("SGLangEngine needs at least one server URL")
-    seen: dict[tuple[str, str, int, str], str] = {}
-    out = []
-    for url in urls:
-        try:
-            parts = urllib.parse.urlsplit(url.strip() if isinstance(url, str) else "")
-            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
-        except ValueError as exc:
-            raise EngineError(f"server URL {short_repr(url)}: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise EngineError(f"server URL {short_repr(url)}: expected http(s)://HOST:PORT")
-        if parts.query or parts.fragment:
-            raise EngineError(f"server URL {short_repr(url)}: give no query or fragment")
-        key = (parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
-        if key in seen:
-            raise EngineError(
-                f"server URL {short_repr(url)} is given twice (as {short_repr(seen[key])}): "
-                "each server or router once"
-            )
-        seen[key] = url
-        out.append(url.strip().rstrip("/"))
-    return out
-
-
-REFUSED_S = 30.0
-"""How long a server that refused a connection gets no new sessions or plain requests (unless
-every server did)."""
-
-
-def _refused(exc: BaseException) -> bool:
-    """The request failed to connect: nothing was sent."""
-    return isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
-
-
-def _answering(pool: list[Upstream]) -> list[Upstream]:
-    """The servers in ``pool`` that have not refused a connection in the last ``REFUSED_S``."""
-    now = time.monotonic()
-    return [s for s in pool if s.refused_at is None or now - s.refused_at > REFUSED_S]
-
-
-def _placement(server: Upstream) -> tuple[int, int]:
-    """Where a session goes: the server with the fewest sessions, then requests."""
-    return server.sessions, server.inflight
 
 
 def _extends(ids: list[int], held: list[int], bos: int | None) -> bool:
