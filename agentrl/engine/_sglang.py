@@ -537,7 +537,12 @@ class SGLangEngine:
             except (EngineError, msgspec.DecodeError) as exc:
                 failures.append(f"{server.url}: {exc}")
                 return
-            if not await self._flush(server):
+            try:
+                flushed = await self._flush(server)
+            except EngineError as exc:  # every server's outcome is reported, none cut short
+                failures.append(f"{server.url}: weights loaded, then /flush_cache failed: {exc}")
+                return
+            if not flushed:
                 failures.append(
                     f"{server.url}: weights are at version {int(version)} but /flush_cache kept "
                     f"refusing for {self.flush_timeout_s:g} s (requests running): prefix KV "

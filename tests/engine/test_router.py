@@ -30,6 +30,7 @@ import httpx
 import pytest
 from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve, wait_ready
 
+from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
 from agentrl.engine import SGLangEngine
 
@@ -372,6 +373,41 @@ async def test_new_sessions_avoid_a_dead_worker_the_router_still_lists(
         for started in (router, proc):
             if started is not None and started.poll() is None:
                 stop_serve(started)
+
+
+async def test_a_worker_whose_flush_fails_is_named_and_the_others_finish(
+    fleet: Fleet, update_path: Path
+) -> None:
+    """A worker that loads the weights and then fails ``/flush_cache`` (a 500 here, from a
+    proxy in front of a real worker): the update raises one ``EngineError`` naming it and
+    the step, while the other worker's update runs to the end (a raw error used to escape
+    the task group and cancel the other workers' updates)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    if fleet.sglang:
+        pytest.skip("the proxy fronts an agentrl serve worker of the fleet")
+    target = fleet.workers[0]
+
+    async def forward(request: web.Request) -> web.Response:
+        if request.path == "/flush_cache":
+            return web.Response(status=500, text="flush exploded")
+        async with httpx.AsyncClient(timeout=60) as client:
+            reply = await client.request(
+                request.method, target + request.path_qs, content=await request.read()
+            )
+        return web.Response(status=reply.status_code, body=reply.content)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    async with TestServer(app, host="127.0.0.1") as proxy:
+        flaky = str(proxy.make_url("")).rstrip("/")
+        async with SGLangEngine([flaky, fleet.workers[1]], max_context=2048) as engine:
+            with pytest.raises(EngineError, match="then /flush_cache failed") as caught:
+                await engine.update_weights(50, str(update_path))
+            assert flaky in str(caught.value) and engine.weight_version != 50
+    info = httpx.get(fleet.workers[1] + "/get_model_info", timeout=10).json()
+    assert info["weight_version"] == "50"  # the other worker's update ran to the end
 
 
 def _kill_last_worker(fleet: Fleet) -> None:
