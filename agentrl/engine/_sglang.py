@@ -561,20 +561,20 @@ class SGLangEngine:
                 return
             updated.append(server)
 
-        for _ in range(3):  # a worker the router takes on meanwhile gets this version too
+        for round_ in range(3):  # a worker the router takes on meanwhile gets this version too
             pending = [s for s in self._servers if all(s is not u for u in updated)]
             if not pending:
                 break
             async with anyio.create_task_group() as tg:
                 for server in pending:
                     tg.start_soon(one, server)
-            if failures or not self._routers:
-                break
+            if failures or not self._routers or round_ == 2:
+                break  # (one that joins during the last round gets the next version)
             try:
                 await self._list_workers()
             except EngineError as exc:
                 failures.append(f"cannot list the router's workers again: {exc}")
-        if not failures and all(any(s is u for u in updated) for s in self._servers):
+        if all(any(s is u for u in updated) for s in self._servers):
             self._weight_version = int(version)  # every server now serves this version
             for state in self._sessions.values():
                 state.history, state.last_rid = None, None
