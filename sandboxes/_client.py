@@ -30,6 +30,7 @@ while the others run.
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -125,6 +126,14 @@ class SandboxClient:
             raise ValueError("retry counts must be >= 0")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        parts = urllib.parse.urlsplit(base_url) if isinstance(base_url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            # refused here: httpx would fail the first request without sending it, and that
+            # failure reads as one that may have run
+            raise ValueError(
+                f"sandbox service URL {base_url!r}: expected http(s)://HOST:PORT (e.g. "
+                "http://127.0.0.1:8090)"
+            )
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.connect_timeout = connect_timeout

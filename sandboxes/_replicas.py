@@ -41,7 +41,7 @@ import anyio
 
 from ._client import SandboxClient, SandboxHTTPError, SandboxNoAnswer, SandboxUnreachable
 from ._errors import PoolBusy, SandboxError
-from ._types import RunRequest, RunResult
+from ._types import InvalidRequest, RunRequest, RunResult
 
 
 @dataclass
@@ -246,6 +246,8 @@ class ReplicatedSandbox:
             except SandboxNoAnswer:  # may have run: never re-sent; the replica is suspect
                 replica.stats.failures += 1
                 self._mark_down(replica, counted=False)  # back when its /health answers
+                raise
+            except InvalidRequest:  # refused before sending (the client checks it)
                 raise
             except BaseException:  # may have run: the caller's failure, never re-sent
                 replica.stats.failures += 1

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.parse
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 import msgspec
 
 from agentrl._config import short_repr
@@ -56,6 +55,7 @@ from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
 from ._sglang_router import router_workers, router_workers_blocking
+from ._sglang_servers import answering, placement, refused, server_urls
 
 T = TypeVar("T")
 
@@ -269,9 +269,10 @@ class SGLangEngine:
         with anyio.CancelScope() as scope:
             self._scopes.add(scope)
             try:
-                if state is None or state.busy:
-                    server = state.server if state else self._least_loaded(sessions=False)
-                    return await self._generate(server, ids, ids, sampling)
+                if state is None:
+                    return await self._plain(ids, sampling)
+                if state.busy:
+                    return await self._generate(state.server, ids, ids, sampling)
                 state.busy = True
                 try:
                     return await self._session_turn(state, ids, sampling)
@@ -282,6 +283,20 @@ class SGLangEngine:
         # only reached when aclose() cancelled this request
         version = self._weight_version
         return GenerateResult([], [], "abort", prompt_tokens=len(ids), weight_version=version)
+
+    async def _plain(self, ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        """A request outside sessions on the least-loaded URL given; one that refuses the
+        connection (nothing was sent) hands it to another, when there is another."""
+        tried: list[Upstream] = []
+        while True:
+            server = self._least_loaded(sessions=False, avoid=tried)
+            try:
+                return await self._generate(server, ids, ids, sampling)
+            except EngineError as exc:
+                if not refused(exc) or len(tried) + 1 >= len(self._entry):
+                    raise
+                server.refused_at = time.monotonic()
+                tried.append(server)
 
     async def _session_turn(
         self, state: _Session, ids: list[int], sampling: SamplingParams
@@ -294,8 +309,10 @@ class SGLangEngine:
         try:
             return await self._in_session(state, ids, sampling)
         except EngineError as exc:
-            connect_failed = isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
-            if not (self._routers and connect_failed and await self._move(state)):
+            if not (self._routers and refused(exc)):
+                raise
+            state.server.refused_at = time.monotonic()
+            if not await self._move(state):
                 raise
         return await self._in_session(state, ids, sampling)
 
@@ -308,8 +325,9 @@ class SGLangEngine:
         others = [s for s in self._servers if s.url != state.server.url]
         if not others:
             return False
+        others = answering(others) or others
         current = [s for s in others if s.weight_version == self._weight_version]
-        old, state.server = state.server, min(current or others, key=_placement)
+        old, state.server = state.server, min(current or others, key=placement)
         old.sessions -= 1
         state.server.sessions += 1
         if state.remote_id is not None and not relist:  # the old worker is alive: free its KV
@@ -377,6 +395,7 @@ class SGLangEngine:
             body = await self._http.call(server, "POST", "/generate", request)
         finally:
             server.inflight -= 1
+        server.refused_at = None
         self._counts["requests"] += 1
         self._counts["tokens_sent"] += len(send)
         try:
@@ -391,12 +410,16 @@ class SGLangEngine:
             reply, sampling, self._weight_version, server.url, session is None, context
         )
 
-    def _least_loaded(self, *, sessions: bool) -> Upstream:
+    def _least_loaded(self, *, sessions: bool, avoid: Sequence[Upstream] = ()) -> Upstream:
+        """The server for a new session (fewest sessions, then requests) or a plain request
+        (fewest requests), among those not in ``avoid`` that have not refused a connection
+        lately (all of them when none is left)."""
         self._turn += 1
         pool = self._servers if sessions else self._entry
+        pool = answering([s for s in pool if all(s is not a for a in avoid)]) or pool
         order = pool[self._turn % len(pool) :] + pool
         if sessions:
-            return min(order, key=_placement)
+            return min(order, key=placement)
         return min(order, key=lambda s: s.inflight)
 
     # --- sessions -----------------------------------------------------------------------------
@@ -406,8 +429,19 @@ class SGLangEngine:
         await self._ready()
         if capacity_tokens is not None and capacity_tokens < 2:
             raise EngineError(f"capacity_tokens must be >= 2, got {capacity_tokens}")
-        state = _Session(self._least_loaded(sessions=True), capacity_tokens or self.max_context)
-        await self._open_remote(state)
+        capacity = capacity_tokens or self.max_context
+        tried: list[Upstream] = []
+        while True:  # a server that refuses the connection (nothing was sent): another one
+            state = _Session(self._least_loaded(sessions=True, avoid=tried), capacity)
+            try:
+                await self._open_remote(state)
+                break
+            except EngineError as exc:
+                if not refused(exc) or len(tried) + 1 >= len(self._servers):
+                    raise
+                state.server.refused_at = time.monotonic()
+                tried.append(state.server)
+        state.server.refused_at = None
         session_id = uuid.uuid4().hex
         self._sessions[session_id] = state
         state.server.sessions += 1
@@ -503,7 +537,12 @@ class SGLangEngine:
             except (EngineError, msgspec.DecodeError) as exc:
                 failures.append(f"{server.url}: {exc}")
                 return
-            if not await self._flush(server):
+            try:
+                flushed = await self._flush(server)
+            except EngineError as exc:  # every server's outcome is reported, none cut short
+                failures.append(f"{server.url}: weights loaded, then /flush_cache failed: {exc}")
+                return
+            if not flushed:
                 failures.append(
                     f"{server.url}: weights are at version {int(version)} but /flush_cache kept "
                     f"refusing for {self.flush_timeout_s:g} s (requests running): prefix KV "
@@ -522,20 +561,20 @@ class SGLangEngine:
                 return
             updated.append(server)
 
-        for _ in range(3):  # a worker the router takes on meanwhile gets this version too
+        for round_ in range(3):  # a worker the router takes on meanwhile gets this version too
             pending = [s for s in self._servers if all(s is not u for u in updated)]
             if not pending:
                 break
             async with anyio.create_task_group() as tg:
                 for server in pending:
                     tg.start_soon(one, server)
-            if failures or not self._routers:
-                break
+            if failures or not self._routers or round_ == 2:
+                break  # (one that joins during the last round gets the next version)
             try:
                 await self._list_workers()
             except EngineError as exc:
                 failures.append(f"cannot list the router's workers again: {exc}")
-        if not failures and all(any(s is u for u in updated) for s in self._servers):
+        if all(any(s is u for u in updated) for s in self._servers):
             self._weight_version = int(version)  # every server now serves this version
             for state in self._sessions.values():
                 state.history, state.last_rid = None, None
@@ -586,40 +625,6 @@ class SGLangEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.aclose()
-
-
-def server_urls(urls: str | Sequence[str]) -> list[str]:
-    """The servers' base URLs, checked: at least one, each ``http(s)://HOST[:PORT][/PATH]``
-    (a router's or a server's), none given twice; ``EngineError`` names the value."""
-    urls = [urls] if isinstance(urls, str) else list(urls)
-    if not urls:
-        raise EngineError("SGLangEngine needs at least one server URL")
-    seen: dict[tuple[str, str, int, str], str] = {}
-    out = []
-    for url in urls:
-        try:
-            parts = urllib.parse.urlsplit(url.strip() if isinstance(url, str) else "")
-            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
-        except ValueError as exc:
-            raise EngineError(f"server URL {short_repr(url)}: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise EngineError(f"server URL {short_repr(url)}: expected http(s)://HOST:PORT")
-        if parts.query or parts.fragment:
-            raise EngineError(f"server URL {short_repr(url)}: give no query or fragment")
-        key = (parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
-        if key in seen:
-            raise EngineError(
-                f"server URL {short_repr(url)} is given twice (as {short_repr(seen[key])}): "
-                "each server or router once"
-            )
-        seen[key] = url
-        out.append(url.strip().rstrip("/"))
-    return out
-
-
-def _placement(server: Upstream) -> tuple[int, int]:
-    """Where a session goes: the server with the fewest sessions, then requests."""
-    return server.sessions, server.inflight
 
 
 def _extends(ids: list[int], held: list[int], bos: int | None) -> bool:

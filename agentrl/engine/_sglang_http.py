@@ -49,6 +49,10 @@ class Upstream:
     in_flight: str = "finish"
     """What it does to requests in flight on a weight update (``/get_model_info``'s
     ``agentrl.in_flight``; SGLang reports none and finishes them on the old weights)."""
+    refused_at: float | None = None
+    """When it last refused a connection (``time.monotonic()``; None once it answers again):
+    new sessions and plain requests go elsewhere for a while, since a router may go on
+    listing a dead worker as healthy until its next health check."""
 
 
 class Transport:

@@ -220,7 +220,7 @@ class ServerSection(_Section):
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         """Checked now, not after the model has loaded: the engine's own rule."""
-        from agentrl.engine._sglang import server_urls
+        from agentrl.engine._sglang_servers import server_urls
 
         try:
             if urls:

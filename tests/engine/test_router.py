@@ -30,6 +30,7 @@ import httpx
 import pytest
 from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve, wait_ready
 
+from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
 from agentrl.engine import SGLangEngine
 
@@ -78,16 +79,19 @@ def _listed(router: str) -> dict[str, bool]:
     return {w["url"]: w["is_healthy"] for w in workers}
 
 
-def start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(
+    workers: list[str], log: Path, health_check_s: int = 1
+) -> tuple[subprocess.Popen[bytes], str]:
     """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
-    one worker by chance) and a 1 s health check. Its metrics listener gets a free loopback
-    port too: on its default (29000) a second router on the host fails to start."""
+    one worker by chance) and a health check every ``health_check_s``. Its metrics listener
+    gets a free loopback port too: on its default (29000) a second router on the host fails to
+    start."""
     port = free_port()
     cmd = [
         *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
         *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
         *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
-        *("--health-check-interval-secs", "1", "--health-failure-threshold", "1"),
+        *("--health-check-interval-secs", str(health_check_s), "--health-failure-threshold", "1"),
         *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
     ]
     with open(log, "wb") as out:
@@ -331,6 +335,79 @@ async def test_a_worker_registered_while_weights_load_gets_them_too(
             _deregister(fleet.router, late)
         if proc is not None:
             stop_serve(proc)
+
+
+async def test_new_sessions_avoid_a_dead_worker_the_router_still_lists(
+    fleet: Fleet, update_path: Path, tmp_path: Path
+) -> None:
+    """A router lists a dead worker as healthy until its next health check (every 60 s by
+    default; here never within the test). A new session placed there finds the connection
+    refused (nothing was sent) and opens on a live worker instead, and the dead one gets no
+    new sessions afterwards (one refusal, one round of connect retries, in all). Plain
+    requests to servers listed directly (no router) do the same."""
+    if fleet.sglang:
+        pytest.skip("kills a worker of its own: agentrl serve only")
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    proc, spare = start_serve(update_path, tmp_path / "spare.log")
+    router = None
+    try:
+        router, url = start_router([fleet.workers[0], spare], tmp_path / "r.log", 600)
+        direct = [fleet.workers[0], spare]
+        async with (
+            SGLangEngine(url, max_context=2048) as engine,
+            SGLangEngine(direct, max_context=2048) as plain,
+        ):
+            for session in [await engine.open_session() for _ in range(2)]:  # one on each
+                await engine.generate(PROMPT, greedy, session)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            assert _listed(url)[spare], "the router noticed: the test proves nothing"
+            for _ in range(4):
+                session = await engine.open_session()
+                assert len((await engine.generate(PROMPT, greedy, session)).token_ids) == 2
+                await engine.close_session(session)
+                assert len((await plain.generate(PROMPT, greedy)).token_ids) == 2
+            assert engine.statistics().connect_retries == 3  # the one refusal's retries
+            assert plain.statistics().connect_retries == 3
+    finally:
+        for started in (router, proc):
+            if started is not None and started.poll() is None:
+                stop_serve(started)
+
+
+async def test_a_worker_whose_flush_fails_is_named_and_the_others_finish(
+    fleet: Fleet, update_path: Path
+) -> None:
+    """A worker that loads the weights and then fails ``/flush_cache`` (a 500 here, from a
+    proxy in front of a real worker): the update raises one ``EngineError`` naming it and
+    the step, while the other worker's update runs to the end (a raw error used to escape
+    the task group and cancel the other workers' updates)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    if fleet.sglang:
+        pytest.skip("the proxy fronts an agentrl serve worker of the fleet")
+    target = fleet.workers[0]
+
+    async def forward(request: web.Request) -> web.Response:
+        if request.path == "/flush_cache":
+            return web.Response(status=500, text="flush exploded")
+        async with httpx.AsyncClient(timeout=60) as client:
+            reply = await client.request(
+                request.method, target + request.path_qs, content=await request.read()
+            )
+        return web.Response(status=reply.status_code, body=reply.content)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    async with TestServer(app, host="127.0.0.1") as proxy:
+        flaky = str(proxy.make_url("")).rstrip("/")
+        async with SGLangEngine([flaky, fleet.workers[1]], max_context=2048) as engine:
+            with pytest.raises(EngineError, match="then /flush_cache failed") as caught:
+                await engine.update_weights(50, str(update_path))
+            assert flaky in str(caught.value) and engine.weight_version != 50
+    info = httpx.get(fleet.workers[1] + "/get_model_info", timeout=10).json()
+    assert info["weight_version"] == "50"  # the other worker's update ran to the end
 
 
 def _kill_last_worker(fleet: Fleet) -> None:

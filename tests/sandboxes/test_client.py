@@ -67,6 +67,14 @@ async def test_run_batch_health_and_invalid(local_service):
         assert "agentrl_sandbox_execs_total" in await client.metrics()
 
 
+@pytest.mark.parametrize("url", ["localhost:8090", "htp://127.0.0.1:8090", "http://", ""])
+def test_a_url_that_is_not_http_is_refused_naming_it(url):
+    """Without a scheme httpx fails each request before sending it, and the client used to
+    report that as a request that may have run."""
+    with pytest.raises(ValueError, match=f"sandbox service URL {url!r}: expected http"):
+        SandboxClient(url)
+
+
 async def test_connect_errors_retry_with_a_bound():
     port = _free_port()  # nothing listens there: every attempt fails before sending
     client = SandboxClient(f"http://127.0.0.1:{port}", connect_retries=3, backoff_s=0.01)

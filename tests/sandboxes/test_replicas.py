@@ -21,6 +21,7 @@ import pytest
 from sandbox_service import running_service, scratch_root
 
 from agentrl.sandboxes import (
+    InvalidRequest,
     PoolBusy,
     ReplicatedSandbox,
     RunRequest,
@@ -189,6 +190,17 @@ async def test_a_full_replica_refuses_and_the_work_goes_elsewhere(small_and_big)
     after = (_execs(small.url), _execs(big.url))
     assert after[0] - before[0] == 1  # only the hog's program ran on the small one
     assert after[1] - before[1] == 4  # each of the four ran once, on the big one
+
+
+async def test_an_invalid_request_is_not_a_replica_failure(small_and_big):
+    """The client refuses a request that breaks a rule before sending it: ``InvalidRequest``
+    reaches the caller, and no replica is counted as having failed."""
+    small, big = small_and_big
+    async with SandboxClient(small.url) as a, SandboxClient(big.url) as b:
+        replicas = ReplicatedSandbox([a, b])
+        with pytest.raises(InvalidRequest, match="timeout_s"):
+            await replicas.run(py("print(1)", timeout_s=-1))
+        assert [s.failures for s in replicas.statistics()] == [0, 0]
 
 
 async def test_a_batch_is_split_over_the_replicas(small_and_big):
