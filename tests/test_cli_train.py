@@ -135,7 +135,8 @@ def test_export_and_eval_commands(runs, tmp_path):
 
     config, _, killed, _, _ = runs
     out = tmp_path / "hf"
-    _agentrl("export", str(killed), "--step", "2", "--out", str(out))
+    exported = _agentrl("export", str(killed), "--step", "2", "--out", str(out))
+    assert f"exported {killed} step 2 → {out}" in exported.stdout, exported.stdout
     AutoModelForCausalLM.from_pretrained(str(out))
     proc = _agentrl("eval", "--config", str(config), "--checkpoint", str(killed))
     metrics = json.loads(proc.stdout[proc.stdout.index("{") :])

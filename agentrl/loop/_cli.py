@@ -43,6 +43,11 @@ def add_train_commands(subparsers) -> dict[str, Handler]:
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--num-tasks", type=int, default=None, help="shortcut for eval.num_tasks")
     e.add_argument("--out", default=None, help="write eval_summary.json and trajectories here")
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an evaluation --out already holds (once this one finishes)",
+    )
 
     x = subparsers.add_parser("export", help="write a checkpoint as an HF safetensors folder")
     x.add_argument("run_dir", help="run directory")
@@ -158,7 +163,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from ._eval import aevaluate
 
-    metrics = anyio.run(lambda: aevaluate(cfg, args.checkpoint, out=args.out))
+    metrics = anyio.run(
+        lambda: aevaluate(cfg, args.checkpoint, out=args.out, overwrite=args.overwrite)
+    )
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -166,6 +173,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ._eval import export_run
 
-    path = export_run(args.run_dir, args.step, args.out)
-    print(f"exported {args.run_dir} step {args.step or 'latest'} → {path}")
+    path, step = export_run(args.run_dir, args.step, args.out)
+    print(f"exported {args.run_dir} step {step} → {path}")
     return 0

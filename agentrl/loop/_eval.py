@@ -23,6 +23,7 @@ from agentrl.trainer import (
     consolidated_state_dict,
     export_checkpoint,
     latest_checkpoint,
+    list_checkpoints,
     read_state,
     step_dir,
 )
@@ -59,11 +60,16 @@ async def _policy(checkpoint: str) -> tuple[str, int, dict[str, Any] | None, str
 
 
 async def aevaluate(
-    cfg: TrainConfig, checkpoint: str, *, out: str | os.PathLike[str] | None = None
+    cfg: TrainConfig,
+    checkpoint: str,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (or, when ``checkpoint`` is not one, a model name or HF folder)
     on ``eval.num_tasks`` tasks of ``eval.split``; returns the metrics (also written to
-    ``out/eval_summary.json`` with the trajectories)."""
+    ``out/eval_summary.json`` with the trajectories). An ``out`` that holds an evaluation
+    already is refused, unless ``overwrite``: then this one replaces it once it finishes."""
     from agentrl._models import load_tokenizer, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
     from agentrl.engine import engine_options, open_embedded_engine
@@ -71,7 +77,7 @@ async def aevaluate(
 
     out_dir = Path(out) if out is not None else None
     if out_dir is not None:
-        _check_eval_out(out_dir)
+        _check_eval_out(out_dir, overwrite)
     spec = env_spec(cfg.env)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     model_path, version, weights, source = await _policy(checkpoint)
@@ -99,8 +105,8 @@ async def aevaluate(
             env_resources=resources,
         )
         writer = None
-        if out_dir is not None:
-            writer = TrajectoryWriter(str(out_dir / "eval_trajectories.jsonl"))
+        if out_dir is not None:  # written beside the old evaluation, which it then replaces
+            writer = TrajectoryWriter(str(out_dir / _PARTIAL))
         started = time.perf_counter()
         try:
             trajs = await run_groups(ctx, tasks, on_trajectory=writer.write if writer else None)
@@ -112,20 +118,37 @@ async def aevaluate(
         metrics.update(sandbox_metrics(resources))
     metrics.update(checkpoint=source, policy_version=version, num_tasks=len(tasks))
     if out_dir is not None:
+        (out_dir / "eval_summary.json").unlink(missing_ok=True)  # never a summary of others
+        os.replace(out_dir / _PARTIAL, out_dir / "eval_trajectories.jsonl")
         write_file(out_dir / "eval_summary.json", json.dumps(metrics, indent=2))
     return metrics
 
 
-def _check_eval_out(out: Path) -> None:
+_EVAL_FILES = ("eval_summary.json", "eval_trajectories.jsonl")
+_PARTIAL = ".eval_trajectories.jsonl.partial"  # an evaluation in progress (or interrupted)
+
+
+def _check_eval_out(out: Path, overwrite: bool) -> None:
     """Refuse an ``--out`` that is a file or holds a training run (its
-    ``eval_trajectories.jsonl`` is the run's, cut back on resume)."""
+    ``eval_trajectories.jsonl`` is the run's, cut back on resume), or, unless ``overwrite``,
+    an evaluation: its trajectories would be mixed with this one's."""
     refuse_training_run(out, "an evaluation")
+    held = [name for name in _EVAL_FILES if (out / name).exists()]
+    if held and not overwrite:
+        raise ConfigError(
+            f"--out {out} already holds an evaluation ({', '.join(held)}): choose another "
+            "directory, or pass --overwrite to replace it"
+        )
+    (out / _PARTIAL).unlink(missing_ok=True)  # an interrupted evaluation's
 
 
-def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]):
+def export_run(
+    run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]
+) -> tuple[Path, int]:
     """``agentrl export RUN --step N --out DIR``: the checkpoint of step N (default: newest)
-    of a run as an HF folder. ``DIR`` must be new, empty or an earlier export; the run folder
-    and any folder holding it are refused (``agentrl.trainer.export_checkpoint``)."""
+    of a run as an HF folder; returns the folder and the step exported. ``DIR`` must be new,
+    empty or an earlier export; the run folder and any folder holding it are refused
+    (``agentrl.trainer.export_checkpoint``)."""
     run = Path(run_dir)
     root = run / "checkpoints"
     config_file = run / "config.yaml"
@@ -135,5 +158,12 @@ def export_run(run_dir: str | os.PathLike[str], step: int | None, out: str | os.
         root = checkpoint_root(load_train_config(config_file, recorded=True), run)
     path = step_dir(root, step) if step is not None else latest_checkpoint(root)
     if path is None or not (path / "state.json").is_file():
-        raise ConfigError(f"no complete checkpoint for step {step} under {root}")
-    return export_checkpoint(path, out, run_dir=run)
+        steps = [read_state(p).step for p in list_checkpoints(root)]
+        which = f"for step {step}" if step is not None else "at all"
+        there = (
+            f"the complete ones are of steps {', '.join(map(str, steps))}"
+            if steps
+            else "it holds none"
+        )
+        raise ConfigError(f"no complete checkpoint {which} under {root}: {there}")
+    return export_checkpoint(path, out, run_dir=run), read_state(path).step

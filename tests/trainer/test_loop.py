@@ -186,7 +186,20 @@ def test_checkpoints_evaluate_and_export(run, tmp_path):
     metrics = anyio.run(lambda: aevaluate(cfg, str(out), out=tmp_path / "eval"))
     assert metrics["policy_version"] == 3 and metrics["num_tasks"] == 2
     assert (tmp_path / "eval" / "eval_summary.json").is_file()
-    folder = export_run(out, 2, tmp_path / "hf")
+    first = (tmp_path / "eval" / "eval_trajectories.jsonl").read_text().splitlines()
+    again = anyio.run(lambda: aevaluate(cfg, str(out), out=tmp_path / "eval", overwrite=True))
+    replaced = (tmp_path / "eval" / "eval_trajectories.jsonl").read_text().splitlines()
+    assert len(replaced) == len(first) == again["num_tasks"]  # one sample per task
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [
+        "eval_summary.json",
+        "eval_trajectories.jsonl",
+    ]
+    folder, step = export_run(out, 2, tmp_path / "hf")
+    assert step == 2
+    assert export_run(out, None, tmp_path / "hf-newest")[1] == 3  # no step: the newest
+    with pytest.raises(ConfigError, match=r"no complete checkpoint for step 9 under .*checkpoints:"
+                       r" the complete ones are of steps 1, 2, 3$"):  # fmt: skip
+        export_run(out, 9, tmp_path / "hf-none")
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     weights = consolidated_state_dict(ckpts[1])
     assert all(torch.equal(weights[k], p.detach()) for k, p in model.named_parameters())

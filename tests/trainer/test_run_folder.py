@@ -101,6 +101,23 @@ def test_eval_never_writes_into_a_training_run(tmp_path):
     assert (run / "eval_trajectories.jsonl").read_text() == ""
 
 
+def test_eval_never_mixes_two_evaluations(tmp_path):
+    """An ``--out`` holding an evaluation is refused before anything loads (its trajectories
+    would be mixed with the new ones); ``overwrite`` replaces it (tests/trainer/test_loop.py)."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "eval_summary.json").write_text("{}")
+    (out / "eval_trajectories.jsonl").write_text("old\n")
+    cfg = _config(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=f"--out {out} already holds an evaluation \\(eval_summary.json, "
+        "eval_trajectories.jsonl\\): choose another directory, or pass --overwrite",
+    ):
+        anyio.run(lambda: aevaluate(cfg, "tiny-random", out=out))
+    assert (out / "eval_trajectories.jsonl").read_text() == "old\n"
+
+
 def test_a_relative_checkpoint_dir_is_taken_from_the_run_folder(tmp_path, monkeypatch):
     """Not from the working directory: a ``--resume`` from another one would find no
     checkpoint there and start the run over."""
