@@ -190,7 +190,17 @@ class SGLangEngine:
         found: list[tuple[Upstream, list[str] | None]] = []
 
         async def ask(entry: Upstream) -> None:
-            found.append((entry, await router_workers(self._http, entry)))
+            try:
+                workers = await router_workers(self._http, entry)
+            except SGLangHTTPError:  # it answered: its own error says what went wrong
+                raise
+            except EngineError as exc:  # the first request to it: name the URL given
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                raise EngineError(
+                    f"no server answers at {entry.url} (is it running there, and is the "
+                    f"address right?): {cause!r}"
+                ) from exc
+            found.append((entry, workers))
 
         await _each(self._entry, ask)
         self._expand(sorted(found, key=lambda pair: self._entry.index(pair[0])))

@@ -325,9 +325,14 @@ async def test_metrics_parse(server: Server) -> None:
 async def test_http_failures_are_engine_errors(server: Server) -> None:
     if not server.ours:
         pytest.skip("checked against agentrl serve")
-    dead = SGLangEngine([f"http://127.0.0.1:{free_port()}"], connect_retries=1, max_context=64)
-    with pytest.raises(EngineError, match="cannot connect"):
+    url = f"http://127.0.0.1:{free_port()}"
+    dead = SGLangEngine([url], connect_retries=1, max_context=64)
+    with pytest.raises(EngineError) as caught:  # the URL as given, not the path probed
         await dead.generate(PROMPT, GREEDY)
+    assert str(caught.value).startswith(
+        f"no server answers at {url} (is it running there, and is the address right?): "
+        "ConnectError("
+    ), caught.value
     assert dead.statistics().connect_retries == 1
     async with SGLangEngine([server.url]) as engine:
         with pytest.raises(SGLangHTTPError, match="HTTP 400") as caught:
