@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -231,13 +232,22 @@ def test_export_never_replaces_the_run_or_a_folder_holding_it(runs):
 
 def test_the_example_config_runs(tmp_path):
     """examples/train_calc_grpo.yaml as-is, shrunk to one step of tiny-random."""
-    _agentrl(
+    proc = _agentrl(
         "train", "--config", str(ROOT / "examples" / "train_calc_grpo.yaml"),
         "--model", "tiny-random", "--max-steps", "1", "--out", str(tmp_path / "run"),
         "--set", "train.tasks_per_step=1", "--set", "rollout.group_size=2",
         "--set", "eval.num_tasks=1", "--set", "rollout.max_new_tokens=8",
     )  # fmt: skip
     assert [r["step"] for r in _ledger(tmp_path / "run")] == [0, 1]  # eval.at_start: step 0
+    lines = proc.stdout.splitlines()  # step 0's evaluation is shown before step 1
+    at_start = [
+        i
+        for i, line in enumerate(lines)
+        if re.match(r"step 0 v0 eval \d\.\d{3} pass \d+% \(", line)
+    ]
+    assert at_start and at_start[0] < min(
+        i for i, line in enumerate(lines) if line.startswith("step 1 ")
+    ), proc.stdout
 
 
 def _torchrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -258,6 +258,21 @@ class StepProgress:
         else:
             self.console.print(line)
 
+    def evaluated(self, record: dict[str, Any]) -> None:
+        """The line of an evaluation outside a step (``eval.at_start``: step 0, before any
+        update), so that its result shows before the first step's long wait."""
+        if not self.enabled:
+            return
+        pass_rate = record.get("eval_pass_rate")
+        line = (
+            f"step {record['step']} v{record['policy_version']} eval "
+            f"{_fmt(record.get('eval_reward_mean'), '.3f')} pass "
+            f"{'-' if pass_rate is None else f'{pass_rate:.0%}'} "
+            f"({record.get('eval_s', 0.0):.1f}s)"
+        )
+        console = self._progress.console if self._progress is not None else self.console
+        console.print(line)
+
     def _report_errors(self, record: dict[str, Any]) -> None:
         from rich.text import Text
 

@@ -418,6 +418,7 @@ class _Runtime:
             record = {"step": 0, "policy_version": 0, **await self.evaluate(0)}
             if self.files is not None:
                 self.files.step(record, [])
+                self.files.progress.evaluated(record)
         while self.step < self.cfg.train.max_steps:
             await self._one_step(self.step + 1)
             self.step += 1
