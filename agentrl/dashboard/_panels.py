@@ -315,8 +315,8 @@ def _specs() -> list[_Spec]:
                 "trained_tokens",
                 names={"generated_tokens": "generated", "trained_tokens": "trained"},
             ),
-            "interval records in runtime.jsonl (one every logging.interval_s seconds: none when "
-            "that is 0 or longer than the run)",
+            "interval records in runtime.jsonl (one every logging.interval_s seconds and one "
+            "at the end of each run: none when that is 0, or the run was killed before either)",
             time,
         ),
         _Spec(

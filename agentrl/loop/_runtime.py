@@ -403,14 +403,17 @@ class _Runtime:
         return f"The run stopped with {where} {when}{cut}"
 
     async def _run(self, stop: anyio.Event | None) -> bool:
+        intervals = self.files is not None and self.cfg.logging.interval_s > 0
         async with self.actor.running(), anyio.create_task_group() as tg:
-            if self.files is not None and self.cfg.logging.interval_s > 0:
+            if intervals:
                 tg.start_soon(self._intervals)
             with anyio.CancelScope() as steps:
                 if stop is not None:
                     tg.start_soon(cancel_when_set, stop, steps)
                 await self._steps()
             tg.cancel_scope.cancel()
+            if intervals:  # the last, partial interval: a run shorter than one has a record
+                self._interval()
         return steps.cancelled_caught or (stop is not None and stop.is_set())
 
     async def _steps(self) -> None:
@@ -500,18 +503,22 @@ class _Runtime:
         every = self.cfg.logging.interval_s
         while True:
             await anyio.sleep(every)
-            clock = self.clock.window("interval")
-            record: dict[str, Any] = {
-                "time_s": time.perf_counter() - self.clock.start,
-                "step": self.step,
-                "policy_version": self.learner.version,
-                "buffer_backlog": self.buffer.backlog,
-                "in_flight_groups": self.buffer.in_flight,
-            }
-            record.update(self.buffer.take_window("interval").as_dict(clock["window_s"]))
-            record.update({k: v for k, v in clock.items() if k != "window_s"})
-            assert self.files is not None
-            self.files.interval(record)
+            self._interval()
+
+    def _interval(self) -> None:
+        """One ``runtime.jsonl`` record: the window since the previous one."""
+        clock = self.clock.window("interval")
+        record: dict[str, Any] = {
+            "time_s": time.perf_counter() - self.clock.start,
+            "step": self.step,
+            "policy_version": self.learner.version,
+            "buffer_backlog": self.buffer.backlog,
+            "in_flight_groups": self.buffer.in_flight,
+        }
+        record.update(self.buffer.take_window("interval").as_dict(clock["window_s"]))
+        record.update({k: v for k, v in clock.items() if k != "window_s"})
+        assert self.files is not None
+        self.files.interval(record)
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

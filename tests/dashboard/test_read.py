@@ -110,8 +110,9 @@ def test_each_panel_plots_its_fields_and_says_when_a_run_has_none(tmp_path, rng)
 
 
 def test_the_backlog_axis_says_steps_when_a_run_has_no_interval_records(tmp_path, rng):
-    """A run shorter than logging.interval_s writes an empty runtime.jsonl: its backlog comes
-    from the ledger, by step, and the axis says so (not "seconds since start")."""
+    """A run without interval records (killed before its first one, or logging.interval_s 0):
+    its backlog comes from the ledger, by step, and the axis says so (not "seconds since
+    start")."""
     (tmp_path / "timed").mkdir()
     (tmp_path / "short").mkdir()
     timed, _ = make_run(tmp_path / "timed", rng)

@@ -182,6 +182,22 @@ def test_interval_records_measure_the_runtime(async_run):
         assert r["buffer_backlog"] >= 0 and r["in_flight_groups"] >= 0
 
 
+def test_a_run_shorter_than_one_interval_records_its_last_one(tmp_path):
+    """The last, partial interval is written when the run ends: a run shorter than
+    ``logging.interval_s`` still has its interval record (the dashboard's time axis)."""
+    sections = {
+        "train": {"max_steps": 1},
+        "checkpoint": {"every_steps": 0},
+        "logging": {"progress": False, "interval_s": 3600},
+    }
+    out = tmp_path / "run"
+    train(load_train_config(_config(tmp_path, **sections)), out)
+    records = [json.loads(x) for x in (out / "runtime.jsonl").read_text().splitlines()]
+    assert len(records) == 1, records
+    assert records[0]["step"] == 1 and records[0]["policy_version"] == 1
+    assert records[0]["generated_tokens"] > 0 and records[0]["time_s"] < 3600
+
+
 def test_drop_trains_without_failed_groups_and_counts_them(tmp_path):
     cfg = load_train_config(
         _config(
