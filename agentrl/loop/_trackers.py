@@ -12,17 +12,19 @@ A tracker that cannot start (its package is not installed, a bad setting, a stor
 the run) stops the run before training with a ``ConfigError`` naming the setting and the extra
 to install. A tracker that fails while training is switched off with a warning on stderr: the
 ledger (the run's record of truth) and the other trackers go on, and training is never
-stopped by a dashboard.
+stopped by a dashboard. Nor held up by one: the trackers run on their own thread (``Trackers``).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import queue
 import re
 import secrets
 import string
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,23 +80,71 @@ def check_trackers(names: Sequence[str]) -> None:
             raise ConfigError(f"logging.trackers: {name}: {hint}") from None
 
 
-class Trackers:
-    """The run's trackers; a tracker that raises is warned about once and switched off."""
+CLOSE_TIMEOUT_S = 120.0
+"""How long closing the trackers waits for the points still queued (a stuck tracker is left)."""
 
-    def __init__(self, trackers: Sequence[Tracker]) -> None:
+
+class Trackers:
+    """The run's trackers; a tracker that raises is warned about once and switched off.
+
+    The trackers are called on one worker thread, in order, never on the training loop's: a
+    tracker whose server is gone or hangs (MLflow retries a refused connection for minutes,
+    and waits 120 s for each answer) delays its own points, never the rollouts or the step.
+    ``close`` waits for the points still queued at most ``close_timeout_s``."""
+
+    def __init__(self, trackers: Sequence[Tracker], *, close_timeout_s: float = CLOSE_TIMEOUT_S):
         self.trackers = list(trackers)
         self.failed: dict[str, str] = {}
         """Trackers switched off while training → the error that did it."""
+        self.close_timeout_s = close_timeout_s
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        if self.trackers:
+            self._worker = threading.Thread(
+                target=self._drain, name="agentrl-trackers", daemon=True
+            )
+            self._worker.start()
 
     def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
-        self._each(f"step {step}", lambda t: t.log_step(step, scalars, rewards))
+        self._send(f"step {step}", lambda t: t.log_step(step, scalars, rewards))
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
-        self._each(f"{time_s:.0f} s", lambda t: t.log_interval(time_s, step, scalars))
+        self._send(f"{time_s:.0f} s", lambda t: t.log_interval(time_s, step, scalars))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every point queued so far is delivered (or failed); False on timeout."""
+        if self._worker is None:
+            return True
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done.wait(timeout_s)
 
     def close(self) -> None:
-        self._each("close", lambda t: t.close())
-        self.trackers = []
+        """Deliver what is queued and close each tracker (at most ``close_timeout_s``)."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        self._queue.put(lambda: self._each("close", lambda t: t.close()))
+        self._queue.put(None)
+        worker.join(self.close_timeout_s)
+        if worker.is_alive():  # a daemon thread: it does not keep the process alive
+            names = ", ".join(t.name for t in self.trackers)
+            print(
+                f"warning: tracker {names} did not finish within {self.close_timeout_s:g} s; "
+                "its last points may be missing (ledger.jsonl has them)",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            self.trackers = []
+
+    def _send(self, where: str, call: Callable[[Tracker], None]) -> None:
+        if self._worker is not None:
+            self._queue.put(lambda: self._each(where, call))
+
+    def _drain(self) -> None:
+        while (job := self._queue.get()) is not None:
+            job()
 
     def _each(self, where: str, call: Callable[[Tracker], None]) -> None:
         for tracker in list(self.trackers):

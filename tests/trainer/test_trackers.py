@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
+import time
 
 import pytest
 import yaml
@@ -18,6 +20,7 @@ from agentrl.loop._trackers import (
     MLFLOW_PARAM_VALUE_MAX,
     MlflowTracker,
     TensorBoardTracker,
+    Trackers,
     check_trackers,
     mlflow_params,
     open_trackers,
@@ -60,6 +63,7 @@ def test_a_tracker_failing_mid_run_is_switched_off_and_the_others_go_on(
     trackers = open_trackers(logging, tmp_path, {"a": 1}, resume=False, purge_step=None)
     assert [type(t) for t in trackers.trackers] == [TensorBoardTracker, MlflowTracker]
     trackers.log_step(1, {"reward/mean": 0.5}, [0.5])
+    assert trackers.flush(60)  # delivered on the trackers' thread
     shutil.rmtree(store)  # the store disappears under the run
     trackers.log_step(2, {"reward/mean": 0.75}, [0.75])
     trackers.log_step(3, {"reward/mean": 1.0}, [1.0])
@@ -75,6 +79,41 @@ def test_a_tracker_failing_mid_run_is_switched_off_and_the_others_go_on(
         (3, 1.0),
     ]
     assert set(json.loads((tmp_path / "trackers.json").read_text())) == {"mlflow"}
+
+
+def test_a_tracker_that_hangs_never_holds_the_training_loop(capsys):
+    """A tracker's server that stops answering (MLflow then waits 120 s per try, 8 tries)
+    delays its own points only: logging returns at once, and closing gives up after
+    ``close_timeout_s`` with a warning, leaving the stuck call on its daemon thread."""
+    release = threading.Event()
+    seen: list[int] = []
+
+    class Stuck:
+        name = "stuck"
+
+        def log_step(self, step, scalars, rewards) -> None:
+            release.wait(30)
+            seen.append(step)
+
+        def log_interval(self, time_s, step, scalars) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    trackers = Trackers([Stuck()], close_timeout_s=0.2)
+    started = time.perf_counter()
+    for step in range(1, 4):
+        trackers.log_step(step, {"reward/mean": 1.0}, [])
+    assert time.perf_counter() - started < 1.0
+    assert not trackers.flush(0.1) and seen == []
+    trackers.close()
+    assert "warning: tracker stuck did not finish within 0.2 s" in capsys.readouterr().err
+    release.set()  # the points still arrive, in order
+    deadline = time.monotonic() + 10
+    while seen != [1, 2, 3]:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.01)
 
 
 def test_mlflow_params_are_flat_and_within_mlflow_limits():
