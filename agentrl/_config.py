@@ -64,11 +64,12 @@ class RolloutConfig(pydantic.BaseModel):
     """A trajectory ends (``tool_error_budget``) after more failed tool calls than this."""
     max_tool_argument_bytes: int = pydantic.Field(16_384, ge=64)
     """Tool-call argument text above this size is refused (``oversize_arguments``)."""
-    max_tool_output_chars: int = pydantic.Field(1 << 20, ge=256)
+    max_tool_output_chars: int | None = pydantic.Field(1 << 20, ge=256)
     """A tool result longer than this is cut to its first this-many characters, with a note
     saying so, before it is tokenized or recorded: a tool that returns hundreds of megabytes
     would otherwise hold the event loop while the tokenizer runs, take gigabytes, and write
-    itself into ``trajectories.jsonl``."""
+    itself into ``trajectories.jsonl``. ``null``: no cap (what a training run made before the
+    cap existed resumes with)."""
     tool_threads: int = pydantic.Field(8, ge=1)
     """Threads shared by all synchronous tool calls of one rollout (a call past its deadline
     gives its thread's slot back at once; waiting for a slot is not part of any deadline)."""

@@ -651,11 +651,11 @@ async def _turn_reward(run: _Run, env: Any) -> None:
     run.turn_rewards.append(value)
 
 
-def _valid_output(record: ToolCallRecord, limit: int) -> ToolCallRecord:
+def _valid_output(record: ToolCallRecord, limit: int | None) -> ToolCallRecord:
     """``record``, its output cut to ``limit`` characters (with a note the model reads), or a
     failed one when its output is not valid text (a lone surrogate, which no tokenizer or JSON
     line takes): the model is told, the trajectory goes on."""
-    if len(record.output) > limit:
+    if limit is not None and len(record.output) > limit:
         size = len(record.output)
         record = msgspec.structs.replace(
             record,

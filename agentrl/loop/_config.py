@@ -512,7 +512,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-LEGACY_VALUES: dict[str, Any] = {"algorithm.clip_ratio_c": None}
+LEGACY_VALUES: dict[str, Any] = {
+    "algorithm.clip_ratio_c": None,
+    "rollout.max_tool_output_chars": None,
+}
 """Training fields added after runs were made with this package, each with the value that
 reproduces those runs. A run's own ``config.yaml`` that lacks one takes that value (the run
 resumes as it was trained), and a configuration holding it hashes without the field, so its

@@ -17,6 +17,7 @@ from agentrl import ConfigError, RolloutConfig
 from agentrl.engine import EngineOptions
 from agentrl.engine._server_limits import ServeLimits
 from agentrl.loop import TrainConfig, dump_config, load_train_config
+from agentrl.loop._config import LEGACY_VALUES
 from agentrl.sandboxes import PoolConfig
 from agentrl.sandboxes._config import DockerConfig, GVisorConfig, LocalConfig, ServiceConfig
 from agentrl.trainer import AlgorithmConfig, OptimizerConfig
@@ -184,8 +185,9 @@ def test_env_kwargs_within_the_bound_dump_and_hash(tmp_path):
     assert "levels" in dump_config(cfg) and len(cfg.hash()) == 16
 
 
-# Hashes that runs written before ``algorithm.clip_ratio_c`` existed carry in their checkpoints
-# (computed by that code): a resume compares against them, so they must never change.
+# Hashes that runs written before ``algorithm.clip_ratio_c`` and ``rollout.max_tool_output_chars``
+# existed carry in their checkpoints (computed by that code): a resume compares against them, so
+# they must never change.
 _RECORDED_HASHES = [
     ({"env": "calc-v0", "model": "tiny-random"}, "bf7d752181cb7747"),
     (
@@ -201,22 +203,37 @@ _RECORDED_HASHES = [
 ]
 
 
+def _field(cfg: TrainConfig, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 @pytest.mark.parametrize(("data", "recorded_hash"), _RECORDED_HASHES)
 def test_runs_from_before_a_field_existed_resume_as_they_were_trained(
     tmp_path, data, recorded_hash
 ):
-    """A run's config.yaml written before a field was added lacks it: loaded as a run's own
-    file it takes the value that reproduces that run (no dual clip), and hashes as that
-    run's checkpoints say; a new run gets the default, which hashes differently."""
+    """A run's config.yaml written before fields were added lacks them: loaded as a run's own
+    file each takes the value that reproduces that run (no dual clip, no tool-output cap), and
+    it hashes as that run's checkpoints say; a new run gets the defaults, which hash
+    differently."""
     fresh = TrainConfig.model_validate(data)
     assert fresh.algorithm.clip_ratio_c == 3.0 and fresh.hash() != recorded_hash
+    assert fresh.rollout.max_tool_output_chars == 1 << 20
     old = yaml.safe_load(dump_config(fresh))
-    del old["algorithm"]["clip_ratio_c"]
+    for dotted in LEGACY_VALUES:
+        section, leaf = dotted.split(".")
+        del old[section][leaf]
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old, sort_keys=False))
     resumed = load_train_config(path, recorded=True)
-    assert resumed.algorithm.clip_ratio_c is None
+    assert {dotted: _field(resumed, dotted) for dotted in LEGACY_VALUES} == LEGACY_VALUES
     assert resumed.hash() == recorded_hash
     assert load_train_config(path).hash() == fresh.hash()  # as a new run's --config
-    turned_on = load_train_config(path, ["algorithm.clip_ratio_c=3.0"], recorded=True)
+    turned_on = load_train_config(
+        path,
+        ["algorithm.clip_ratio_c=3.0", f"rollout.max_tool_output_chars={1 << 20}"],
+        recorded=True,
+    )
     assert turned_on.hash() == fresh.hash()
