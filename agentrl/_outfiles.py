@@ -207,14 +207,17 @@ def check_writable(path: str | os.PathLike[str]) -> bool:
 
 def write_file(path: str | os.PathLike[str], data: str | bytes, *, mode: int = 0o644) -> None:
     """Write ``data`` as the whole contents of ``path`` (created, or replaced atomically);
-    refuses a symlink or non-regular file under the name (``check_writable``)."""
+    refuses a symlink or non-regular file under the name (``check_writable``). A write that
+    fails (a full disk) raises ``WriteError`` naming ``path``, and leaves the old file as it
+    was."""
     payload = data.encode() if isinstance(data, str) else data
 
     def fill(tmp: str) -> None:
         with open(tmp, "wb") as fh:
             fh.write(payload)
 
-    write_via(path, fill, mode=mode)
+    with writing(path):
+        write_via(path, fill, mode=mode)
 
 
 def write_via(

@@ -207,3 +207,24 @@ def test_a_trajectory_writer_on_a_full_disk_raises_a_write_error_once(tmp_path):
     clean._fh = Full(clean._fh)
     with pytest.raises(WriteError, match="other.jsonl"):  # a close that loses bytes is loud
         clean.close()
+
+
+def test_write_file_on_a_full_disk_is_a_write_error_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """``summary.json``, ``eval_summary.json``, pages and config files go through
+    ``write_file``: a failed write names the file and leaves the old contents and no
+    temporary file behind."""
+    import errno
+
+    from agentrl import WriteError, _outfiles
+
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_outfiles.os, "replace", full)
+    with pytest.raises(WriteError) as info:
+        write_file(path, "new")
+    assert str(info.value).startswith(f"no space left on device (ENOSPC) writing {path} (")
+    assert path.read_text() == "old" and sorted(tmp_path.iterdir()) == [path]
