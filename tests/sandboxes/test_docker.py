@@ -257,11 +257,10 @@ async def _serve_tool(client, container_id: str, action: str, data: str = "") ->
         return code, output.decode(errors="replace")
 
     code, output = await anyio.to_thread.run_sync(run)
-    # after a kill the pool may recycle the container before this exec has exited: the exec
-    # then ends with SIGKILL (137) too, once it has said it is done
-    assert f"done {action}" in output and code in ((0, 137) if action == "kill" else (0,)), (
-        code, output
-    )  # fmt: skip
+    # after a kill, or garbage written on the stream, the pool recycles the container, which
+    # can happen before this exec has exited: the exec then ends with SIGKILL (137) too, once
+    # it has said it is done
+    assert f"done {action}" in output and code in (0, 137), (code, output)
 
 
 async def test_each_container_serves_every_request_through_one_exec(container_backend, client):
