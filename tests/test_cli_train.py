@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from disks import small_tmpfs
 from numerics import gamma, unit_roundoff
 
 from agentrl import read_trajectories
@@ -412,17 +413,9 @@ def test_sigterm_stops_training_like_ctrl_c(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 4 MiB tmpfs (needs root; skipped where it cannot be mounted), unmounted after."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    """A 4 MiB tmpfs (needs root; skipped where it cannot be mounted)."""
+    with small_tmpfs(tmp_path, "4m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _fill(folder: Path) -> Path:

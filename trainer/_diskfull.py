@@ -17,6 +17,8 @@ import shutil
 import traceback
 from pathlib import Path
 
+from agentrl._outfiles import human_size
+
 from ._manifest import CheckpointError
 
 
@@ -29,14 +31,6 @@ def _tree_size(path: Path) -> int:
             except OSError:
                 pass
     return total
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -90,13 +84,13 @@ def save_failed(
             "was removed and the earlier checkpoints are untouched"
         )
     if one:
-        size = f"{_human(one)} ({previous.name})"
+        size = f"{human_size(one)} ({previous.name})"
     else:
-        size = f"at least {_human(written)} (what this save wrote before the disk filled)"
-    need = _human(max(one, written) * (keep + 1))
+        size = f"at least {human_size(written)} (what this save wrote before the disk filled)"
+    need = human_size(max(one, written) * (keep + 1))
     return CheckpointError(
         f"no space left on device (ENOSPC) writing checkpoint {final.name} in {root} "
-        f"({cause}): {_human(free)} free there. One checkpoint takes {size}; "
+        f"({cause}): {human_size(free)} free there. One checkpoint takes {size}; "
         f"checkpoint.keep={keep} needs about {need} ({keep} kept + the one being written, "
         f"before the oldest is pruned). The partial {tmp.name} was removed and the earlier "
         "checkpoints are untouched: free space, lower checkpoint.keep, or set checkpoint.dir "

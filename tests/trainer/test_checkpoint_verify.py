@@ -12,11 +12,10 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import uuid
 
 import pytest
 import torch
+from disks import small_tmpfs
 
 from agentrl.trainer import (
     CheckpointError,
@@ -237,20 +236,9 @@ def test_real_learner_checkpoint_falls_back_and_resumes_exactly(
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 2 MiB tmpfs (needs root; skipped where it cannot be mounted), unmounted after."""
-    mount = tmp_path / f"disk-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    """A 2 MiB tmpfs (needs root; skipped where it cannot be mounted)."""
+    with small_tmpfs(tmp_path, "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def _check_full_disk_error(info, root, keep: int) -> None:

@@ -5,12 +5,11 @@ or safetensors error — and closing the run's files afterwards does not bury th
 from __future__ import annotations
 
 import errno
-import subprocess
-import uuid
 
 import anyio
 import pytest
 import torch
+from disks import small_tmpfs
 
 from agentrl import WriteError
 from agentrl._outfiles import write_error
@@ -22,17 +21,9 @@ from agentrl.loop._trackers import Trackers
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root; skipped where it cannot be mounted), unmounted after."""
-    mount = tmp_path / f"disk-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    """A 1 MiB tmpfs (needs root; skipped where it cannot be mounted)."""
+    with small_tmpfs(tmp_path, "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 class _Engine:
