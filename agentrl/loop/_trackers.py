@@ -289,6 +289,29 @@ class WandbTracker:
         self.run.finish()
 
 
+MLFLOW_PROBE_S = 10.0
+"""How long a tracking server may take to accept a connection and answer before the run's start
+is refused (MLflow's own client retries a server that is down for minutes first)."""
+
+
+def _check_server_answers(uri: str | None) -> None:
+    """Refuse an ``http(s)`` tracking URI whose server does not answer within
+    ``MLFLOW_PROBE_S``: any HTTP answer (also 401 or 404 from a proxy) passes; other stores
+    (a database, ``file:``, the default) are MLflow's to check."""
+    if not uri or not uri.lower().startswith(("http://", "https://")):
+        return
+    import httpx
+
+    try:
+        httpx.get(uri.rstrip("/") + "/health", timeout=MLFLOW_PROBE_S)  # proxies as MLflow's
+    except httpx.HTTPError as exc:
+        raise ConfigError(
+            f"logging.mlflow: no tracking server answers at tracking_uri={uri!r} within "
+            f"{MLFLOW_PROBE_S:g} s ({type(exc).__name__}: {exc}): start it, or correct "
+            "logging.mlflow.tracking_uri"
+        ) from None
+
+
 class MlflowTracker:
     """An MLflow run at ``logging.mlflow.tracking_uri`` (any store MLflow supports: a tracking
     server, a database, a ``file:`` store). Metrics at the training step; interval records at
@@ -303,6 +326,7 @@ class MlflowTracker:
 
         known = ids.get("mlflow") or {}
         uri = known.get("tracking_uri") or options.tracking_uri
+        _check_server_answers(uri)
         try:
             self.client = MlflowClient(tracking_uri=uri)
             if known.get("run_id"):

@@ -50,6 +50,50 @@ def test_a_store_that_refuses_the_run_is_a_config_error(tmp_path):
     assert not (tmp_path / "trackers.json").exists()
 
 
+def test_a_tracking_server_that_does_not_answer_is_refused_at_once(tmp_path):
+    """MLflow's client retries a server that is down for minutes before it fails: the start
+    is refused within the probe's bound instead, naming the URI, and nothing is recorded."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, not listening: refused
+        logging = LoggingSection(trackers=["mlflow"], mlflow={"tracking_uri": uri})
+        started = time.monotonic()
+        with pytest.raises(
+            ConfigError,
+            match=rf"^logging\.mlflow: no tracking server answers at tracking_uri='{uri}' "
+            r"within 10 s \(ConnectError: .*\): start it, or correct "
+            r"logging\.mlflow\.tracking_uri$",
+        ):
+            open_trackers(logging, tmp_path, {"a": 1}, resume=False, purge_step=None)
+    assert time.monotonic() - started < 10
+    assert not (tmp_path / "trackers.json").exists()
+
+
+def test_a_server_that_answers_is_mlflows_to_judge(tmp_path):
+    """Any HTTP answer passes the probe (a proxy's 404 too): what the server then says about
+    the run is MLflow's error, under the same ``logging.mlflow`` name."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()  # answers every request with 501
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        logging = LoggingSection(trackers=["mlflow"], mlflow={"tracking_uri": uri})
+        with pytest.raises(ConfigError) as info:
+            open_trackers(logging, tmp_path, {"a": 1}, resume=False, purge_step=None)
+        assert str(info.value).startswith(
+            f"logging.mlflow: could not start the MLflow run at tracking_uri='{uri}': "
+        ), info.value
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 def test_a_tracker_failing_mid_run_is_switched_off_and_the_others_go_on(
     tmp_path, monkeypatch, capsys
 ):
