@@ -91,7 +91,12 @@ def runs(tmp_path_factory):
 def test_resume_after_sigkill_equals_the_straight_run(runs):
     _, straight, killed, lines_at_kill, _ = runs
     assert lines_at_kill >= KILL_AFTER, "killed before the checkpoint's step was logged"
-    a, b = _ledger(straight), _ledger(killed)
+    _assert_same_training(straight, killed)
+
+
+def _assert_same_training(straight: Path, other: Path) -> None:
+    """``other`` (stopped and resumed) recorded what the uninterrupted run ``straight`` did."""
+    a, b = _ledger(straight), _ledger(other)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1)), "steps lost or repeated"
     for ra, rb in zip(a, b, strict=True):
         assert ra["task_ids"] == rb["task_ids"], f"data order differs at step {ra['step']}"
@@ -104,7 +109,7 @@ def test_resume_after_sigkill_equals_the_straight_run(runs):
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3), ra["step"]
     # per-trajectory seeds: the post-resume samples are the uninterrupted run's
     ta = read_trajectories(str(straight / "trajectories.jsonl"))
-    tb = read_trajectories(str(killed / "trajectories.jsonl"))
+    tb = read_trajectories(str(other / "trajectories.jsonl"))
     assert len(ta) == len(tb) == STEPS * 2 * 4, "in-flight trajectories were not discarded"
     key = lambda t: (t.policy_version, t.task_id, t.sample_index)  # noqa: E731
     for x, y in zip(sorted(ta, key=key), sorted(tb, key=key), strict=True):
@@ -112,7 +117,7 @@ def test_resume_after_sigkill_equals_the_straight_run(runs):
         assert x.token_ids == y.token_ids, f"samples differ for {key(x)}"
         assert x.reward == y.reward
     eval_a = sorted(read_trajectories(str(straight / "eval_trajectories.jsonl")), key=key)
-    eval_b = sorted(read_trajectories(str(killed / "eval_trajectories.jsonl")), key=key)
+    eval_b = sorted(read_trajectories(str(other / "eval_trajectories.jsonl")), key=key)
     assert [t.token_ids for t in eval_a] == [t.token_ids for t in eval_b]
 
 
@@ -409,6 +414,79 @@ def test_sigterm_stops_training_like_ctrl_c(tmp_path):
     assert f"interrupted: {len(steps)} complete steps in {run / 'ledger.jsonl'}" in text
     assert f"agentrl train --resume {run} continues from it" in text
     assert not list((run / "checkpoints").glob(".tmp-*")), "a checkpoint was left half-written"
+
+
+def _start_and_signal(config: Path, run: Path, marker, sig: int = signal.SIGTERM):
+    """Start ``agentrl train``, send ``sig`` once ``marker()`` holds, return its outcome."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not marker():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stdout, stderr
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def test_a_stopped_run_saves_its_last_step_and_resumes_as_the_straight_run(runs, tmp_path):
+    """With no checkpoint due (``checkpoint.every_steps: 0``), SIGTERM after step 2 saves the
+    last complete step before exiting, from the states recorded as it ended: ``--resume``
+    then repeats the uninterrupted run exactly (samples, data order, losses)."""
+    _, straight, _, _, _ = runs
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({**CONFIG, "train": {**CONFIG["train"], "max_steps": 60},
+                                  "checkpoint": {"every_steps": 0}}))  # fmt: skip
+    run = tmp_path / "run"
+    code, stdout, stderr = _start_and_signal(
+        config, run, lambda: _lines(run / "ledger.jsonl") >= KILL_AFTER
+    )
+    assert code == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    steps = len(_ledger(run))
+    assert KILL_AFTER <= steps < STEPS, "the stop came too late for this test"
+    saved = run / "checkpoints" / f"step-{steps:08d}"
+    text = " ".join(stdout.split())
+    assert f"saving a checkpoint of step {steps} before stopping" in text, stdout[-2000:]
+    assert f"newest checkpoint: step {steps} ({saved})" in text, stdout[-2000:]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [saved.name]
+    resumed = _agentrl("train", "--resume", str(run), "--max-steps", str(STEPS))
+    assert f"resuming from checkpoint step {steps}" in resumed.stdout
+    _assert_same_training(straight, run)
+
+
+def test_a_checkpoint_at_stop_that_fails_loses_nothing_else(tmp_path):
+    """The checkpoint written at a stop fails (its disk is full): the stop still ends with exit
+    143 and the complete steps in the run files, says why, and leaves no partial folder."""
+    with small_tmpfs(tmp_path, "4m") as disk:
+        config = tmp_path / "config.yaml"
+        settings = {"train": {**CONFIG["train"], "max_steps": 60}, "eval": {"every_steps": 0},
+                    "checkpoint": {"every_steps": 0, "dir": str(disk)}}  # fmt: skip
+        config.write_text(json.dumps({**CONFIG, **settings}))
+        run = tmp_path / "run"
+
+        def step_one_then_fill() -> bool:
+            if _lines(run / "ledger.jsonl") < 1:
+                return False
+            _fill(disk)
+            return True
+
+        code, stdout, stderr = _start_and_signal(config, run, step_one_then_fill)
+        assert code == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+        text = " ".join(stdout.split())
+        assert "no checkpoint at stop:" in text and "ENOSPC" in text, stdout[-2000:]
+        assert [p.name for p in disk.iterdir()] == ["filler"], "a partial checkpoint was left"
+        steps = [r["step"] for r in _ledger(run)]
+        assert steps == list(range(1, len(steps) + 1)) and steps
+        assert f"interrupted: {len(steps)} complete steps" in text
 
 
 @pytest.fixture

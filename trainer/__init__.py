@@ -103,6 +103,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from ._losses import policy_loss as policy_loss
     from ._losses import value_loss as value_loss
     from ._prefix import pack_shared_prefix as pack_shared_prefix
+    from ._rng import rng_state as rng_state
     from ._sink import WeightSink as WeightSink
     from ._stats import PairStats as PairStats
     from ._stats import StepStats as StepStats
@@ -155,6 +156,7 @@ _LAZY = {
     "policy_loss": "_losses",
     "value_loss": "_losses",
     "pack_shared_prefix": "_prefix",
+    "rng_state": "_rng",
     "WeightSink": "_sink",
     "PairStats": "_stats",
     "StepStats": "_stats",
@@ -231,6 +233,7 @@ __all__ = [
     "read_state",
     "register_algorithm",
     "rloo_advantages",
+    "rng_state",
     "save_checkpoint",
     "step_dir",
     "terminal_rewards",

@@ -72,12 +72,21 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState, *, keep: int):
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    learner: Any,
+    state: LoopState,
+    *,
+    keep: int,
+    rng: dict[str, Any] | None = None,
+):
     """Write ``learner`` (anything with ``save(directory)``) and ``state`` as
     ``root/step-{state.step}`` atomically, with its manifest; keep it and the newest ``keep - 1``
     intact-looking checkpoints before it (``_prune``). Every rank calls it (each saves its ZeRO
-    partitions). Returns the checkpoint folder. A failed save removes its partial folder and
-    raises ``CheckpointError`` (for a full disk: the free space and the room ``keep`` needs)."""
+    partitions). ``rng``: this rank's generator states as ``rng_state()`` gave them when the
+    step ended (default: the states now). Returns the checkpoint folder. A failed save removes
+    its partial folder and raises ``CheckpointError`` (for a full disk: the free space and the
+    room ``keep`` needs)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, state.step)
@@ -92,7 +101,7 @@ def save_checkpoint(root: str | os.PathLike[str], learner: Any, state: LoopState
                 tmp.mkdir()
             barrier()
             learner.save(str(tmp))
-            save_rng_state(tmp / f"rng-rank{rank}.pt")
+            save_rng_state(tmp / f"rng-rank{rank}.pt", rng)
             barrier()
             if rank == 0:
                 state.created = time.time()

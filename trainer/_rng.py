@@ -65,8 +65,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_rng_state(path: str | os.PathLike[str]) -> None:
-    torch.save(rng_state(), path)
+def save_rng_state(path: str | os.PathLike[str], state: dict[str, Any] | None = None) -> None:
+    """Write ``state`` (the current states when None; ``rng_state()`` taken earlier otherwise)."""
+    torch.save(rng_state() if state is None else state, path)
 
 
 def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:

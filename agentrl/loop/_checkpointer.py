@@ -65,10 +65,18 @@ class Checkpointer:
         return bool(every and step % every == 0) or final
 
     def save(
-        self, step: int, learner: Any, tasks: dict[str, Any], cursor: int, *, idle_steps: int = 0
+        self,
+        step: int,
+        learner: Any,
+        tasks: dict[str, Any],
+        cursor: int,
+        *,
+        idle_steps: int = 0,
+        rng: dict[str, Any] | None = None,
     ) -> None:
         """``idle_steps``: the consecutive steps without an update so far (restored on resume,
-        so a stalled run is not granted a new ``train.max_steps_without_update``)."""
+        so a stalled run is not granted a new ``train.max_steps_without_update``). ``rng``: the
+        generator states when ``step`` ended (default: the states now)."""
         from agentrl.trainer import save_checkpoint
 
         t0 = time.perf_counter()
@@ -84,7 +92,9 @@ class Checkpointer:
             tasks=tasks,
             steps_without_update=idle_steps,
         )
-        self.newest = save_checkpoint(self.root, learner, state, keep=self.cfg.checkpoint.keep)
+        self.newest = save_checkpoint(
+            self.root, learner, state, keep=self.cfg.checkpoint.keep, rng=rng
+        )
         self.last_s = time.perf_counter() - t0
 
     def _lengths(self) -> dict[str, int]:

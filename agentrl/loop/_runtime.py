@@ -31,9 +31,10 @@ end).
 
 Stopping: ``stop`` (set by the command's Ctrl-C handler) cancels the step in progress (its
 sampling, or its evaluation); nothing of that step is written, so the run is as if it had been
-killed after its last complete step. After ``train.max_steps_without_update`` consecutive
-steps that trained on nothing the loop writes the reason into that step's record and raises
-``TrainingStalled``.
+killed after its last complete step; with ``checkpoint.at_stop`` (one process) that step is
+then saved when no checkpoint holds it yet, from the states recorded as it ended. After
+``train.max_steps_without_update`` consecutive steps that trained on nothing the loop writes the
+reason into that step's record and raises ``TrainingStalled``.
 """
 
 from __future__ import annotations
@@ -98,6 +99,19 @@ class TrainResult:
     """The newest checkpoint when the loop ended."""
     resumed_from: Path | None = None
     """The checkpoint a resumed run started from."""
+
+
+@dataclass
+class _Ended:
+    """The newest complete step no checkpoint holds: what a checkpoint of it records."""
+
+    step: int
+    version: int
+    tasks: dict[str, Any]
+    cursor: int
+    idle_steps: int
+    rng: dict[str, Any]
+    """The generator states as the step ended (``agentrl.trainer.rng_state``)."""
 
 
 @dataclass
@@ -375,11 +389,16 @@ class _Runtime:
         self.step = setup.step
         self.last: dict[str, Any] = {}
         self.idle_steps = setup.idle_steps
+        self.ended: _Ended | None = None
+        # under torchrun a signal ends every rank (no stop), so there is nothing to save at one
+        self.saves_at_stop = cfg.checkpoint.at_stop and os.environ.get("WORLD_SIZE", "1") == "1"
 
     async def run(self, stop: anyio.Event | None) -> TrainResult:
         try:
             try:
                 interrupted = await self._run(stop)
+                if interrupted:
+                    await self._save_at_stop()
             except BaseExceptionGroup as group:  # the task groups' wrapping: raise what happened
                 raise _first_error(group) from None
         except WriteError as exc:  # a full disk: what is kept, and how to go on once fixed
@@ -393,6 +412,43 @@ class _Runtime:
             checkpoint=self.checkpointer.latest(),
             resumed_from=self.setup.resume_from,
         )
+
+    async def _save_at_stop(self) -> None:
+        """After a stop: save the newest complete step when no checkpoint holds it (a second
+        signal abandons the write; the checkpoint before it stays, and a half-written folder
+        is removed by the next save)."""
+        ended = self.ended
+        if ended is None:
+            return
+        if self.learner.version != ended.version:  # the dropped step's update had been applied
+            print(
+                f"no checkpoint at stop: the learner had applied the update of step "
+                f"{ended.step + 1}, which was dropped, so its weights are not step {ended.step}'s",
+                flush=True,
+            )
+            return
+        print(
+            f"saving a checkpoint of step {ended.step} before stopping "
+            "(Ctrl-C or SIGTERM again abandons it)",
+            flush=True,
+        )
+
+        def save() -> None:
+            self.checkpointer.save(
+                ended.step,
+                self.learner,
+                ended.tasks,
+                ended.cursor,
+                idle_steps=ended.idle_steps,
+                rng=ended.rng,
+            )
+
+        try:
+            await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
+        except Exception as exc:  # the run files are whole: the stop goes on without it
+            print(f"no checkpoint at stop: {exc}", flush=True)
+        else:
+            self.ended = None
 
     def _after_write_error(self, exc: WriteError) -> str:
         """Where the run stands after a failed write stopped it, and how to continue it."""
@@ -497,6 +553,18 @@ class _Runtime:
         if self.checkpointer.due(step):  # the run files' lengths: fsynced by the save
             self.checkpointer.save(
                 step, self.learner, self.tasks.state(), self.tasks.low, idle_steps=self.idle_steps
+            )
+            self.ended = None
+        elif self.saves_at_stop:  # what a save after a stop writes for this step
+            from agentrl.trainer import rng_state
+
+            self.ended = _Ended(
+                step,
+                self.learner.version,
+                self.tasks.state(),
+                self.tasks.low,
+                self.idle_steps,
+                rng_state(),
             )
 
     async def _intervals(self) -> None:

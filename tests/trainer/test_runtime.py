@@ -355,3 +355,30 @@ def test_a_resume_with_more_steps_keeps_the_lr_schedule_and_says_so(tmp_path, ca
     ) in text, text[-2000:]
     lrs = [r["lr"] for r in read_ledger(out / "ledger.jsonl")]
     assert lrs == pytest.approx([1e-3, 1e-4 + 0.9e-3 * 0.5, 1e-4, 1e-4]), lrs
+
+
+def test_no_checkpoint_at_stop_once_the_dropped_step_has_updated_the_learner(capsys):
+    """A stop during the evaluation that follows step 4's update drops step 4 after its update
+    was applied: the weights are no longer step 3's, so no checkpoint of step 3 is written from
+    them (the newest scheduled checkpoint stays the resume point); with the weights still step
+    3's it is written, from the states recorded when step 3 ended."""
+    from types import SimpleNamespace
+
+    import anyio
+
+    from agentrl.loop._runtime import _Ended, _Runtime
+
+    saved: list[tuple] = []
+    checkpointer = SimpleNamespace(save=lambda *args, **kwargs: saved.append((args, kwargs)))
+    ended = _Ended(3, 3, {"low": 6}, 6, 0, {"torch": "states at step 3"})
+    updated = SimpleNamespace(ended=ended, learner=SimpleNamespace(version=4),
+                              checkpointer=checkpointer)  # fmt: skip
+    anyio.run(_Runtime._save_at_stop, updated)
+    assert saved == [] and updated.ended is ended
+    assert "had applied the update of step 4" in capsys.readouterr().out
+    learner = SimpleNamespace(version=3)
+    current = SimpleNamespace(ended=ended, learner=learner, checkpointer=checkpointer)
+    anyio.run(_Runtime._save_at_stop, current)
+    assert saved == [((3, learner, {"low": 6}, 6), {"idle_steps": 0, "rng": ended.rng})]
+    assert current.ended is None
+    assert "saving a checkpoint of step 3 before stopping" in capsys.readouterr().out
