@@ -34,6 +34,7 @@ from agentrl.trainer import LoopState, find_intact_checkpoint, latest_checkpoint
 
 from ._config import TrainConfig, dump_config
 from ._runfiles import record_lengths, restore_run_files
+from ._runlock import LOCK_FILE
 from ._trackers import IDS_FILE, read_tracker_ids
 
 RUN_FILES = ("ledger.jsonl", "trajectories.jsonl", "eval_trajectories.jsonl", "runtime.jsonl")
@@ -293,7 +294,7 @@ def _root_contents(root: Path) -> str:
     """What a checkpoint root without a checkpoint holds, in words."""
     if not root.exists():
         return "it does not exist"
-    names = sorted(p.name for p in root.iterdir())
+    names = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE)
     if not names:
         return "it is empty"
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -59,6 +59,7 @@ from ._checkpointer import (
     Checkpointer,
     check_out,
     check_resume,
+    checkpoint_root,
     how_to_continue,
     last_idle_steps,
     prepare_out,
@@ -81,7 +82,7 @@ from ._records import (
     step_record,
     trained_on_nothing,
 )
-from ._runlock import RunLock, lock_run_folder
+from ._runlock import RunLocks, lock_checkpoint_root, lock_run_folder
 from ._tasks import TaskLedger, TaskStream
 from ._trackers import Trackers, check_trackers, open_trackers
 
@@ -135,8 +136,8 @@ class _Setup:
     accept_lost: bool = False
     trackers: Trackers | None = None
     """The run's trackers (rank 0)."""
-    lock: RunLock | None = None
-    """The run folder's lock (the process that writes the run files)."""
+    lock: RunLocks | None = None
+    """The run folder's and checkpoint root's locks (the process that writes the run files)."""
     train_tasks: list[Any] = field(default_factory=list)
     """The env's train split (``train.seed``)."""
     eval_tasks: list[Any] = field(default_factory=list)
@@ -145,7 +146,7 @@ class _Setup:
     """Consecutive steps without an update at the checkpoint resumed from."""
 
     def release(self) -> None:
-        """Give the run folder's lock up (the run is over)."""
+        """Give the run folder's and checkpoint root's locks up (the run is over)."""
         if self.lock is not None:
             self.lock.release()
 
@@ -214,6 +215,10 @@ def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
     # what another run may have written before the lock was taken is looked at again
     check_out(cfg, out, resume=resume)
     found = check_resume(cfg, out, setup.fingerprint, lead=lead) if resume else None
+    # one writer per checkpoint root too (two runs may share a checkpoint.dir), from here on
+    lock_checkpoint_root(setup.lock, checkpoint_root(cfg, out), out, lead=lead)
+    if not resume:  # what another run wrote there before that lock was taken
+        check_out(cfg, out, resume=False)
     if found is not None and found.broken:
         barrier()  # every rank has looked before any checkpoint is moved
         if lead:

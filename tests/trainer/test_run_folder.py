@@ -134,7 +134,7 @@ def test_a_checkpoint_root_that_holds_checkpoints_is_refused(tmp_path):
     shared = tmp_path / "ckpt"
     cfg = _config(tmp_path, f"checkpoint.dir={shared}", "checkpoint.at_end=true")
     train(cfg, first)
-    (saved,) = shared.iterdir()
+    (saved,) = shared.glob("step-*")
     with pytest.raises(ConfigError, match=f"{shared} already holds checkpoints \\({saved.name}"):
         train(cfg, tmp_path / "second")
     assert not (tmp_path / "second").exists()
@@ -190,6 +190,27 @@ def test_a_second_process_on_the_run_folder_is_refused_before_it_writes(tmp_path
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2]
 
 
+def test_a_checkpoint_root_another_run_writes_is_refused_before_anything_is_written(tmp_path):
+    """Two runs given one ``checkpoint.dir``, the second starting before the first has written
+    a checkpoint: the second is refused naming the root and the first run's pid, and writes
+    nothing; a root that is the run folder itself is locked once (the run trains)."""
+    shared = tmp_path / "ckpt"
+    cfg = _config(tmp_path, f"checkpoint.dir={shared}", "checkpoint.at_end=true")
+    second = tmp_path / "second"
+    with _held(shared) as holder:
+        with pytest.raises(ConfigError) as info:
+            train(cfg, second)
+    message = str(info.value)
+    assert f"checkpoint root {shared} is in use" in message and holder in message, message
+    assert "another checkpoint.dir" in message and "\n" not in message
+    assert _files(second) == {} and list(shared.glob("step-*")) == []
+    assert train(cfg, second).steps == 1  # the first run is gone: the root is free
+    inside = tmp_path / "inside"
+    own = _config(tmp_path, f"checkpoint.dir={inside}", "checkpoint.at_end=true")
+    assert train(own, inside).steps == 1
+    assert [p.name for p in inside.glob("step-*")] == ["step-00000001"]
+
+
 # -- --resume never starts a run that recorded steps over ---------------------------------------
 
 
@@ -199,19 +220,20 @@ def test_resume_without_a_checkpoint_refuses_a_ledger_that_holds_steps(tmp_path,
     wrote one; ``checkpoint.dir`` mistyped on resume) is refused, not started over: nothing is
     emptied."""
     out = tmp_path / "run"
-    if where == "no-checkpoints":
+    if where == "no-checkpoints":  # the root exists (the run held its lock), holding none
         train(_config(tmp_path), out)
-        sets, root = ["train.max_steps=2"], out / "checkpoints"
+        sets, root, what = ["train.max_steps=2"], out / "checkpoints", "(it is empty)"
     else:
         train(_config(tmp_path, "checkpoint.at_end=true"), out)
         sets, root = ["train.max_steps=2", "checkpoint.dir=ckpt-elsewhere"], out / "ckpt-elsewhere"
+        what = "(it does not exist)"
     before = _files(out)
     cfg = load_train_config(out / "config.yaml", sets)
     with pytest.raises(ConfigError) as info:
         train(cfg, out, resume=True)
     message = str(info.value)
     assert f"{out / 'ledger.jsonl'} holds 1 step but {root} has no checkpoint" in message
-    assert "(it does not exist)" in message and "\n" not in message
+    assert what in message and "\n" not in message
     assert _files(out) == before
 
 
