@@ -14,6 +14,10 @@
 - Every test leaves the host's ``/dev/null`` as it found it (owner and mode): a test that changes
   it fails by name and, run as root, puts it back, so that the tests after it are not broken too
   (runsc hands the stdio files of every process it starts to its sandbox user).
+- A test that runs past ``AGENTRL_TEST_HANG_S`` seconds (default 900; the slowest take ~100 s
+  alone, a few times that on a loaded machine; 0: no limit), fixtures included, is a hang: every
+  thread's traceback is written to stderr and the test process ends (under xdist: that worker,
+  a failure naming the test), so a hang costs minutes and shows where, not CI's whole limit.
 
 Helper modules beside this file (``fakes``, ``trajectories``, ``serve_helpers``, …) are
 importable by name: pyproject's pytest ``pythonpath`` puts ``tests/`` on the path.
@@ -60,6 +64,45 @@ def mixed_copies() -> list[str]:
         if where not in (base.parent / name, base / name):  # a checkout's layout, pip's layout
             mixed.append(f"agentrl.{name} from {where}")
     return mixed
+
+
+HANG_S = float(os.environ.get("AGENTRL_TEST_HANG_S", "900"))
+_hang_report: list[int] = []  # the stderr the hang report goes to (a copy taken before capture)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if HANG_S > 0:
+        _hang_report.append(os.dup(2))
+
+
+def _hang(nodeid: str) -> None:
+    import faulthandler
+
+    fd = _hang_report[0]
+    os.write(fd, f"\n{nodeid} ran past {HANG_S:.0f} s (AGENTRL_TEST_HANG_S): a hang; every "
+                 "thread's traceback follows, then this test process ends\n".encode())  # fmt: skip
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+    os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _hang_report:
+        yield
+        return
+    import faulthandler
+    import threading
+
+    timer = threading.Timer(HANG_S, _hang, args=(item.nodeid,))
+    timer.daemon = True
+    timer.start()
+    # the backstop, for a hang that never lets the timer's thread run (the GIL held in C code)
+    faulthandler.dump_traceback_later(HANG_S + 30, exit=True, file=_hang_report[0])
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -136,3 +136,22 @@ def test_two_copies_of_agentrl_are_refused(project, monkeypatch, tmp_path):
     result.stderr.fnmatch_lines(["*agentrl.envs from *two copies of agentrl are mixed*"])
     monkeypatch.delenv("PYTHONPATH")
     project.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist"])
+def test_a_hanging_test_ends_the_run_naming_itself(project, monkeypatch, workers):
+    """A test past ``AGENTRL_TEST_HANG_S`` ends its test process with every thread's
+    traceback and its own name (xdist: its worker, reported as a failure of that test).
+    Without the limit the run would wait for CI's."""
+    monkeypatch.setenv("AGENTRL_TEST_HANG_S", "2")
+    project.makepyfile(test_x="import time\n\ndef test_a():\n    pass\n\n"
+                              "def test_hangs():\n    time.sleep(600)\n")  # fmt: skip
+    args = ["-n", str(workers)] if workers else []
+    result = project.runpytest_subprocess(*args, timeout=120)
+    assert result.ret != 0
+    text = result.stdout.str() + result.stderr.str()
+    if workers:
+        assert re.search(r"FAILED test_x\.py::test_hangs - worker 'gw\d' crashed", text), text
+    else:
+        assert "test_x.py::test_hangs ran past 2 s (AGENTRL_TEST_HANG_S): a hang" in text, text
+        assert 'test_x.py", line 7 in test_hangs' in text, text  # where it hung
