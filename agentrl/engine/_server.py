@@ -185,7 +185,12 @@ class _Server:
         self._partial = takes(engine.generate, "partial")
         self.last_gen_throughput = 0.0
         self.model_path = model_path
+        """The weights served: the launch folder, then the last ``/update_weights_from_disk``
+        that succeeded (SGLang reports ``model_path`` and ``served_model_name`` so)."""
         self.served_name = served_name
+        self.tokenizer_path = model_path
+        self.metrics_name = served_name
+        """The ``model_name`` label of ``/metrics``: fixed at launch, as SGLang's."""
         self.limits = limits
         self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
         self.sessions = SessionTable(engine, self.facts.bos_token_id, limits.max_sessions)
@@ -540,6 +545,7 @@ class _Server:
                     f"failed to update weights: {reason}; the previous weights are still served"
                 )
                 return _json(w.WireUpdateWeightsResp(False, message), 400)
+        self.model_path = self.served_name = req.model_path  # as SGLang's tokenizer manager
         message = f"Succeeded to update model weights. Weight version updated to {version}."
         return _json(w.WireUpdateWeightsResp(True, message))
 
@@ -560,7 +566,7 @@ class _Server:
         facts = self.facts
         info = w.WireModelInfo(
             model_path=self.model_path,
-            tokenizer_path=self.model_path,
+            tokenizer_path=self.tokenizer_path,
             weight_version=str(self.engine.weight_version),
             agentrl={
                 "engine": type(self.engine).__name__,
@@ -593,7 +599,7 @@ class _Server:
         return web.Response(status=200 if await self.model_health.healthy(probe=True) else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = prometheus_text(self.counters, self.engine, len(self.sessions), self.served_name)
+        text = prometheus_text(self.counters, self.engine, len(self.sessions), self.metrics_name)
         return web.Response(text=text, content_type="text/plain")
 
 

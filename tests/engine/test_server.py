@@ -421,6 +421,35 @@ async def test_update_weights_from_disk(tiny_dir: Path, tmp_path: Path) -> None:
         assert restored["output_ids"] == before and restored["meta_info"]["weight_version"] == "3"
 
 
+async def test_model_path_follows_the_weights_served(tiny_dir: Path, tmp_path: Path) -> None:
+    """As SGLang: once ``/update_weights_from_disk`` succeeds, ``model_path`` (``/model_info``,
+    ``/get_model_info``, ``/server_info``) and ``served_model_name`` name the folder it loaded;
+    a failed update changes neither, and ``tokenizer_path`` stays the launch folder."""
+    noisy = perturbed_copy(tiny_dir, tmp_path / "noisy")
+
+    async def names() -> tuple[str, ...]:
+        info = (await served.client.get("/model_info")).json()
+        old = (await served.client.get("/get_model_info")).json()
+        server = (await served.client.get("/server_info")).json()
+        models = (await served.client.get("/v1/models")).json()["data"][0]
+        assert info["tokenizer_path"] == server["tokenizer_path"] == str(tiny_dir)
+        assert info["model_path"] == old["model_path"] == server["model_path"] == models["root"]
+        assert server["served_model_name"] == models["id"]
+        return info["model_path"], server["served_model_name"]
+
+    async with serving(tiny_dir) as served:
+        assert await names() == (str(tiny_dir), str(tiny_dir))
+        await served.post("/update_weights_from_disk", {"model_path": str(noisy)})
+        assert await names() == (str(noisy), str(noisy))
+        missing = {"model_path": str(tmp_path / "missing")}
+        await served.post("/update_weights_from_disk", missing, 400)
+        assert await names() == (str(noisy), str(noisy))
+        await served.post("/update_weights_from_disk", {"model_path": str(tiny_dir)})
+        assert await names() == (str(tiny_dir), str(tiny_dir))
+        metrics = (await served.client.get("/metrics")).text
+        assert f'model_name="{tiny_dir}"' in metrics
+
+
 async def test_weight_update_abort_all_requests_ends_running_ones_first(served: Served) -> None:
     """SGLang's ``abort_all_requests``: the running request ends with ``abort`` (its tokens so
     far) and the update does not wait for it."""
