@@ -102,6 +102,7 @@ from ._server_sessions import SessionError, SessionTable, Turn
 from ._server_stream import (
     DONE,
     Cursor,
+    DuplicateRid,
     Live,
     LiveTable,
     ends_in_a_stop_prefix,
@@ -214,15 +215,23 @@ class _Server:
         except (BadRequest, RequestTooLarge) as exc:
             return _error(400, str(exc), exc.field)
         await self.sessions.reap()
-        if req.stream:
-            return await self._stream(request, items, single, started)
-        results: list[w.WireGenerateResp | None] = [None] * len(items)
         try:
-            async with anyio.create_task_group() as tg, self._admitted_together(turns=1):
-                for index, item in enumerate(items):
-                    tg.start_soon(self._run_item, item, index, results, started)
-        except BaseExceptionGroup as group:
-            return self._failure(group)
+            lives = self.live.claim([item.rid for item in items])
+        except DuplicateRid as exc:
+            return _error(400, str(exc), "rid")
+        try:
+            if req.stream:
+                return await self._stream(request, items, lives, single, started)
+            results: list[w.WireGenerateResp | None] = [None] * len(items)
+            try:
+                async with anyio.create_task_group() as tg, self._admitted_together(turns=1):
+                    for index, item in enumerate(items):
+                        tg.start_soon(self._run_item, item, index, results, started, lives[index])
+            except BaseExceptionGroup as group:
+                return self._failure(group)
+        finally:  # samples that never started (a failed sibling, a cancelled stream)
+            for live in lives:
+                self.live.remove(live)
         body = [r for r in results if r is not None]
         payload = body[0] if single else body
         if any(_heavy(item) for item in items):
@@ -276,12 +285,11 @@ class _Server:
         index: int,
         out: list[w.WireGenerateResp | None],
         started: float,
-        live: Live | None = None,
+        live: Live,
+        streamed: bool = False,
     ) -> None:
-        """Run one sample; ``live`` is given by a stream, which takes the engine's per-step
-        progress (``on_tokens``); other samples only read their output if aborted."""
-        streamed = live is not None
-        live = live if live is not None else self.live.add(item.rid)
+        """Run one sample (``live``: its entry in the live table); a ``streamed`` one takes the
+        engine's per-step progress (``on_tokens``), others only read their output if aborted."""
         turn: Turn | None = None
         context, session = item.input_ids, None
         result: GenerateResult | None = None
@@ -363,7 +371,12 @@ class _Server:
     # --- streaming /generate and /abort_request ------------------------------------------------
 
     async def _stream(
-        self, request: web.Request, items: list[Item], single: bool, started: float
+        self,
+        request: web.Request,
+        items: list[Item],
+        lives: list[Live],
+        single: bool,
+        started: float,
     ) -> web.StreamResponse:
         """SGLang's server-sent events (see ``_server_stream``)."""
         response = web.StreamResponse(
@@ -382,7 +395,8 @@ class _Server:
             async with anyio.create_task_group() as tg, self._admitted_together(turns=2):
                 for index, item in enumerate(items):
                     at = None if single else index
-                    tg.start_soon(self._stream_item, item, index, at, results, started, write)
+                    args = (item, lives[index], index, at, results, started, write)
+                    tg.start_soon(self._stream_item, *args)
         except BaseExceptionGroup as group:
             if request.transport is None or request.transport.is_closing():
                 return response  # the client left: its requests were cancelled (KV freed)
@@ -396,13 +410,13 @@ class _Server:
     async def _stream_item(
         self,
         item: Item,
+        live: Live,
         index: int,
         at: int | None,
         results: list[w.WireGenerateResp | None],
         started: float,
         write: Any,
     ) -> None:
-        live = self.live.add(item.rid)
         cursor, memo = Cursor(), RenderMemo()
         finished = anyio.Event()
 
@@ -414,7 +428,7 @@ class _Server:
 
         async def run() -> None:
             try:
-                await self._run_item(item, index, results, started, live)
+                await self._run_item(item, index, results, started, live, streamed=True)
             finally:
                 finished.set()
                 live.changed.set()

@@ -117,6 +117,38 @@ async def test_batch_and_n_answer_a_list_prompt_major(served: Served) -> None:
     assert [o["meta_info"]["completion_tokens"] for o in mixed] == [1, 3]
 
 
+async def test_a_rid_is_one_request_at_a_time(served: Served) -> None:
+    """As SGLang: a ``rid`` a running request holds is refused (else ``/abort_request`` would
+    end both), twice in one batch too; once the request ended the ``rid`` is free again."""
+    result: dict[str, Any] = {}
+
+    async def long_request() -> None:
+        sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        result["long"] = await served.generate(input_ids=PROMPT, sampling_params=sp, rid="dup")
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_request)
+            await _wait_running(served)
+            for body in (
+                {"input_ids": PROMPT, "rid": "dup"},
+                {"input_ids": [PROMPT, PROMPT], "rid": ["other", "dup"]},
+                {"input_ids": PROMPT, "rid": "dup", "stream": True},
+            ):
+                refused = await served.generate(status=400, **body)
+                assert refused["error"]["field"] == "rid"
+                assert "Duplicate request ID detected: dup" in refused["error"]["message"]
+            await served.post("/abort_request", {"rid": "dup"})
+    assert result["long"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert (await served.greedy(PROMPT, rid="dup"))["meta_info"]["id"] == "dup"
+    assert (await served.greedy(PROMPT, rid="other"))["meta_info"]["id"] == "other"
+    twice = await served.generate(input_ids=[PROMPT, PROMPT], rid=["x", "x"], status=400)
+    assert twice["error"] == {
+        "message": "Duplicate request IDs detected within the request: ['x']",
+        "field": "rid",
+    }
+
+
 async def test_seeded_sampling_is_reproducible(served: Served) -> None:
     params = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7}
     first = await served.generate(input_ids=PROMPT, sampling_params=params)
