@@ -563,6 +563,37 @@ class _Server:
         message = f"Succeeded to update model weights. Weight version updated to {version}."
         return _json(w.WireUpdateWeightsResp(True, message))
 
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's ``/pause_generation``: no step runs until ``/continue_generation``; new
+        requests queue meanwhile. ``abort`` first ends every running request (``abort``, with
+        its output so far), ``in_place`` keeps their KV, ``retract`` drops it (they recompute
+        it when they go on). A weight update while paused applies at once; the paused requests
+        then go on as ``in_flight`` says, ``finish`` acting as ``partial``."""
+        body = await request.read()
+        try:
+            req = w.pause_req_decoder.decode(body or b"{}")
+        except msgspec.MsgspecError as exc:
+            return _refused_body("/pause_generation", body, exc)
+        pause = getattr(self.engine, "pause_generation", None)
+        if pause is None:
+            engine = type(self.engine).__name__
+            return _error(400, f"{engine} cannot pause generation", "mode")
+        if req.mode == "abort":
+            self.live.abort("", True)
+        await pause("retract" if req.mode == "retract" else "in_place")
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            w.continue_req_decoder.decode(body or b"{}")
+        except msgspec.MsgspecError as exc:
+            return _refused_body("/continue_generation", body, exc)
+        resume = getattr(self.engine, "continue_generation", None)
+        if resume is not None:
+            await resume()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         flush = getattr(self.engine, "flush_cache", None)
         if flush is not None:
@@ -649,6 +680,8 @@ def create_app(
         ("*", "/close_session", server.close_session),
         ("POST", "/update_weights_from_disk", server.update_weights_from_disk),
         ("*", "/flush_cache", server.flush_cache),
+        ("POST", "/pause_generation", server.pause_generation),
+        ("POST", "/continue_generation", server.continue_generation),
         ("GET", "/get_model_info", server.model_info),
         ("GET", "/model_info", server.model_info),
         ("GET", "/get_weight_version", server.weight_version),

@@ -503,6 +503,58 @@ async def test_weight_update_abort_all_requests_ends_running_ones_first(served: 
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
 
 
+async def test_pause_generation_holds_every_step_until_continue(served: Served) -> None:
+    """SGLang's ``/pause_generation`` and ``/continue_generation``, the way RL trainers update
+    weights mid-rollout: while paused no token is sampled and new requests queue; an update
+    sent meanwhile applies at once (it does not wait for the paused requests, which would
+    never finish), and after ``continue`` the paused requests run to their end. ``abort``
+    first ends the running requests; an unknown mode is refused naming ``mode``."""
+    info = (await served.client.get("/get_model_info")).json()
+    update = {"model_path": info["model_path"], "weight_version": info["weight_version"]}
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def tokens_generated() -> float:
+        metrics = (await served.client.get("/metrics")).text
+        return _metric(metrics, "agentrl:engine_tokens_generated")
+
+    async def send(answers: dict[str, Any], name: str, sp: dict[str, Any]) -> None:
+        answers[name] = await served.generate(input_ids=PROMPT, sampling_params=sp)
+
+    for mode in ("in_place", "retract"):
+        answers: dict[str, Any] = {}
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, answers, "running", long)
+                await _wait_running(served)
+                paused = await served.post("/pause_generation", {"mode": mode})
+                assert paused == {"message": "Generation paused successfully.", "status": "ok"}
+                tg.start_soon(send, answers, "queued", {"max_new_tokens": 2})
+                before = await tokens_generated()
+                await anyio.sleep(0.3)
+                assert await tokens_generated() == before and not answers
+                assert (await served.post("/update_weights_from_disk", update))["success"]
+                assert await tokens_generated() == before and not answers
+                await served.post("/continue_generation", {})
+        assert answers["running"]["meta_info"]["finish_reason"]["type"] == "length", mode
+        assert answers["running"]["meta_info"]["completion_tokens"] == 400
+        assert answers["queued"]["meta_info"]["completion_tokens"] == 2
+
+    answers = {}
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, answers, "running", long)
+            await _wait_running(served)
+            await served.post("/pause_generation", {"mode": "abort"})
+            tg.start_soon(send, answers, "queued", {"max_new_tokens": 2})
+            await anyio.sleep(0.3)
+            assert list(answers) == ["running"]
+            await served.post("/continue_generation")
+    assert answers["running"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert answers["queued"]["meta_info"]["completion_tokens"] == 2
+    refused = await served.post("/pause_generation", {"mode": "later"}, 400)
+    assert refused["error"]["field"] == "mode"
+
+
 async def test_weight_updates_run_one_at_a_time_and_finish_when_the_client_leaves(
     tiny_dir: Path,
 ) -> None:
