@@ -87,7 +87,14 @@ from ._sampling import check_sampling
 from ._scheduler import Request, Scheduler
 from ._seq import KVManager
 from ._session import SessionTable
-from ._worker import CloseSession, FlushCache, OpenSession, WeightUpdate, Worker
+from ._worker import (
+    CloseSession,
+    FlushCache,
+    OpenSession,
+    PauseGeneration,
+    WeightUpdate,
+    Worker,
+)
 
 
 def graph_replay(options: EngineOptions, device: torch.device) -> str | None:
@@ -520,6 +527,31 @@ class EmbeddedEngine:
         await self._submit_and_wait(item)
         return item.flushed
 
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        """Stop stepping until ``continue_generation`` (SGLang's ``/pause_generation``).
+        ``in_place``: running requests keep their KV; ``retract``: their KV is dropped and they
+        recompute their context (prompt and output so far) when they go on. Either way new
+        requests queue, aborts are handled, and a weight update applies at once, the paused
+        requests continuing on the new weights (their KV recomputed: ``in_flight="finish"``
+        acts as ``"partial"`` then)."""
+        if mode not in ("in_place", "retract"):
+            raise EngineError(f"pause mode must be 'in_place' or 'retract', got {mode!r}")
+        self._check_open()
+        await self._submit_and_wait(
+            PauseGeneration(mode, anyio.lowlevel.current_token(), anyio.Event())
+        )
+
+    async def continue_generation(self) -> None:
+        """Step again after ``pause_generation`` (a no-op when not paused)."""
+        self._check_open()
+        await self._submit_and_wait(
+            PauseGeneration(None, anyio.lowlevel.current_token(), anyio.Event())
+        )
+
+    @property
+    def paused(self) -> bool:
+        return self._worker.paused
+
     @contextmanager
     def admitted_together(self) -> Iterator[None]:
         """Requests whose ``generate`` is called inside this block (from this event loop, as
@@ -534,7 +566,7 @@ class EmbeddedEngine:
             self._worker.release()
 
     async def _submit_and_wait(
-        self, item: Request | WeightUpdate | CloseSession | FlushCache
+        self, item: Request | WeightUpdate | CloseSession | FlushCache | PauseGeneration
     ) -> None:
         self._worker.submit(item)
         assert item.done is not None

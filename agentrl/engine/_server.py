@@ -102,6 +102,7 @@ from ._server_sessions import SessionError, SessionTable, Turn
 from ._server_stream import (
     DONE,
     Cursor,
+    DuplicateRid,
     Live,
     LiveTable,
     ends_in_a_stop_prefix,
@@ -185,7 +186,12 @@ class _Server:
         self._partial = takes(engine.generate, "partial")
         self.last_gen_throughput = 0.0
         self.model_path = model_path
+        """The weights served: the launch folder, then the last ``/update_weights_from_disk``
+        that succeeded (SGLang reports ``model_path`` and ``served_model_name`` so)."""
         self.served_name = served_name
+        self.tokenizer_path = model_path
+        self.metrics_name = served_name
+        """The ``model_name`` label of ``/metrics``: fixed at launch, as SGLang's."""
         self.limits = limits
         self.facts = ModelFacts.read(Path(model_path), tokenizer, engine.max_context)
         self.sessions = SessionTable(engine, self.facts.bos_token_id, limits.max_sessions)
@@ -209,15 +215,23 @@ class _Server:
         except (BadRequest, RequestTooLarge) as exc:
             return _error(400, str(exc), exc.field)
         await self.sessions.reap()
-        if req.stream:
-            return await self._stream(request, items, single, started)
-        results: list[w.WireGenerateResp | None] = [None] * len(items)
         try:
-            async with anyio.create_task_group() as tg, self._admitted_together(turns=1):
-                for index, item in enumerate(items):
-                    tg.start_soon(self._run_item, item, index, results, started)
-        except BaseExceptionGroup as group:
-            return self._failure(group)
+            lives = self.live.claim([item.rid for item in items])
+        except DuplicateRid as exc:
+            return _error(400, str(exc), "rid")
+        try:
+            if req.stream:
+                return await self._stream(request, items, lives, single, started)
+            results: list[w.WireGenerateResp | None] = [None] * len(items)
+            try:
+                async with anyio.create_task_group() as tg, self._admitted_together(turns=1):
+                    for index, item in enumerate(items):
+                        tg.start_soon(self._run_item, item, index, results, started, lives[index])
+            except BaseExceptionGroup as group:
+                return self._failure(group)
+        finally:  # samples that never started (a failed sibling, a cancelled stream)
+            for live in lives:
+                self.live.remove(live)
         body = [r for r in results if r is not None]
         payload = body[0] if single else body
         if any(_heavy(item) for item in items):
@@ -271,12 +285,11 @@ class _Server:
         index: int,
         out: list[w.WireGenerateResp | None],
         started: float,
-        live: Live | None = None,
+        live: Live,
+        streamed: bool = False,
     ) -> None:
-        """Run one sample; ``live`` is given by a stream, which takes the engine's per-step
-        progress (``on_tokens``); other samples only read their output if aborted."""
-        streamed = live is not None
-        live = live if live is not None else self.live.add(item.rid)
+        """Run one sample (``live``: its entry in the live table); a ``streamed`` one takes the
+        engine's per-step progress (``on_tokens``), others only read their output if aborted."""
         turn: Turn | None = None
         context, session = item.input_ids, None
         result: GenerateResult | None = None
@@ -358,7 +371,12 @@ class _Server:
     # --- streaming /generate and /abort_request ------------------------------------------------
 
     async def _stream(
-        self, request: web.Request, items: list[Item], single: bool, started: float
+        self,
+        request: web.Request,
+        items: list[Item],
+        lives: list[Live],
+        single: bool,
+        started: float,
     ) -> web.StreamResponse:
         """SGLang's server-sent events (see ``_server_stream``)."""
         response = web.StreamResponse(
@@ -377,7 +395,8 @@ class _Server:
             async with anyio.create_task_group() as tg, self._admitted_together(turns=2):
                 for index, item in enumerate(items):
                     at = None if single else index
-                    tg.start_soon(self._stream_item, item, index, at, results, started, write)
+                    args = (item, lives[index], index, at, results, started, write)
+                    tg.start_soon(self._stream_item, *args)
         except BaseExceptionGroup as group:
             if request.transport is None or request.transport.is_closing():
                 return response  # the client left: its requests were cancelled (KV freed)
@@ -391,13 +410,13 @@ class _Server:
     async def _stream_item(
         self,
         item: Item,
+        live: Live,
         index: int,
         at: int | None,
         results: list[w.WireGenerateResp | None],
         started: float,
         write: Any,
     ) -> None:
-        live = self.live.add(item.rid)
         cursor, memo = Cursor(), RenderMemo()
         finished = anyio.Event()
 
@@ -409,7 +428,7 @@ class _Server:
 
         async def run() -> None:
             try:
-                await self._run_item(item, index, results, started, live)
+                await self._run_item(item, index, results, started, live, streamed=True)
             finally:
                 finished.set()
                 live.changed.set()
@@ -540,8 +559,40 @@ class _Server:
                     f"failed to update weights: {reason}; the previous weights are still served"
                 )
                 return _json(w.WireUpdateWeightsResp(False, message), 400)
+        self.model_path = self.served_name = req.model_path  # as SGLang's tokenizer manager
         message = f"Succeeded to update model weights. Weight version updated to {version}."
         return _json(w.WireUpdateWeightsResp(True, message))
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's ``/pause_generation``: no step runs until ``/continue_generation``; new
+        requests queue meanwhile. ``abort`` first ends every running request (``abort``, with
+        its output so far), ``in_place`` keeps their KV, ``retract`` drops it (they recompute
+        it when they go on). A weight update while paused applies at once; the paused requests
+        then go on as ``in_flight`` says, ``finish`` acting as ``partial``."""
+        body = await request.read()
+        try:
+            req = w.pause_req_decoder.decode(body or b"{}")
+        except msgspec.MsgspecError as exc:
+            return _refused_body("/pause_generation", body, exc)
+        pause = getattr(self.engine, "pause_generation", None)
+        if pause is None:
+            engine = type(self.engine).__name__
+            return _error(400, f"{engine} cannot pause generation", "mode")
+        if req.mode == "abort":
+            self.live.abort("", True)
+        await pause("retract" if req.mode == "retract" else "in_place")
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            w.continue_req_decoder.decode(body or b"{}")
+        except msgspec.MsgspecError as exc:
+            return _refused_body("/continue_generation", body, exc)
+        resume = getattr(self.engine, "continue_generation", None)
+        if resume is not None:
+            await resume()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         flush = getattr(self.engine, "flush_cache", None)
@@ -560,7 +611,7 @@ class _Server:
         facts = self.facts
         info = w.WireModelInfo(
             model_path=self.model_path,
-            tokenizer_path=self.model_path,
+            tokenizer_path=self.tokenizer_path,
             weight_version=str(self.engine.weight_version),
             agentrl={
                 "engine": type(self.engine).__name__,
@@ -593,7 +644,7 @@ class _Server:
         return web.Response(status=200 if await self.model_health.healthy(probe=True) else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = prometheus_text(self.counters, self.engine, len(self.sessions), self.served_name)
+        text = prometheus_text(self.counters, self.engine, len(self.sessions), self.metrics_name)
         return web.Response(text=text, content_type="text/plain")
 
 
@@ -629,6 +680,8 @@ def create_app(
         ("*", "/close_session", server.close_session),
         ("POST", "/update_weights_from_disk", server.update_weights_from_disk),
         ("*", "/flush_cache", server.flush_cache),
+        ("POST", "/pause_generation", server.pause_generation),
+        ("POST", "/continue_generation", server.continue_generation),
         ("GET", "/get_model_info", server.model_info),
         ("GET", "/model_info", server.model_info),
         ("GET", "/get_weight_version", server.weight_version),

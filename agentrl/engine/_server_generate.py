@@ -321,8 +321,11 @@ def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
         return [uuid.uuid4().hex for _ in range(count)]
     if isinstance(rid, str):
         return [rid] if not batch else [f"{rid}-{i}" for i in range(count)]
-    if len(rid) != count or len(set(rid)) != count:
-        raise BadRequest(f"rid needs {count} distinct ids, got {len(rid)}", "rid")
+    if len(rid) != count:
+        raise BadRequest(f"rid needs {count} ids (one per sample), got {len(rid)}", "rid")
+    duplicates = sorted({r for r in rid if rid.count(r) > 1})
+    if duplicates:  # SGLang's words, which clients match
+        raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}", "rid")
     return list(rid)
 
 

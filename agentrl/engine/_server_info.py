@@ -68,7 +68,7 @@ def server_info(server: _Server) -> dict[str, Any]:
     largest = max(graphs) if graphs else None
     return {
         "model_path": server.model_path,
-        "tokenizer_path": server.model_path,
+        "tokenizer_path": server.tokenizer_path,
         "served_model_name": server.served_name,
         "context_length": context,
         "page_size": page,

@@ -83,6 +83,10 @@ class Live:
             self.scope.cancel()
 
 
+class DuplicateRid(ValueError):
+    """A request named a ``rid`` that a running request holds."""
+
+
 class LiveTable:
     """The running samples of one server, by ``rid``."""
 
@@ -93,6 +97,15 @@ class LiveTable:
         live = Live(rid)
         self._live.setdefault(rid, []).append(live)
         return live
+
+    def claim(self, rids: list[str]) -> list[Live]:
+        """Register the samples of one request, or none of them: a ``rid`` that is running
+        already is refused (``DuplicateRid``), as SGLang refuses one it still tracks, so
+        ``/abort_request`` and the answers keep meaning one request."""
+        taken = next((rid for rid in rids if rid in self._live), None)
+        if taken is not None:
+            raise DuplicateRid(f"Duplicate request ID detected: {taken} (it is still running)")
+        return [self.add(rid) for rid in rids]
 
     def remove(self, live: Live) -> None:
         entries = self._live.get(live.rid, [])

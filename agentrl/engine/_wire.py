@@ -13,7 +13,7 @@ import gc
 import re
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -159,6 +159,19 @@ class WireAbortReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     abort_message: str | None = None
 
 
+class WirePauseGenerationReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST /pause_generation`` (SGLang's ``PauseGenerationReqInput``)."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class WireContinueGenerationReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST /continue_generation``; ``torch_empty_cache`` is accepted (the engine's caching
+    allocator keeps its blocks)."""
+
+    torch_empty_cache: bool = True
+
+
 class WireUpdateWeightsFromDiskReq(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     model_path: str
     weight_version: str | None = None
@@ -265,6 +278,8 @@ open_session_decoder = msgspec.json.Decoder(WireOpenSessionReq)
 close_session_decoder = msgspec.json.Decoder(WireCloseSessionReq)
 abort_req_decoder = msgspec.json.Decoder(WireAbortReq)
 update_weights_req_decoder = msgspec.json.Decoder(WireUpdateWeightsFromDiskReq)
+pause_req_decoder = msgspec.json.Decoder(WirePauseGenerationReq)
+continue_req_decoder = msgspec.json.Decoder(WireContinueGenerationReq)
 generate_resp_decoder = msgspec.json.Decoder(WireGenerateResp | list[WireGenerateResp])
 update_weights_resp_decoder = msgspec.json.Decoder(WireUpdateWeightsResp)
 model_info_decoder = msgspec.json.Decoder(WireModelInfo)

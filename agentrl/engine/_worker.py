@@ -94,7 +94,18 @@ class FlushCache:
     """False when requests were running or waiting (nothing was flushed)."""
 
 
-Command = Request | WeightUpdate | OpenSession | CloseSession | FlushCache
+@dataclass(eq=False)
+class PauseGeneration:
+    """SGLang's ``/pause_generation`` (``mode`` ``in_place`` or ``retract``) and, with
+    ``mode=None``, ``/continue_generation``."""
+
+    mode: str | None
+    token: EventLoopToken
+    done: anyio.Event
+    aborted: bool = False
+
+
+Command = Request | WeightUpdate | OpenSession | CloseSession | FlushCache | PauseGeneration
 
 
 @dataclass
@@ -238,6 +249,9 @@ class Worker:
         self._holds = 0
         """Open ``hold``s: while any is, the inbox is left for later (running work steps on)."""
         self._closing = False
+        self.paused = False
+        """Between a ``PauseGeneration`` and its ``continue``: no step runs; requests queue,
+        aborts and weight updates are handled."""
         self._updates: collections.deque[WeightUpdate] = collections.deque()
         self._outbox: list[Command] = []
         """Finished items, notified once the bookkeeping is consistent again."""
@@ -330,6 +344,11 @@ class Worker:
                         if item.flushed:
                             s.flush()
                         self._outbox.append(item)
+                    case PauseGeneration():
+                        self.paused = item.mode is not None
+                        if item.mode == "retract":  # their KV goes; they keep their output
+                            self.scheduler.interrupt_in_flight()
+                        self._outbox.append(item)
             closing = self._closing
         if closing:
             self._fail_all(None)
@@ -338,7 +357,7 @@ class Worker:
         sessions.expire()
         if self._updates:
             self._handle_updates()
-        step = self.scheduler.plan()
+        step = None if self.paused else self.scheduler.plan()
         if step is not None:
             self._run(step)
         for request in self.scheduler.closed:
@@ -371,6 +390,8 @@ class Worker:
 
     def _has_work(self) -> bool:
         s = self.scheduler
+        if self.paused:  # no step runs: only updates and aborted requests to handle
+            return bool(self._updates) or any(r.aborted for r in (*s.running, *s.waiting))
         return bool(s.running or s.waiting or self._updates)
 
     def _drop_aborted(self) -> None:
@@ -381,10 +402,13 @@ class Worker:
         self._updates = collections.deque(u for u in self._updates if not u.aborted)
 
     def _handle_updates(self) -> None:
-        """Apply pending updates now, or hold new requests until in-flight ones finish."""
+        """Apply pending updates now, or hold new requests until in-flight ones finish (while
+        paused they cannot finish: ``finish`` acts as ``partial`` then, as in SGLang, where an
+        update between a pause and its continue goes ahead and the paused requests continue on
+        the new weights)."""
         if self.in_flight == "abort":
             self.scheduler.abort_in_flight()
-        elif self.in_flight == "partial":
+        elif self.in_flight == "partial" or self.paused:
             self.scheduler.interrupt_in_flight()
         elif self.scheduler.in_flight():
             self.scheduler.hold_new = True

@@ -117,6 +117,38 @@ async def test_batch_and_n_answer_a_list_prompt_major(served: Served) -> None:
     assert [o["meta_info"]["completion_tokens"] for o in mixed] == [1, 3]
 
 
+async def test_a_rid_is_one_request_at_a_time(served: Served) -> None:
+    """As SGLang: a ``rid`` a running request holds is refused (else ``/abort_request`` would
+    end both), twice in one batch too; once the request ended the ``rid`` is free again."""
+    result: dict[str, Any] = {}
+
+    async def long_request() -> None:
+        sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        result["long"] = await served.generate(input_ids=PROMPT, sampling_params=sp, rid="dup")
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_request)
+            await _wait_running(served)
+            for body in (
+                {"input_ids": PROMPT, "rid": "dup"},
+                {"input_ids": [PROMPT, PROMPT], "rid": ["other", "dup"]},
+                {"input_ids": PROMPT, "rid": "dup", "stream": True},
+            ):
+                refused = await served.generate(status=400, **body)
+                assert refused["error"]["field"] == "rid"
+                assert "Duplicate request ID detected: dup" in refused["error"]["message"]
+            await served.post("/abort_request", {"rid": "dup"})
+    assert result["long"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert (await served.greedy(PROMPT, rid="dup"))["meta_info"]["id"] == "dup"
+    assert (await served.greedy(PROMPT, rid="other"))["meta_info"]["id"] == "other"
+    twice = await served.generate(input_ids=[PROMPT, PROMPT], rid=["x", "x"], status=400)
+    assert twice["error"] == {
+        "message": "Duplicate request IDs detected within the request: ['x']",
+        "field": "rid",
+    }
+
+
 async def test_seeded_sampling_is_reproducible(served: Served) -> None:
     params = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7}
     first = await served.generate(input_ids=PROMPT, sampling_params=params)
@@ -421,6 +453,35 @@ async def test_update_weights_from_disk(tiny_dir: Path, tmp_path: Path) -> None:
         assert restored["output_ids"] == before and restored["meta_info"]["weight_version"] == "3"
 
 
+async def test_model_path_follows_the_weights_served(tiny_dir: Path, tmp_path: Path) -> None:
+    """As SGLang: once ``/update_weights_from_disk`` succeeds, ``model_path`` (``/model_info``,
+    ``/get_model_info``, ``/server_info``) and ``served_model_name`` name the folder it loaded;
+    a failed update changes neither, and ``tokenizer_path`` stays the launch folder."""
+    noisy = perturbed_copy(tiny_dir, tmp_path / "noisy")
+
+    async def names() -> tuple[str, ...]:
+        info = (await served.client.get("/model_info")).json()
+        old = (await served.client.get("/get_model_info")).json()
+        server = (await served.client.get("/server_info")).json()
+        models = (await served.client.get("/v1/models")).json()["data"][0]
+        assert info["tokenizer_path"] == server["tokenizer_path"] == str(tiny_dir)
+        assert info["model_path"] == old["model_path"] == server["model_path"] == models["root"]
+        assert server["served_model_name"] == models["id"]
+        return info["model_path"], server["served_model_name"]
+
+    async with serving(tiny_dir) as served:
+        assert await names() == (str(tiny_dir), str(tiny_dir))
+        await served.post("/update_weights_from_disk", {"model_path": str(noisy)})
+        assert await names() == (str(noisy), str(noisy))
+        missing = {"model_path": str(tmp_path / "missing")}
+        await served.post("/update_weights_from_disk", missing, 400)
+        assert await names() == (str(noisy), str(noisy))
+        await served.post("/update_weights_from_disk", {"model_path": str(tiny_dir)})
+        assert await names() == (str(tiny_dir), str(tiny_dir))
+        metrics = (await served.client.get("/metrics")).text
+        assert f'model_name="{tiny_dir}"' in metrics
+
+
 async def test_weight_update_abort_all_requests_ends_running_ones_first(served: Served) -> None:
     """SGLang's ``abort_all_requests``: the running request ends with ``abort`` (its tokens so
     far) and the update does not wait for it."""
@@ -440,6 +501,58 @@ async def test_weight_update_abort_all_requests_ends_running_ones_first(served: 
             assert (await served.post("/update_weights_from_disk", body))["success"] is True
     meta = result["long"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
+
+
+async def test_pause_generation_holds_every_step_until_continue(served: Served) -> None:
+    """SGLang's ``/pause_generation`` and ``/continue_generation``, the way RL trainers update
+    weights mid-rollout: while paused no token is sampled and new requests queue; an update
+    sent meanwhile applies at once (it does not wait for the paused requests, which would
+    never finish), and after ``continue`` the paused requests run to their end. ``abort``
+    first ends the running requests; an unknown mode is refused naming ``mode``."""
+    info = (await served.client.get("/get_model_info")).json()
+    update = {"model_path": info["model_path"], "weight_version": info["weight_version"]}
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def tokens_generated() -> float:
+        metrics = (await served.client.get("/metrics")).text
+        return _metric(metrics, "agentrl:engine_tokens_generated")
+
+    async def send(answers: dict[str, Any], name: str, sp: dict[str, Any]) -> None:
+        answers[name] = await served.generate(input_ids=PROMPT, sampling_params=sp)
+
+    for mode in ("in_place", "retract"):
+        answers: dict[str, Any] = {}
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, answers, "running", long)
+                await _wait_running(served)
+                paused = await served.post("/pause_generation", {"mode": mode})
+                assert paused == {"message": "Generation paused successfully.", "status": "ok"}
+                tg.start_soon(send, answers, "queued", {"max_new_tokens": 2})
+                before = await tokens_generated()
+                await anyio.sleep(0.3)
+                assert await tokens_generated() == before and not answers
+                assert (await served.post("/update_weights_from_disk", update))["success"]
+                assert await tokens_generated() == before and not answers
+                await served.post("/continue_generation", {})
+        assert answers["running"]["meta_info"]["finish_reason"]["type"] == "length", mode
+        assert answers["running"]["meta_info"]["completion_tokens"] == 400
+        assert answers["queued"]["meta_info"]["completion_tokens"] == 2
+
+    answers = {}
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, answers, "running", long)
+            await _wait_running(served)
+            await served.post("/pause_generation", {"mode": "abort"})
+            tg.start_soon(send, answers, "queued", {"max_new_tokens": 2})
+            await anyio.sleep(0.3)
+            assert list(answers) == ["running"]
+            await served.post("/continue_generation")
+    assert answers["running"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert answers["queued"]["meta_info"]["completion_tokens"] == 2
+    refused = await served.post("/pause_generation", {"mode": "later"}, 400)
+    assert refused["error"]["field"] == "mode"
 
 
 async def test_weight_updates_run_one_at_a_time_and_finish_when_the_client_leaves(
