@@ -137,6 +137,17 @@ def test_pull_in_isolated_root_is_idempotent_and_repairs(
     pull_model("tiny-random", progress=lines.append)
     assert any("building tiny-random" in line for line in lines)
     assert json.loads((path / MANIFEST_NAME).read_text())["layout"] == repaired["layout"]
+
+    # so is one whose tokenizer is not SmolLM2's as its GGUF states it (transformers 4.56 and
+    # 5.17 converted that file with <|im_start|> as the end-of-sequence token and no pad token)
+    misread = {**repaired, "tokenizer_fingerprint": "0c7d1df941cfc720"}
+    (path / MANIFEST_NAME).write_text(json.dumps(misread))
+    assert {i.name: i.cached for i in list_models()}["tiny-random"] is False
+    lines.clear()
+    pull_model("tiny-random", progress=lines.append)
+    assert any("building tiny-random" in line for line in lines)
+    rebuilt = json.loads((path / MANIFEST_NAME).read_text())
+    assert rebuilt["tokenizer_fingerprint"] == repaired["tokenizer_fingerprint"]
     assert not [
         p for p in (tmp_path / "models").iterdir() if p.name.startswith((".build", ".trash"))
     ]
@@ -279,9 +290,14 @@ def test_smollm2_pull(smollm2_dir: Path) -> None:
     assert model.dtype == torch.float32
     assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True
-    )["input_ids"]
+    # what the GGUF states, whichever transformers built the folder
+    assert manifest["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
+    assert tokenizer("What")["input_ids"] == tokenizer.encode("What", add_special_tokens=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
     context = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(12):
