@@ -139,7 +139,31 @@ def _is_complete(folder: Path, spec: _Spec, *, verify_checksum: bool) -> bool:
         return False
     if manifest.get("tokenizer_fingerprint") != spec.tokenizer_fingerprint:
         return False
+    if _written_by_newer_transformers(folder):
+        return False
     return not verify_checksum or _weights_sha256(weights) == manifest.get("safetensors_sha256")
+
+
+def _major(version: object) -> int:
+    head = str(version).split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _written_by_newer_transformers(folder: Path) -> bool:
+    """``folder/config.json`` was saved by a newer major release of transformers than the one
+    installed, which misreads it: transformers 4 cannot load the ``TokenizersBackend`` tokenizer
+    transformers 5 saves, and ignores its ``rope_parameters`` (taking the default RoPE base).
+    Older folders are fine: transformers 5 reads 4's files. Checked without importing
+    transformers (``list_models`` is cheap)."""
+    from importlib import metadata
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        installed = metadata.version("transformers")
+    except (OSError, ValueError, metadata.PackageNotFoundError):
+        return False
+    written = config.get("transformers_version") if isinstance(config, dict) else None
+    return _major(written) > _major(installed)
 
 
 def _write_manifest(folder: Path, name: str, source: str, **extra: object) -> None:

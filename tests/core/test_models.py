@@ -148,6 +148,17 @@ def test_pull_in_isolated_root_is_idempotent_and_repairs(
     assert any("building tiny-random" in line for line in lines)
     rebuilt = json.loads((path / MANIFEST_NAME).read_text())
     assert rebuilt["tokenizer_fingerprint"] == repaired["tokenizer_fingerprint"]
+
+    # and one a newer major transformers saved (transformers 4 cannot read 5's tokenizer and
+    # ignores its rope_parameters), as a cache shared by two environments may hold
+    config = json.loads((path / "config.json").read_text())
+    installed = config["transformers_version"]
+    (path / "config.json").write_text(json.dumps({**config, "transformers_version": "99.0.0"}))
+    assert {i.name: i.cached for i in list_models()}["tiny-random"] is False
+    lines.clear()
+    pull_model("tiny-random", progress=lines.append)
+    assert any("building tiny-random" in line for line in lines)
+    assert json.loads((path / "config.json").read_text())["transformers_version"] == installed
     assert not [
         p for p in (tmp_path / "models").iterdir() if p.name.startswith((".build", ".trash"))
     ]
