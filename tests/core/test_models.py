@@ -137,6 +137,28 @@ def test_pull_in_isolated_root_is_idempotent_and_repairs(
     pull_model("tiny-random", progress=lines.append)
     assert any("building tiny-random" in line for line in lines)
     assert json.loads((path / MANIFEST_NAME).read_text())["layout"] == repaired["layout"]
+
+    # so is one whose tokenizer is not SmolLM2's as its GGUF states it (transformers 4.56 and
+    # 5.17 converted that file with <|im_start|> as the end-of-sequence token and no pad token)
+    misread = {**repaired, "tokenizer_fingerprint": "0c7d1df941cfc720"}
+    (path / MANIFEST_NAME).write_text(json.dumps(misread))
+    assert {i.name: i.cached for i in list_models()}["tiny-random"] is False
+    lines.clear()
+    pull_model("tiny-random", progress=lines.append)
+    assert any("building tiny-random" in line for line in lines)
+    rebuilt = json.loads((path / MANIFEST_NAME).read_text())
+    assert rebuilt["tokenizer_fingerprint"] == repaired["tokenizer_fingerprint"]
+
+    # and one a newer major transformers saved (transformers 4 cannot read 5's tokenizer and
+    # ignores its rope_parameters), as a cache shared by two environments may hold
+    config = json.loads((path / "config.json").read_text())
+    installed = config["transformers_version"]
+    (path / "config.json").write_text(json.dumps({**config, "transformers_version": "99.0.0"}))
+    assert {i.name: i.cached for i in list_models()}["tiny-random"] is False
+    lines.clear()
+    pull_model("tiny-random", progress=lines.append)
+    assert any("building tiny-random" in line for line in lines)
+    assert json.loads((path / "config.json").read_text())["transformers_version"] == installed
     assert not [
         p for p in (tmp_path / "models").iterdir() if p.name.startswith((".build", ".trash"))
     ]
@@ -189,16 +211,19 @@ def test_load_tokenizer_loads_what_auto_tokenizer_loads(
 ) -> None:
     """Direct where AutoTokenizer would pick the generic class anyway, AutoTokenizer elsewhere;
     either way the same class, vocabulary, special tokens, chat rendering and ids."""
+    import transformers
     from transformers.models.auto import tokenization_auto
 
     import agentrl._models as models
 
     # the model types taken directly are ones AutoTokenizer gives the folder's own class
+    # (transformers 4 has no such list, nor TokenizersBackend: its folders are never direct)
     for model_type in models._GENERIC_TOKENIZER_MODEL_TYPES:
-        assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        incorrect = getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", ())
+        assert model_type not in incorrect
         registered = tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) or ""
         assert "Mistral" not in registered, (model_type, registered)
-    direct = [smollm2_dir, tiny_dir]
+    direct = [smollm2_dir, tiny_dir] if hasattr(transformers, "TokenizersBackend") else []
     through_auto = [
         _copy_folder(tiny_dir, tmp_path / "qwen", config={"model_type": "qwen2"}),
         _copy_folder(tiny_dir, tmp_path / "mistral", config={"model_type": "mistral"}),
@@ -279,9 +304,14 @@ def test_smollm2_pull(smollm2_dir: Path) -> None:
     assert model.dtype == torch.float32
     assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True
-    )["input_ids"]
+    # what the GGUF states, whichever transformers built the folder
+    assert manifest["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
+    assert tokenizer("What")["input_ids"] == tokenizer.encode("What", add_special_tokens=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
     context = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(12):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from numerics import (
     EMULATION_SAFETY,
     assert_within,
@@ -197,6 +198,16 @@ SMALL = dict(
 )
 
 
+def _rope_kwargs(rope: dict[str, float | str]) -> dict[str, object]:
+    """``rope`` as this transformers' config takes it: ``rope_parameters`` (transformers 5), or
+    ``rope_theta`` beside ``rope_scaling`` (transformers 4, which ignores ``rope_parameters``);
+    the engine reads both spellings from ``config.json``."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": rope}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+
+
 @pytest.mark.parametrize(
     "rope",
     [
@@ -214,7 +225,7 @@ SMALL = dict(
     ids=lambda r: r["rope_type"],
 )
 def test_rope_scaling_matches_transformers(rope: dict[str, float | str]) -> None:
-    hf = small_hf(LlamaConfig(**SMALL, rope_parameters=rope), seed=3)
+    hf = small_hf(LlamaConfig(**SMALL, **_rope_kwargs(rope)), seed=3)
     ids = random_ids(400, 512, seed=4)  # past original_max_position_embeddings
     assert_matches_transformers(ours_of(hf), hf, ids, [300, 100], str(rope["rope_type"]))
 
