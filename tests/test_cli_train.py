@@ -349,6 +349,26 @@ def test_training_stops_when_every_trajectory_fails(tmp_path):
     assert "stop_reason" not in ledger[1] and "8 of 8" in ledger[2]["stop_reason"]
 
 
+def _start_and_signal(config: Path, run: Path, marker, sig: int = signal.SIGTERM):
+    """Start ``agentrl train``, send ``sig`` once ``marker()`` holds, return its outcome."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not marker():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stdout, stderr
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """A run sent SIGINT (Ctrl-C) once its checkpoint of step 2 exists."""
@@ -356,19 +376,8 @@ def interrupted(tmp_path_factory):
     config = tmp / "config.yaml"
     config.write_text(json.dumps({**CONFIG, "train": {**CONFIG["train"], "max_steps": 60}}))
     run = tmp / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
     marker = run / "checkpoints" / "step-00000002" / "state.json"
-    deadline = time.monotonic() + 600
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=300)
-    return run, proc.returncode, stdout, stderr
+    return run, *_start_and_signal(config, run, marker.exists, signal.SIGINT)
 
 
 def test_ctrl_c_stops_training_at_a_safe_point(interrupted):
@@ -393,19 +402,9 @@ def test_sigterm_stops_training_like_ctrl_c(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps({**CONFIG, "train": {**CONFIG["train"], "max_steps": 60}}))
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
     marker = run / "checkpoints" / "step-00000001" / "state.json"
-    deadline = time.monotonic() + 600
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
+    code, stdout, stderr = _start_and_signal(config, run, marker.exists)
+    assert code == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     text = " ".join(stdout.split())
     assert "stopping (SIGTERM): the step in progress is dropped" in text, stdout[-2000:]
@@ -414,26 +413,6 @@ def test_sigterm_stops_training_like_ctrl_c(tmp_path):
     assert f"interrupted: {len(steps)} complete steps in {run / 'ledger.jsonl'}" in text
     assert f"agentrl train --resume {run} continues from it" in text
     assert not list((run / "checkpoints").glob(".tmp-*")), "a checkpoint was left half-written"
-
-
-def _start_and_signal(config: Path, run: Path, marker, sig: int = signal.SIGTERM):
-    """Start ``agentrl train``, send ``sig`` once ``marker()`` holds, return its outcome."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not marker():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=300)
-    return proc.returncode, stdout, stderr
-
-
-def _lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def test_a_stopped_run_saves_its_last_step_and_resumes_as_the_straight_run(runs, tmp_path):
