@@ -34,6 +34,10 @@ from ._types import RunRequest, RunResult, SupervisorResult, from_supervisor
 
 _LOST_POLL_S = 1.0
 _STDERR_TAIL = 4000
+_OOM_KILLED = (
+    "the container went over its memory cap and the kernel's OOM killer stopped it "
+    "(the program allocated faster than the supervisor samples); the pool replaces the container"
+)
 _encoder = msgspec.json.Encoder()
 
 
@@ -83,6 +87,8 @@ class Exchange:
     error: str | None = None
     stray: bool = False
     """Bytes on the stream that answer nothing (before the request, or after the answer)."""
+    oom_killed: bool = False
+    """The container went over its memory cap and the kernel's OOM killer ended it."""
 
 
 class ServeStream:
@@ -151,24 +157,29 @@ class ServeStream:
         except Exception:
             return None
 
-    def container_lost(self) -> bool:
+    def container_state(self) -> str:
+        """``running``; ``oom`` (stopped by the kernel's OOM killer at the container's memory
+        cap: under gVisor the host sees one sandbox, so a program that outruns the supervisor's
+        sampling takes the whole container); or ``lost`` (stopped, paused, or gone)."""
         try:
             state = self.spec.api.inspect_container(self.container_id)["State"]
         except Exception:
-            return True
-        return not state.get("Running") or bool(state.get("Paused"))
+            return "lost"
+        if state.get("OOMKilled"):
+            return "oom"
+        return "lost" if not state.get("Running") or state.get("Paused") else "running"
 
-    def exchange(self, line: bytes, timeout_s: float, overdue_s: float, limit: int) -> Exchange:
-        """Send one request line, read one answer line. ``timeout_s``: the host deadline;
-        ``overdue_s``: when to start checking that the container still runs (an exec into a
-        container that died, e.g. gVisor killed by its pids limit, may never see EOF)."""
+    def exchange(self, line: bytes, timeout_s: float, limit: int) -> Exchange:
+        """Send one request line, read one answer line by the host deadline ``timeout_s``,
+        checking every ``_LOST_POLL_S`` that the container still runs (an exec into a container
+        that died, e.g. gVisor killed at its memory cap, may never see EOF)."""
         with self._lock:
             if self._closed or self._raw is None:
                 return Exchange(error="the serve stream is closed")
             self._active = True
             raw = self._raw
         try:
-            return self._exchange(raw, line, timeout_s, overdue_s, limit)
+            return self._exchange(raw, line, timeout_s, limit)
         except OSError as exc:
             return Exchange(error=f"the serve stream failed: {type(exc).__name__}: {exc}")
         finally:
@@ -177,11 +188,9 @@ class ServeStream:
                 if self._closed:
                     self._release()
 
-    def _exchange(
-        self, raw: socket.socket, line: bytes, timeout_s: float, overdue_s: float, limit: int
-    ) -> Exchange:
+    def _exchange(self, raw: socket.socket, line: bytes, timeout_s: float, limit: int) -> Exchange:
         start = time.monotonic()
-        deadline, overdue = start + timeout_s, start + overdue_s
+        deadline, check = start + timeout_s, start + _LOST_POLL_S
         # Idle since the last answer: anything readable now (bytes or EOF) is an anomaly.
         idle = select.poll()  # (not select.select: a busy service may hold fds past 1024)
         idle.register(raw, select.POLLIN)
@@ -189,7 +198,7 @@ class ServeStream:
             raw.settimeout(0.05)
             try:
                 if not self._receive(raw):
-                    return Exchange(error=self._ended("while idle"))
+                    return self._ended("while idle")
             except TimeoutError:
                 pass
         if self._stdout or self._frames or self.stderr_seen:
@@ -201,7 +210,7 @@ class ServeStream:
         except TimeoutError:
             return Exchange(timed_out=True)
         except OSError as exc:
-            return Exchange(error=self._ended(f"before reading the request ({exc})"))
+            return self._ended(f"before reading the request ({exc})")
         scanned = 0  # the answer may be megabytes: look for its end in new bytes only
         while True:
             end = self._stdout.find(b"\n", scanned)
@@ -215,14 +224,18 @@ class ServeStream:
             now = time.monotonic()
             if now >= deadline:
                 return Exchange(timed_out=True)
-            wait = deadline - now
-            raw.settimeout(min(wait, _LOST_POLL_S) if now >= overdue else min(wait, overdue - now))
+            raw.settimeout(max(min(deadline, check) - now, 0.001))
             try:
                 if not self._receive(raw):
-                    return Exchange(error=self._ended("during the run"))
+                    return self._ended("during the run")
             except TimeoutError:
-                if time.monotonic() >= overdue and self.container_lost():
-                    return Exchange(error="the container stopped during the run (lost)")
+                if time.monotonic() >= check:
+                    check = time.monotonic() + _LOST_POLL_S
+                    state = self.container_state()
+                    if state == "oom":
+                        return Exchange(error=_OOM_KILLED, oom_killed=True)
+                    if state == "lost":
+                        return Exchange(error="the container stopped during the run (lost)")
 
     def _receive(self, raw: socket.socket) -> bool:
         """One recv, split into frames (8-byte headers: stream, size); False at EOF."""
@@ -244,13 +257,15 @@ class ServeStream:
             del buf[: 8 + size]
         return True
 
-    def _ended(self, when: str) -> str:
+    def _ended(self, when: str) -> Exchange:
+        if self.container_state() == "oom":
+            return Exchange(error=_OOM_KILLED, oom_killed=True)
         code = self.exit_code()
         message = "the serve process ended " + when
         if code is not None:
             message += f" (exit code {code})"
         tail = self.stderr.decode("utf-8", "replace").strip()
-        return message + (f"; stderr: {tail[-2000:]}" if tail else "")
+        return Exchange(error=message + (f"; stderr: {tail[-2000:]}" if tail else ""))
 
 
 @dataclass
@@ -330,9 +345,7 @@ class ContainerSandbox:
         limit = 3 * request.output_limit_bytes + (1 << 20)
         timeout = request.timeout_s + self.margin_s
         try:
-            out = await self._blocking(
-                self._stream.exchange, line, timeout, request.timeout_s + 1.0, limit
-            )
+            out = await self._blocking(self._stream.exchange, line, timeout, limit)
         except anyio.get_cancelled_exc_class():
             self.close()  # the thread's recv returns; the pool destroys the container
             raise
@@ -371,6 +384,15 @@ class ContainerSandbox:
             self.clean = False
         if answer is None or problem:
             self.close()
+            if out.oom_killed:
+                return RunResult(
+                    status="oom",
+                    signal=9,  # the kernel's SIGKILL, to the whole container
+                    error=problem,
+                    wall_s=round(time.monotonic() - start, 4),
+                    backend=self.backend,
+                    sandbox_id=self.id,
+                )
             return self._error(problem or "no answer from the sandbox", start)
         probe, result = answer.probe, from_supervisor(answer.result)
         del answer

@@ -363,8 +363,8 @@ class ContainerBackend:
                 "sampled, not enforced by the kernel per request: between two samples a "
                 "program can pass memory_mb, up to the container cap"
                 + (
-                    ", where the host's OOM killer ends the whole runsc sandbox (sandbox_error; "
-                    "the pool replaces the container)"
+                    ", where the host's OOM killer ends the whole runsc sandbox (oom, without "
+                    "peak_memory_mb; the pool replaces the container)"
                     if gvisor
                     else ", where the kernel's OOM killer picks the program (oom_score_adj 1000)"
                 ),
@@ -374,7 +374,7 @@ class ContainerBackend:
                 fits and not gvisor,
                 "runsc ignores the IPC sysctls, so System V shared memory is not capped: memory "
                 "no process holds can reach the container cap, which the host enforces on the "
-                "whole runsc sandbox (sandbox_error; the pool replaces the container)"
+                "whole runsc sandbox (oom; the pool replaces the container)"
                 if gvisor
                 else f"the tmpfs mounts ({tmpfs_mb} MB), System V shared memory (shm_mb) and the "
                 f"supervisor's share ({_SUPERVISOR_MB} MB) fit under the container cap: memory "

@@ -66,7 +66,8 @@ class RunResult(msgspec.Struct, omit_defaults=False):
     signal: int | None = None
     """The signal that ended the program, when one did."""
     error: str | None = None
-    """For sandbox_error / invalid_request: what went wrong (names the field for the latter)."""
+    """For sandbox_error / invalid_request: what went wrong (names the field for the latter);
+    for an oom that stopped the whole container (the kernel's OOM killer at its cap), that."""
     backend: str = ""
     sandbox_id: str = ""
 
