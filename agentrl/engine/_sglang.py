@@ -18,11 +18,13 @@ Weight updates restart every session's chain (streaming KV was computed with the
 
 Routers (``_sglang_router``). A URL that answers ``GET /workers`` is an ``sglang-router``: plain
 requests go through it (its policy balances them), while sessions, weight updates and model
-info go to the healthy workers it lists, so a session's turns always reach the worker holding
-its KV. Each weight update asks the router for its workers again (and once more after loading,
-so a worker registered meanwhile gets the weights too) and reads every worker's
-``weight_version`` back. A session whose worker stops accepting connections, or was left out
-of a weight update, moves to another worker and sends its whole context there.
+info go to the healthy workers it lists that serve the policy's model, so a session's turns
+always reach the worker holding its KV (a router that also lists other models' workers is
+bypassed: plain requests go to the policy's workers directly). Each weight update asks the
+router for its workers again (and once more after loading, so a worker registered meanwhile
+gets the weights too) and reads every worker's ``weight_version`` back. A session whose worker
+stops accepting connections, or was left out of a weight update, moves to another worker and
+sends its whole context there.
 
 Connections (``_sglang_http``): one pooled ``httpx.AsyncClient`` lives while requests are in
 flight; ``async with engine:`` keeps it (and its keep-alive connections) for the whole block.
@@ -54,7 +56,7 @@ from agentrl._types import GenerateResult, SamplingParams
 from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
-from ._sglang_router import router_workers, router_workers_blocking
+from ._sglang_router import Worker, router_workers, router_workers_blocking, the_model
 from ._sglang_servers import answering, placement, refused, server_urls
 
 T = TypeVar("T")
@@ -107,6 +109,8 @@ class SGLangEngine:
     connecting otherwise): SGLang runs ``"finish"``, ``agentrl serve`` reports its own.
     ``GenerateResult.token_versions`` comes from ``agentrl serve``'s ``meta_info`` extension
     when the tokens span versions, else every token gets the reply's ``weight_version``.
+    ``model``: the policy's model id behind routers (the ``model_id`` the router lists for its
+    workers, their ``--served-model-name``); needed only when a router serves several models.
     """
 
     def __init__(
@@ -121,8 +125,11 @@ class SGLangEngine:
         streaming_sessions: bool = True,
         session_timeout_s: float | None = 3600.0,
         in_flight: str = "finish",
+        model: str | None = None,
     ) -> None:
         urls = server_urls(urls)
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise EngineError(f"model: expected a model id, got {short_repr(model)}")
         if in_flight not in IN_FLIGHT_RULES:
             raise EngineError(
                 f"in_flight: expected one of {', '.join(IN_FLIGHT_RULES)}, "
@@ -130,7 +137,14 @@ class SGLangEngine:
             )
         self.in_flight = in_flight
         self._entry = [Upstream(u) for u in urls]
-        """Where plain requests go: the given URLs (servers and routers)."""
+        """The given URLs (servers and routers)."""
+        self._plain_to = list(self._entry)
+        """Where plain requests go: the given URLs, but a router that lists other models'
+        workers too is replaced by the policy's workers."""
+        self._model = model
+        """The model id of the policy's workers behind routers (None: not known yet)."""
+        self._published: set[str] = set()
+        """The paths weights were published from (a worker that loaded one reports it)."""
         self._routers: list[Upstream] = []
         self._servers = list(self._entry)
         """The servers themselves (a router's healthy workers in its place): sessions,
@@ -187,7 +201,7 @@ class SGLangEngine:
     async def _list_workers(self) -> None:
         """Ask each URL whether it is a router (``GET /workers``) and use its healthy workers
         as the servers; workers already known keep their state (sessions, loads)."""
-        found: list[tuple[Upstream, list[str] | None]] = []
+        found: list[tuple[Upstream, list[Worker] | None]] = []
 
         async def ask(entry: Upstream) -> None:
             try:
@@ -205,19 +219,28 @@ class SGLangEngine:
         await _each(self._entry, ask)
         self._expand(sorted(found, key=lambda pair: self._entry.index(pair[0])))
 
-    def _expand(self, found: list[tuple[Upstream, list[str] | None]]) -> None:
+    def _expand(self, found: list[tuple[Upstream, list[Worker] | None]]) -> None:
         known = {s.url: s for s in self._servers}
         servers: list[Upstream] = []
-        self._routers = []
-        for entry, workers in found:
-            if workers is None:
+        plain: list[Upstream] = []
+        routers: list[Upstream] = []
+        model = self._model
+        for entry, listed in found:
+            if listed is None:
                 servers.append(entry)
+                plain.append(entry)
                 continue
-            if not workers:
+            if not listed:
                 raise EngineError(f"the router at {entry.url} lists no healthy worker")
-            self._routers.append(entry)
-            servers.extend(known.get(url) or Upstream(url) for url in workers)
+            urls, model, mixed = the_model(listed, model, self._published, entry.url)
+            workers = [known.get(url) or Upstream(url) for url in urls]
+            routers.append(entry)
+            servers.extend(workers)
+            plain.extend(workers if mixed else [entry])
+        self._model = model
+        self._routers = routers
         self._servers = list({s.url: s for s in servers}.values())
+        self._plain_to = list({s.url: s for s in plain}.values())
 
     def _settle(self) -> None:
         self._check_in_flight()
@@ -303,7 +326,7 @@ class SGLangEngine:
             try:
                 return await self._generate(server, ids, ids, sampling)
             except EngineError as exc:
-                if not refused(exc) or len(tried) + 1 >= len(self._entry):
+                if not refused(exc) or len(tried) + 1 >= len(self._plain_to):
                     raise
                 server.refused_at = time.monotonic()
                 tried.append(server)
@@ -425,7 +448,7 @@ class SGLangEngine:
         (fewest requests), among those not in ``avoid`` that have not refused a connection
         lately (all of them when none is left)."""
         self._turn += 1
-        pool = self._servers if sessions else self._entry
+        pool = self._servers if sessions else self._plain_to
         pool = answering([s for s in pool if all(s is not a for a in avoid)]) or pool
         order = pool[self._turn % len(pool) :] + pool
         if sessions:
@@ -534,6 +557,7 @@ class SGLangEngine:
         request = w.WireUpdateWeightsFromDiskReq(
             model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=False
         )
+        self._published.add(request.model_path)
         failures: list[str] = []
         updated: list[Upstream] = []
 

@@ -8,6 +8,14 @@ for those: a session is opened on one worker and every turn goes straight to it 
 holds the session's KV, whatever the router's policy), and weights are loaded on every healthy
 worker, each one's ``weight_version`` read back afterwards. The worker URLs are the ones the
 router was given: the client must reach them too.
+
+Only the policy's workers are used: those whose ``model_id`` is the engine's ``model`` (when not
+given, the one model the router lists at the first listing; a router that lists several is
+refused until one is named) or a path the engine published weights from. A worker listed under
+another id later (another model registered, a policy worker re-registered after loading
+weights another process published) is left out. When a router lists workers the engine leaves
+out, plain requests go straight to the policy's workers instead of through it (the router's
+routing ignores the request's model).
 """
 
 from __future__ import annotations
@@ -26,6 +34,13 @@ class WireWorker(msgspec.Struct):
     url: str
     is_healthy: bool = True
     worker_type: str = "regular"
+    model_id: str | None = None
+    """The model the worker serves, as the router registered it (the worker's
+    ``served_model_name`` then; SGLang's default is its model path)."""
+
+
+Worker = tuple[str, str | None]
+"""A healthy worker a router lists: its URL and model id."""
 
 
 class WireWorkerList(msgspec.Struct):
@@ -35,19 +50,46 @@ class WireWorkerList(msgspec.Struct):
 _workers_decoder = msgspec.json.Decoder(WireWorkerList)
 
 
-def _healthy(body: bytes, url: str) -> list[str]:
+def _healthy(body: bytes, url: str) -> list[Worker]:
     try:
         listing = _workers_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise EngineError(f"{url}/workers: unexpected reply: {exc}") from exc
     return [
-        worker.url.rstrip("/")
+        (worker.url.rstrip("/"), worker.model_id)
         for worker in listing.workers
         if worker.is_healthy and worker.worker_type == "regular"
     ]
 
 
-async def router_workers(http: Transport, server: Upstream) -> list[str] | None:
+def the_model(
+    listed: list[Worker], model: str | None, published: set[str], router: str
+) -> tuple[list[str], str | None, bool]:
+    """The policy's workers among those a router lists, the policy's model id, and whether the
+    router lists other workers too. A policy worker's id is ``model`` or, once it loaded a
+    version the engine published, that version's path (a worker registered after loading one
+    is listed so). With ``model`` None the router must list one model (besides published
+    paths), which becomes ``model``; ``EngineError`` when it lists several, or no worker of
+    ``model``."""
+    models = sorted({m for _, m in listed if m is not None and m not in published})
+    if model is None:
+        if len(models) > 1:
+            raise EngineError(
+                f"the router at {router} serves several models ({', '.join(models)}): set "
+                "server.model (SGLangEngine(model=...)) to the policy's, so neither requests "
+                "nor published weights reach another model's workers"
+            )
+        model = models[0] if models else None
+    ours = [url for url, m in listed if m is None or m == model or m in published]
+    if not ours:
+        raise EngineError(
+            f"no healthy worker of the router at {router} serves model {model!r} (it lists "
+            f"{', '.join(models)})"
+        )
+    return ours, model, len(ours) < len(listed)
+
+
+async def router_workers(http: Transport, server: Upstream) -> list[Worker] | None:
     """The healthy workers behind ``server`` when it is a router; ``None`` when it is not."""
     try:
         body = await http.call(server, "GET", "/workers", timeout=30)
@@ -58,7 +100,7 @@ async def router_workers(http: Transport, server: Upstream) -> list[str] | None:
     return _healthy(body, server.url)
 
 
-def router_workers_blocking(http: Transport, server: Upstream) -> list[str] | None:
+def router_workers_blocking(http: Transport, server: Upstream) -> list[Worker] | None:
     """``router_workers`` without an event loop."""
     with httpx.Client(timeout=30, verify=http._verify, trust_env=False) as client:
         try:

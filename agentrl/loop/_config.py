@@ -232,6 +232,19 @@ class ServerSection(_Section):
             raise ValueError(str(exc)) from None
         return urls
 
+    model: str | None = None
+    """The policy's model id behind an ``sglang-router`` that serves several models (the
+    ``model_id`` its ``GET /workers`` lists: the workers' ``--served-model-name``). Only those
+    workers get the run's requests and weights; a router that lists several models is refused
+    without it."""
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _model(cls, model: str | None) -> str | None:
+        if model is not None and not model.strip():
+            raise ValueError("expected a model id (the router's model_id), got an empty string")
+        return model
+
     snapshot_dir: str | None = None
     """Where snapshots are written; every server must read this path (default: OUT/weights)."""
     keep_snapshots: int = pydantic.Field(2, ge=1)

@@ -351,6 +351,7 @@ async def _open_engine(stack: AsyncExitStack, setup: _Setup) -> tuple[Any, Engin
                 max_context=cfg.rollout.max_context_tokens,
                 request_timeout_s=cfg.server.request_timeout_s,
                 in_flight=cfg.engine.in_flight,
+                model=cfg.server.model,
             )
         )
         # several ranks share the servers: rank 0 publishes, every rank waits for it

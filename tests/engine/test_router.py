@@ -410,6 +410,76 @@ async def test_a_worker_whose_flush_fails_is_named_and_the_others_finish(
     assert info["weight_version"] == "50"  # the other worker's update ran to the end
 
 
+def _policy_model(router: str) -> str:
+    ids = {w["model_id"] for w in httpx.get(router + "/workers", timeout=10).json()["workers"]}
+    assert len(ids) == 1, ids
+    return ids.pop()
+
+
+async def test_a_router_serving_another_model_too_gets_only_the_policys_traffic(
+    fleet: Fleet, update_path: Path, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A router in front of the policy's workers and a worker serving another model (the
+    router's own routing ignores a request's model: round-robin sends plain requests to both).
+    Without ``model`` the engine refuses the router, naming both models; with it, neither plain
+    requests, sessions nor published weights reach the other model's worker."""
+    policy = _policy_model(fleet.router)
+    proc, other = start_serve(tiny_dir, tmp_path / "o.log", "--served-model-name", "other-model")
+    router = None
+    try:
+        router, url = start_router([*fleet.workers, other], tmp_path / "router.log")
+        with pytest.raises(EngineError, match=r"serves several models \(.*other-model"):
+            async with SGLangEngine(url, max_context=2048):
+                pass
+        with pytest.raises(EngineError, match="serves model 'no-such-model'"):
+            async with SGLangEngine(url, max_context=2048, model="no-such-model"):
+                pass
+        requests0 = _metric(other, "sglang:num_requests_total")
+        version0 = httpx.get(other + "/get_model_info", timeout=10).json()["weight_version"]
+        async with SGLangEngine(url, max_context=2048, model=policy) as engine:
+            for _ in range(2 * len(fleet.workers) + 2):
+                result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
+                assert len(result.token_ids) == 2
+            sessions = [await engine.open_session() for _ in range(len(fleet.workers) + 1)]
+            for session in sessions:
+                await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), session)
+            assert _metric(other, "agentrl:open_sessions") == 0.0
+            for session in sessions:
+                await engine.close_session(session)
+            await engine.update_weights(40, str(update_path))
+            assert engine.weight_version == 40 and engine.statistics().workers_skipped == 0
+        for worker in fleet.workers:
+            assert httpx.get(worker + "/get_model_info").json()["weight_version"] == "40"
+        assert _metric(other, "sglang:num_requests_total") == requests0
+        info = httpx.get(other + "/get_model_info", timeout=10).json()
+        assert info["weight_version"] == version0 and info["model_path"] == str(tiny_dir)
+    finally:
+        if router is not None:
+            stop_serve(router)
+        stop_serve(proc)
+
+
+def test_the_policys_workers_are_told_by_model_id() -> None:
+    """Which of a router's workers are the policy's (``the_model``): the one model listed, or
+    the one named; a policy worker re-registered after loading a published version is listed
+    under that version's path and stays the policy's; several models need a name."""
+    from agentrl.engine._sglang_router import the_model
+
+    one = [("http://a", "m"), ("http://b", "m")]
+    assert the_model(one, None, set(), "R") == (["http://a", "http://b"], "m", False)
+    mixed = [("http://a", "m"), ("http://b", "other"), ("http://c", "/runs/w/v-3")]
+    with pytest.raises(EngineError, match=r"several models \(/runs/w/v-3, m, other\)"):
+        the_model(mixed, None, set(), "R")
+    assert the_model(mixed, "m", set(), "R") == (["http://a"], "m", True)
+    assert the_model(mixed, "m", {"/runs/w/v-3"}, "R") == (["http://a", "http://c"], "m", True)
+    with pytest.raises(EngineError, match=r"several models \(m, other\)"):
+        the_model(mixed, None, {"/runs/w/v-3"}, "R")
+    with pytest.raises(EngineError, match="no healthy worker of the router at R serves model 'x'"):
+        the_model(mixed, "x", set(), "R")
+    # an older router that lists no model ids: every worker, as before
+    assert the_model([("http://a", None)], None, set(), "R") == (["http://a"], None, False)
+
+
 def _kill_last_worker(fleet: Fleet) -> None:
     """SIGKILL the last worker: the process started here, or the external worker's whole
     process group (SGLang's scheduler and detokenizer are processes of their own)."""
