@@ -26,6 +26,11 @@ gets the weights too) and reads every worker's ``weight_version`` back. A sessio
 stops accepting connections, or was left out of a weight update, moves to another worker and
 sends its whole context there.
 
+Failures. A server that refuses the connection (nothing was sent) hands the request to another
+server; so does one that dies while it runs the request (the connection breaks and the server
+refuses connections afterwards: the request runs nowhere), once per request. A session moves
+with the request, its whole context sent to the new server.
+
 Connections (``_sglang_http``): one pooled ``httpx.AsyncClient`` lives while requests are in
 flight; ``async with engine:`` keeps it (and its keep-alive connections) for the whole block.
 Used without ``async with`` (e.g. handed to ``agentrl.rollout``), the pool closes whenever the
@@ -57,7 +62,7 @@ from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
 from ._sglang_router import Worker, router_workers, router_workers_blocking, the_model
-from ._sglang_servers import answering, placement, refused, server_urls
+from ._sglang_servers import answering, broken, placement, refused, server_urls
 
 T = TypeVar("T")
 
@@ -79,6 +84,9 @@ class SGLangStatistics(msgspec.Struct, frozen=True):
     connections or was left out of a weight update (the whole context is sent again there)."""
     workers_skipped: int
     """Workers a router no longer listed as healthy when weights were published (left out)."""
+    regenerated: int
+    """Requests sampled again on another server because theirs died while running them (the
+    connection broke, and the server refused connections since)."""
     connect_retries: int
 
 
@@ -319,40 +327,67 @@ class SGLangEngine:
 
     async def _plain(self, ids: list[int], sampling: SamplingParams) -> GenerateResult:
         """A request outside sessions on the least-loaded URL given; one that refuses the
-        connection (nothing was sent) hands it to another, when there is another."""
+        connection (nothing was sent), or dies while it runs the request (``_died``), hands it
+        to another, when there is another (a request is sent again after a death once)."""
         tried: list[Upstream] = []
+        again = False
         while True:
             server = self._least_loaded(sessions=False, avoid=tried)
             try:
                 return await self._generate(server, ids, ids, sampling)
             except EngineError as exc:
-                if not refused(exc) or len(tried) + 1 >= len(self._plain_to):
+                if len(tried) + 1 >= len(self._plain_to):
                     raise
+                if not refused(exc):
+                    if again or not await self._died(server, exc):
+                        raise
+                    again = True
+                    self._counts["regenerated"] += 1
                 server.refused_at = time.monotonic()
                 tried.append(server)
 
     async def _session_turn(
         self, state: _Session, ids: list[int], sampling: SamplingParams
     ) -> GenerateResult:
-        """One turn; behind a router, a worker that refuses connections (so nothing was sent)
-        loses the session to another worker, where the turn starts over with the whole context."""
+        """One turn; a server that refuses connections (so nothing was sent), or dies while it
+        runs the turn (``_died``), loses the session to another server, where the turn starts
+        over with the whole context (once)."""
         if state.behind:
             state.behind = False
             await self._move(state, relist=False)
         try:
             return await self._in_session(state, ids, sampling)
         except EngineError as exc:
-            if not (self._routers and refused(exc)):
+            if len(self._servers) < 2 and not self._routers:
+                raise
+            died = not refused(exc)
+            if died and not await self._died(state.server, exc):
                 raise
             state.server.refused_at = time.monotonic()
-            if not await self._move(state):
+            if not await self._move(state, relist=bool(self._routers), alive=False):
                 raise
+            if died:
+                self._counts["regenerated"] += 1
         return await self._in_session(state, ids, sampling)
 
-    async def _move(self, state: _Session, *, relist: bool = True) -> bool:
-        """Put the session on another of the router's workers (asked again when ``relist``),
+    async def _died(self, server: Upstream, exc: EngineError) -> bool:
+        """Whether ``exc`` is the connection breaking mid-request (the request was sent) and
+        ``server`` has stopped accepting connections since: its process ended, so the request
+        runs nowhere and sampling it again elsewhere cannot run it twice. A server that still
+        answers keeps the failure (a request that brought it down is sent again only once)."""
+        if not broken(exc):
+            return False
+        try:
+            await self._http.call(server, "GET", "/health", timeout=10)
+        except EngineError as probe:
+            return refused(probe)
+        return False
+
+    async def _move(self, state: _Session, *, relist: bool = True, alive: bool = True) -> bool:
+        """Put the session on another server (a router's workers asked again when ``relist``),
         preferring those at the engine's weight version; its next turn sends the whole
-        context there. False when there is no other worker."""
+        context there. The old server's session is closed when it is ``alive``. False when
+        there is no other server."""
         if relist:
             await self._list_workers()
         others = [s for s in self._servers if s.url != state.server.url]
@@ -363,7 +398,7 @@ class SGLangEngine:
         old, state.server = state.server, min(current or others, key=placement)
         old.sessions -= 1
         state.server.sessions += 1
-        if state.remote_id is not None and not relist:  # the old worker is alive: free its KV
+        if state.remote_id is not None and alive:  # free its KV there
             try:
                 await self._close_remote(old, state.remote_id)
             except EngineError:

@@ -56,6 +56,14 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout)
 
 
+def broken(exc: BaseException) -> bool:
+    """The connection broke after the request was sent (reset, closed without a reply)."""
+    cause = exc.__cause__
+    return isinstance(
+        cause, httpx.ReadError | httpx.WriteError | httpx.CloseError | httpx.RemoteProtocolError
+    )
+
+
 def answering(pool: list[Upstream]) -> list[Upstream]:
     """The servers in ``pool`` that have not refused a connection in the last ``REFUSED_S``."""
     now = time.monotonic()
