@@ -76,6 +76,10 @@ class ExecSpec:
     scratch_root: str
     deny_syscalls: list[str] = field(default_factory=list)
     """What the program's seccomp filter refuses (the supervisor's default when empty)."""
+    watch_s: float | None = None
+    """How often a run checks that its container still runs (gVisor: an exec into a container
+    the host killed may never see EOF); None: only once the request is overdue (runc ends the
+    exec's stream when the container dies)."""
 
 
 @dataclass
@@ -160,26 +164,39 @@ class ServeStream:
     def container_state(self) -> str:
         """``running``; ``oom`` (stopped by the kernel's OOM killer at the container's memory
         cap: under gVisor the host sees one sandbox, so a program that outruns the supervisor's
-        sampling takes the whole container); or ``lost`` (stopped, paused, or gone)."""
-        try:
-            state = self.spec.api.inspect_container(self.container_id)["State"]
-        except Exception:
-            return "lost"
-        if state.get("OOMKilled"):
-            return "oom"
-        return "lost" if not state.get("Running") or state.get("Paused") else "running"
+        sampling takes the whole container); ``lost`` (stopped otherwise, paused, or gone); or
+        ``unknown`` (Docker did not answer). Docker's ``OOMKilled`` also turns true when the
+        kernel kills one process of a container that runs on (runc's path for a program past
+        the cap), and stays so: only a stopped container is ``oom``."""
+        import docker  # a container exists, so the SDK is there
 
-    def exchange(self, line: bytes, timeout_s: float, limit: int) -> Exchange:
+        for attempt in range(2):
+            try:
+                state = self.spec.api.inspect_container(self.container_id)["State"]
+            except docker.errors.NotFound:
+                return "lost"
+            except Exception:
+                return "unknown"
+            if state.get("Running") and not state.get("Paused"):
+                return "running"
+            if state.get("OOMKilled") or state.get("Paused"):
+                break
+            if attempt == 0:  # Docker may record the exit before the OOM event: ask again
+                time.sleep(0.2)
+        return "oom" if state.get("OOMKilled") and not state.get("Running") else "lost"
+
+    def exchange(self, line: bytes, timeout_s: float, overdue_s: float, limit: int) -> Exchange:
         """Send one request line, read one answer line by the host deadline ``timeout_s``,
-        checking every ``_LOST_POLL_S`` that the container still runs (an exec into a container
-        that died, e.g. gVisor killed at its memory cap, may never see EOF)."""
+        checking that the container still runs every ``spec.watch_s`` and, from ``overdue_s``
+        on, every ``_LOST_POLL_S`` (an exec into a container that died, e.g. gVisor killed at
+        its memory cap or its pids limit, may never see EOF)."""
         with self._lock:
             if self._closed or self._raw is None:
                 return Exchange(error="the serve stream is closed")
             self._active = True
             raw = self._raw
         try:
-            return self._exchange(raw, line, timeout_s, limit)
+            return self._exchange(raw, line, timeout_s, overdue_s, limit)
         except OSError as exc:
             return Exchange(error=f"the serve stream failed: {type(exc).__name__}: {exc}")
         finally:
@@ -188,9 +205,12 @@ class ServeStream:
                 if self._closed:
                     self._release()
 
-    def _exchange(self, raw: socket.socket, line: bytes, timeout_s: float, limit: int) -> Exchange:
+    def _exchange(
+        self, raw: socket.socket, line: bytes, timeout_s: float, overdue_s: float, limit: int
+    ) -> Exchange:
         start = time.monotonic()
-        deadline, check = start + timeout_s, start + _LOST_POLL_S
+        deadline = start + timeout_s
+        check = start + min(self.spec.watch_s or overdue_s, overdue_s)
         # Idle since the last answer: anything readable now (bytes or EOF) is an anomaly.
         idle = select.poll()  # (not select.select: a busy service may hold fds past 1024)
         idle.register(raw, select.POLLIN)
@@ -230,7 +250,7 @@ class ServeStream:
                     return self._ended("during the run")
             except TimeoutError:
                 if time.monotonic() >= check:
-                    check = time.monotonic() + _LOST_POLL_S
+                    check = time.monotonic() + min(self.spec.watch_s or _LOST_POLL_S, _LOST_POLL_S)
                     state = self.container_state()
                     if state == "oom":
                         return Exchange(error=_OOM_KILLED, oom_killed=True)
@@ -345,7 +365,9 @@ class ContainerSandbox:
         limit = 3 * request.output_limit_bytes + (1 << 20)
         timeout = request.timeout_s + self.margin_s
         try:
-            out = await self._blocking(self._stream.exchange, line, timeout, limit)
+            out = await self._blocking(
+                self._stream.exchange, line, timeout, request.timeout_s + 1.0, limit
+            )
         except anyio.get_cancelled_exc_class():
             self.close()  # the thread's recv returns; the pool destroys the container
             raise

@@ -204,6 +204,7 @@ class ContainerBackend:
             environment=EXEC_ENV,
             scratch_root=SCRATCH_ROOT,
             deny_syscalls=[*_supervisor.DEFAULT_DENY, *(MQUEUE_SYSCALLS if gvisor else [])],
+            watch_s=1.0 if gvisor else None,
         )
         await self.reap_orphans()
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import httpx
 import msgspec
 
 from agentrl._config import short_repr
@@ -119,6 +120,8 @@ class SGLangEngine:
     when the tokens span versions, else every token gets the reply's ``weight_version``.
     ``model``: the policy's model id behind routers (the ``model_id`` the router lists for its
     workers, their ``--served-model-name``); needed only when a router serves several models.
+    ``snapshot_dir``: where the run publishes weights from; a worker a router lists under a path
+    inside it (one registered after loading a published version) is the policy's too.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class SGLangEngine:
         session_timeout_s: float | None = 3600.0,
         in_flight: str = "finish",
         model: str | None = None,
+        snapshot_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         urls = server_urls(urls)
         if model is not None and (not isinstance(model, str) or not model.strip()):
@@ -153,6 +157,7 @@ class SGLangEngine:
         """The model id of the policy's workers behind routers (None: not known yet)."""
         self._published: set[str] = set()
         """The paths weights were published from (a worker that loaded one reports it)."""
+        self._snapshots = None if snapshot_dir is None else os.fspath(snapshot_dir).rstrip("/")
         self._routers: list[Upstream] = []
         self._servers = list(self._entry)
         """The servers themselves (a router's healthy workers in its place): sessions,
@@ -238,9 +243,7 @@ class SGLangEngine:
                 servers.append(entry)
                 plain.append(entry)
                 continue
-            if not listed:
-                raise EngineError(f"the router at {entry.url} lists no healthy worker")
-            urls, model, mixed = the_model(listed, model, self._published, entry.url)
+            urls, model, mixed = the_model(listed, model, self._is_published, entry.url)
             workers = [known.get(url) or Upstream(url) for url in urls]
             routers.append(entry)
             servers.extend(workers)
@@ -264,6 +267,12 @@ class SGLangEngine:
             except (OSError, ValueError):
                 bos = None
             self._bos = bos if isinstance(bos, int) else None
+
+    def _is_published(self, model_id: str) -> bool:
+        """Whether a worker listed as ``model_id`` loaded weights this run published."""
+        if model_id in self._published:
+            return True
+        return self._snapshots is not None and model_id.startswith(self._snapshots + "/")
 
     def _check_in_flight(self) -> None:
         """Every server must run the ``in_flight`` rule this engine was opened with: the rule
@@ -326,9 +335,10 @@ class SGLangEngine:
         return GenerateResult([], [], "abort", prompt_tokens=len(ids), weight_version=version)
 
     async def _plain(self, ids: list[int], sampling: SamplingParams) -> GenerateResult:
-        """A request outside sessions on the least-loaded URL given; one that refuses the
-        connection (nothing was sent), or dies while it runs the request (``_died``), hands it
-        to another, when there is another (a request is sent again after a death once)."""
+        """A request outside sessions to the least-loaded of the servers and routers plain
+        requests go to; one that refuses the connection (nothing was sent), or dies while it
+        runs the request (``_died``), hands it to another, when there is another (a request
+        is sent again after a death once)."""
         tried: list[Upstream] = []
         again = False
         while True:
@@ -378,9 +388,9 @@ class SGLangEngine:
         if not broken(exc):
             return False
         try:
-            await self._http.call(server, "GET", "/health", timeout=10)
+            await self._http.call(server, "GET", "/health", timeout=10, retries=0)
         except EngineError as probe:
-            return refused(probe)
+            return isinstance(probe.__cause__, httpx.ConnectError)  # not a connect timeout
         return False
 
     async def _move(self, state: _Session, *, relist: bool = True, alive: bool = True) -> bool:
@@ -484,7 +494,8 @@ class SGLangEngine:
         lately (all of them when none is left)."""
         self._turn += 1
         pool = self._servers if sessions else self._plain_to
-        pool = answering([s for s in pool if all(s is not a for a in avoid)]) or pool
+        left = [s for s in pool if all(s is not a for a in avoid)]
+        pool = answering(left) or left or pool
         order = pool[self._turn % len(pool) :] + pool
         if sessions:
             return min(order, key=placement)

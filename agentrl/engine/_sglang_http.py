@@ -87,13 +87,21 @@ class Transport:
                     await client.aclose()
 
     async def call(
-        self, server: Upstream, method: str, path: str, payload: Any = None, timeout: float = 0
+        self,
+        server: Upstream,
+        method: str,
+        path: str,
+        payload: Any = None,
+        timeout: float = 0,
+        retries: int | None = None,
     ) -> bytes:
-        """One HTTP exchange; retries only failures to connect (nothing was sent)."""
+        """One HTTP exchange; retries only failures to connect (nothing was sent), up to
+        ``retries`` times (default: the transport's)."""
         url = server.url + path
         content = None if payload is None else w.encoder.encode(payload)
         headers = {"content-type": "application/json"}
-        for attempt in range(self._retries + 1):
+        retries = self._retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 async with self.use() as client:
                     response = await client.request(
@@ -105,7 +113,7 @@ class Transport:
                     )
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == self._retries:
+                if attempt == retries:
                     raise EngineError(f"cannot connect to {url}: {exc!r}") from exc
                 self.connect_retries += 1
                 await anyio.sleep(0.2 * 2**attempt)

@@ -11,14 +11,16 @@ router was given: the client must reach them too.
 
 Only the policy's workers are used: those whose ``model_id`` is the engine's ``model`` (when not
 given, the one model the router lists at the first listing; a router that lists several is
-refused until one is named) or a path the engine published weights from. A worker listed under
-another id later (another model registered, a policy worker re-registered after loading
-weights another process published) is left out. When a router lists workers the engine leaves
-out, plain requests go straight to the policy's workers instead of through it (the router's
-routing ignores the request's model).
+refused until one is named) or a path the run published weights from (inside the engine's
+``snapshot_dir``, or given to its ``update_weights``). A worker listed under another id later
+(another model registered) is left out. When a router lists workers the engine leaves out,
+plain requests go straight to the policy's workers instead of through it (the router's routing
+ignores the request's model).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -39,8 +41,8 @@ class WireWorker(msgspec.Struct):
     ``served_model_name`` then; SGLang's default is its model path)."""
 
 
-Worker = tuple[str, str | None]
-"""A healthy worker a router lists: its URL and model id."""
+Worker = tuple[str, str | None, bool]
+"""A worker a router lists: its URL, model id and whether the router finds it healthy."""
 
 
 class WireWorkerList(msgspec.Struct):
@@ -50,54 +52,62 @@ class WireWorkerList(msgspec.Struct):
 _workers_decoder = msgspec.json.Decoder(WireWorkerList)
 
 
-def _healthy(body: bytes, url: str) -> list[Worker]:
+def _regular(body: bytes, url: str) -> list[Worker]:
     try:
         listing = _workers_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise EngineError(f"{url}/workers: unexpected reply: {exc}") from exc
     return [
-        (worker.url.rstrip("/"), worker.model_id)
+        (worker.url.rstrip("/"), worker.model_id, worker.is_healthy)
         for worker in listing.workers
-        if worker.is_healthy and worker.worker_type == "regular"
+        if worker.worker_type == "regular"
     ]
 
 
 def the_model(
-    listed: list[Worker], model: str | None, published: set[str], router: str
+    listed: list[Worker], model: str | None, published: Callable[[str], bool], router: str
 ) -> tuple[list[str], str | None, bool]:
-    """The policy's workers among those a router lists, the policy's model id, and whether the
-    router lists other workers too. A policy worker's id is ``model`` or, once it loaded a
-    version the engine published, that version's path (a worker registered after loading one
-    is listed so). With ``model`` None the router must list one model (besides published
-    paths), which becomes ``model``; ``EngineError`` when it lists several, or no worker of
-    ``model``."""
-    models = sorted({m for _, m in listed if m is not None and m not in published})
+    """The policy's healthy workers among those a router lists, the policy's model id, and
+    whether the router lists any other worker. A policy worker's id is ``model`` or, once it
+    loaded a version the run published, that version's path (``published``; a worker
+    registered after loading one is listed so). With ``model`` None the router's workers,
+    healthy or not, must be of at most one model (a worker listed without an id counts as a
+    model of its own), which becomes ``model``. ``EngineError`` when they are of several, or
+    no healthy worker is the policy's."""
+    ids = {m for _, m, _ in listed if m is None or not published(m)}
+    names = ", ".join(sorted("(no model_id)" if m is None else m for m in ids))
     if model is None:
-        if len(models) > 1:
+        if len(ids) > 1:
             raise EngineError(
-                f"the router at {router} serves several models ({', '.join(models)}): set "
-                "server.model (SGLangEngine(model=...)) to the policy's, so neither requests "
-                "nor published weights reach another model's workers"
+                f"the router at {router} serves several models ({names}): set server.model "
+                "(SGLangEngine(model=...)) to the policy's, so neither requests nor published "
+                "weights reach another model's workers"
             )
-        model = models[0] if models else None
-    ours = [url for url, m in listed if m is None or m == model or m in published]
-    if not ours:
+        model = next(iter(ids), None)
+
+    def ours(m: str | None) -> bool:
+        return m == model or (m is not None and published(m))
+
+    mine = [(url, healthy) for url, m, healthy in listed if ours(m)]
+    healthy = [url for url, ok in mine if ok]
+    if not healthy:
+        if not any(ok for _, _, ok in listed):
+            raise EngineError(f"the router at {router} lists no healthy worker")
         raise EngineError(
-            f"no healthy worker of the router at {router} serves model {model!r} (it lists "
-            f"{', '.join(models)})"
+            f"no healthy worker of the router at {router} serves model {model!r} (it lists {names})"
         )
-    return ours, model, len(ours) < len(listed)
+    return healthy, model, len(mine) < len(listed)
 
 
 async def router_workers(http: Transport, server: Upstream) -> list[Worker] | None:
-    """The healthy workers behind ``server`` when it is a router; ``None`` when it is not."""
+    """The workers behind ``server`` when it is a router; ``None`` when it is not."""
     try:
         body = await http.call(server, "GET", "/workers", timeout=30)
     except SGLangHTTPError as exc:
         if exc.status in (404, 405):
             return None
         raise
-    return _healthy(body, server.url)
+    return _regular(body, server.url)
 
 
 def router_workers_blocking(http: Transport, server: Upstream) -> list[Worker] | None:
@@ -111,4 +121,4 @@ def router_workers_blocking(http: Transport, server: Upstream) -> list[Worker] |
         return None
     if response.status_code != 200:
         raise SGLangHTTPError("GET", server.url + "/workers", response.status_code, response.text)
-    return _healthy(response.content, server.url)
+    return _regular(response.content, server.url)

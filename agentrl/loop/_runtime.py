@@ -345,6 +345,7 @@ async def _open_engine(stack: AsyncExitStack, setup: _Setup) -> tuple[Any, Engin
 
     cfg = setup.cfg
     if cfg.server.urls:  # SGLang / agentrl serve: publish snapshots through the disk
+        snapshots = cfg.server.snapshot_dir or str(setup.out / "weights")
         engine = await stack.enter_async_context(
             SGLangEngine(
                 cfg.server.urls,
@@ -352,13 +353,14 @@ async def _open_engine(stack: AsyncExitStack, setup: _Setup) -> tuple[Any, Engin
                 request_timeout_s=cfg.server.request_timeout_s,
                 in_flight=cfg.engine.in_flight,
                 model=cfg.server.model,
+                snapshot_dir=snapshots,
             )
         )
         # several ranks share the servers: rank 0 publishes, every rank waits for it
         sink = wrap_for_ranks(
             EngineWeightSink(
                 engine,
-                snapshot_dir=cfg.server.snapshot_dir or str(setup.out / "weights"),
+                snapshot_dir=snapshots,
                 model_path=setup.model_path,
                 keep=cfg.server.keep_snapshots,
             )

@@ -461,23 +461,38 @@ async def test_a_router_serving_another_model_too_gets_only_the_policys_traffic(
 
 def test_the_policys_workers_are_told_by_model_id() -> None:
     """Which of a router's workers are the policy's (``the_model``): the one model listed, or
-    the one named; a policy worker re-registered after loading a published version is listed
-    under that version's path and stays the policy's; several models need a name."""
+    the one named; a worker re-registered after loading a published version is listed under
+    that version's path and stays the policy's; several models (a worker without a model id
+    counts as one) need a name; the model is told from every worker, healthy or not."""
     from agentrl.engine._sglang_router import the_model
 
-    one = [("http://a", "m"), ("http://b", "m")]
-    assert the_model(one, None, set(), "R") == (["http://a", "http://b"], "m", False)
-    mixed = [("http://a", "m"), ("http://b", "other"), ("http://c", "/runs/w/v-3")]
-    with pytest.raises(EngineError, match=r"several models \(/runs/w/v-3, m, other\)"):
-        the_model(mixed, None, set(), "R")
-    assert the_model(mixed, "m", set(), "R") == (["http://a"], "m", True)
-    assert the_model(mixed, "m", {"/runs/w/v-3"}, "R") == (["http://a", "http://c"], "m", True)
-    with pytest.raises(EngineError, match=r"several models \(m, other\)"):
-        the_model(mixed, None, {"/runs/w/v-3"}, "R")
-    with pytest.raises(EngineError, match="no healthy worker of the router at R serves model 'x'"):
-        the_model(mixed, "x", set(), "R")
+    def published(model_id: str) -> bool:
+        return model_id.startswith("/runs/w/")
+
+    one = [("http://a", "m", True), ("http://b", "m", True), ("http://z", "m", False)]
+    assert the_model(one, None, published, "R") == (["http://a", "http://b"], "m", False)
+    mixed = [("http://a", "m", True), ("http://b", "other", True), ("http://c", "/old/v3", True)]
+    with pytest.raises(EngineError, match=r"several models \(/old/v3, m, other\)"):
+        the_model(mixed, None, published, "R")
+    assert the_model(mixed, "m", published, "R") == (["http://a"], "m", True)
+    again = [("http://a", "m", True), ("http://c", "/runs/w/v00000003", True)]
+    assert the_model(again, None, published, "R") == (["http://a", "http://c"], "m", False)
+    assert the_model(again[1:], None, published, "R") == (["http://c"], None, False)
+    # the reward model's worker is the only healthy one while the policy's still load
+    loading = [("http://a", "m", False), ("http://r", "reward", True)]
+    with pytest.raises(EngineError, match=r"several models \(m, reward\)"):
+        the_model(loading, None, published, "R")
+    with pytest.raises(EngineError, match="no healthy worker of the router at R serves model 'm'"):
+        the_model(loading, "m", published, "R")
+    with pytest.raises(EngineError, match="the router at R lists no healthy worker"):
+        the_model([("http://a", "m", False)], None, published, "R")
+    unnamed = [("http://a", None, True), ("http://r", "reward", True)]
+    with pytest.raises(EngineError, match=r"several models \(\(no model_id\), reward\)"):
+        the_model(unnamed, None, published, "R")
+    assert the_model(unnamed, "reward", published, "R") == (["http://r"], "reward", True)
     # an older router that lists no model ids: every worker, as before
-    assert the_model([("http://a", None)], None, set(), "R") == (["http://a"], None, False)
+    old = [("http://a", None, True), ("http://b", None, True)]
+    assert the_model(old, None, published, "R") == (["http://a", "http://b"], None, False)
 
 
 def _kill_last_worker(fleet: Fleet) -> None:
