@@ -123,6 +123,19 @@ async def test_a_plain_request_whose_server_dies_is_sampled_on_another(worker: s
             assert len(result.token_ids) == 2 and front.generates == 1
 
 
+async def test_the_request_sent_again_never_goes_back_to_the_dead_server(worker: str) -> None:
+    """The live server refused a connection a moment ago (say, it restarted), so the first
+    send goes to the other one, which dies: the request goes to the live server all the same,
+    not back to the dead one (the servers that refused lately are only a fallback)."""
+    async with BreakingFront(worker, dies=True) as front:
+        async with SGLangEngine([front.url, worker], max_context=2048) as engine:
+            (live,) = [s for s in engine._plain_to if s.url == worker]
+            live.refused_at = time.monotonic()
+            result = await engine.generate(PROMPT, SHORT)
+            assert len(result.token_ids) == 2 and front.generates == 1
+            assert engine.statistics().regenerated == 1
+
+
 async def test_a_server_that_still_answers_keeps_its_failure(worker: str) -> None:
     """The connection broke but the server answers its health check: the request may still
     run there, so it is not sent again; the failure names the server."""
