@@ -67,6 +67,9 @@ from ._sglang_servers import answering, broken, placement, refused, server_urls
 
 T = TypeVar("T")
 
+_DEATH_PROBES = 3
+"""Health probes after a connection broke mid-request, while each is dropped unanswered."""
+
 
 class SGLangStatistics(msgspec.Struct, frozen=True):
     """Counters since the engine was created (``SGLangEngine.statistics()``)."""
@@ -384,14 +387,24 @@ class SGLangEngine:
         """Whether ``exc`` is the connection breaking mid-request (the request was sent) and
         ``server`` has stopped accepting connections since: its process ended, so the request
         runs nowhere and sampling it again elsewhere cannot run it twice. A server that still
-        answers keeps the failure (a request that brought it down is sent again only once)."""
+        answers, or does not answer in time, keeps the failure (and a request that brought
+        one down is sent again only once)."""
         if not broken(exc):
             return False
-        try:
-            await self._http.call(server, "GET", "/health", timeout=10, retries=0)
-        except EngineError as probe:
-            return isinstance(probe.__cause__, httpx.ConnectError)  # not a connect timeout
-        return False
+        for _ in range(_DEATH_PROBES):
+            try:
+                await self._http.call(server, "GET", "/health", timeout=10, retries=0)
+            except EngineError as probe:
+                if isinstance(probe.__cause__, httpx.ConnectError):  # not a connect timeout
+                    return True
+                if not broken(probe):
+                    return False
+                # accepted, then dropped unanswered: a process that is still closing its
+                # sockets as it exits (the listening one can outlive the request's by a moment)
+                await anyio.sleep(0.2)
+                continue
+            return False
+        return True
 
     async def _move(self, state: _Session, *, relist: bool = True, alive: bool = True) -> bool:
         """Put the session on another server (a router's workers asked again when ``relist``),

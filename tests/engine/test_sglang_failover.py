@@ -52,8 +52,12 @@ class BreakingFront:
     end also stops listening then (connections are refused from that moment, as from a server
     whose process ended)."""
 
-    def __init__(self, target: str, *, dies: bool) -> None:
-        self.target, self.dies = target, dies
+    def __init__(self, target: str, *, dies: bool, lingers: bool = False) -> None:
+        self.target, self.dies, self.lingers = target, dies, lingers
+        self.closing = False
+        """``lingers``: after the ``/generate`` it breaks, it accepts one more connection and
+        drops it unanswered before it stops listening (a process closing its sockets as it
+        exits: the listening one can outlive the request's by a moment)."""
         self.generates = 0
         self.server: asyncio.Server | None = None
         self.url = ""
@@ -81,9 +85,16 @@ class BreakingFront:
                     if line.lower().startswith("content-length:"):
                         length = int(line.split(":", 1)[1])
                 body = await reader.readexactly(length)
+                if self.closing:
+                    assert self.server is not None
+                    self.server.close()
+                    writer.close()
+                    return
                 if method == "POST" and path == "/generate":
                     self.generates += 1
-                    if self.dies and self.server is not None:
+                    if self.dies and self.lingers:
+                        self.closing = True
+                    elif self.dies and self.server is not None:
                         self.server.close()  # stop listening first: the client's probe is refused
                     writer.close()
                     return
@@ -121,6 +132,14 @@ async def test_a_plain_request_whose_server_dies_is_sampled_on_another(worker: s
             assert engine.statistics().regenerated == 1
             result = await engine.generate(PROMPT, SHORT)  # the dead one is left aside
             assert len(result.token_ids) == 2 and front.generates == 1
+
+
+async def test_a_server_that_drops_a_probe_while_it_exits_is_dead(worker: str) -> None:
+    async with BreakingFront(worker, dies=True, lingers=True) as front:
+        async with SGLangEngine([front.url, worker], max_context=2048) as engine:
+            outcomes = await _until_it_gets_one(engine, front)
+            assert all(not isinstance(o, EngineError) for o in outcomes), outcomes
+            assert not front.listening and engine.statistics().regenerated == 1
 
 
 async def test_the_request_sent_again_never_goes_back_to_the_dead_server(worker: str) -> None:
