@@ -1,5 +1,6 @@
-"""Start and stop a real ``agentrl serve`` (the SGLang HTTP subset) on a free loopback port, and
-make perturbed model copies to load into it."""
+"""Start and stop a real ``agentrl serve`` (the SGLang HTTP subset), and the real
+``sglang-router`` in front of such servers, on free loopback ports; make perturbed model copies
+to load into them."""
 
 from __future__ import annotations
 
@@ -90,3 +91,37 @@ def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
     noisy = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
     save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
+
+
+def listed_workers(router: str) -> dict[str, bool]:
+    """The workers an ``sglang-router`` lists, and whether it finds each healthy."""
+    workers = httpx.get(router + "/workers", timeout=10).json()["workers"]
+    return {w["url"]: w["is_healthy"] for w in workers}
+
+
+def start_router(
+    workers: list[str], log: Path, health_check_s: int = 1
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
+    one worker by chance) and a health check every ``health_check_s``. Its metrics listener
+    gets a free loopback port too: on its default (29000) a second router on the host fails to
+    start."""
+    port = free_port()
+    cmd = [
+        *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
+        *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
+        *("--health-check-interval-secs", str(health_check_s), "--health-failure-threshold", "1"),
+        *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def lists_its_workers() -> bool:
+        listed = listed_workers(url)
+        return all(listed.get(w) for w in workers) and len(listed) == len(workers)
+
+    errors = (httpx.HTTPError, KeyError, ValueError)
+    wait_ready(proc, lists_its_workers, log, "sglang-router (listing its workers)", 90, errors)
+    return proc, url

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from serve_helpers import free_port, perturbed_copy, start_serve, stop_serve, wait_ready
+from serve_helpers import listed_workers, perturbed_copy, start_router, start_serve, stop_serve
 
 from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
@@ -72,39 +71,6 @@ def update_path(fleet: Fleet, request: pytest.FixtureRequest) -> Path:
     if not path:
         pytest.skip("AGENTRL_SGLANG_UPDATE_PATH (weights on the workers' host) is not set")
     return Path(path)
-
-
-def _listed(router: str) -> dict[str, bool]:
-    workers = httpx.get(router + "/workers", timeout=10).json()["workers"]
-    return {w["url"]: w["is_healthy"] for w in workers}
-
-
-def start_router(
-    workers: list[str], log: Path, health_check_s: int = 1
-) -> tuple[subprocess.Popen[bytes], str]:
-    """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
-    one worker by chance) and a health check every ``health_check_s``. Its metrics listener
-    gets a free loopback port too: on its default (29000) a second router on the host fails to
-    start."""
-    port = free_port()
-    cmd = [
-        *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
-        *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
-        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
-        *("--health-check-interval-secs", str(health_check_s), "--health-failure-threshold", "1"),
-        *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def lists_its_workers() -> bool:
-        listed = _listed(url)
-        return all(listed.get(w) for w in workers) and len(listed) == len(workers)
-
-    errors = (httpx.HTTPError, KeyError, ValueError)
-    wait_ready(proc, lists_its_workers, log, "sglang-router (listing its workers)", 90, errors)
-    return proc, url
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +195,9 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
             added = httpx.post(fleet.router + "/workers", json={"url": late}, timeout=30)
             assert added.status_code == 202, added.text
             deadline = time.monotonic() + 30
-            while not _listed(fleet.router).get(late) and time.monotonic() < deadline:
+            while not listed_workers(fleet.router).get(late) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert _listed(fleet.router).get(late), "the router did not take the worker"
+            assert listed_workers(fleet.router).get(late), "the router did not take the worker"
             await engine.update_weights(11, str(update_path))
             for worker in [*fleet.workers, late]:
                 info = httpx.get(worker + "/get_model_info", timeout=10).json()
@@ -241,7 +207,7 @@ async def test_a_worker_added_to_the_router_gets_the_next_weights(
                 worker_id = added.json()["worker_id"]
                 assert httpx.delete(f"{fleet.router}/workers/{worker_id}").status_code == 202
                 deadline = time.monotonic() + 30
-                while late in _listed(fleet.router) and time.monotonic() < deadline:
+                while late in listed_workers(fleet.router) and time.monotonic() < deadline:
                     time.sleep(0.2)
             if proc is not None:
                 stop_serve(proc)
@@ -257,17 +223,17 @@ def _register(router: str, url: str) -> None:
     added = httpx.post(router + "/workers", json={"url": url}, timeout=30)
     assert added.status_code == 202, added.text
     deadline = time.monotonic() + 30
-    while not _listed(router).get(url) and time.monotonic() < deadline:
+    while not listed_workers(router).get(url) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _listed(router).get(url), f"the router did not take {url}"
+    assert listed_workers(router).get(url), f"the router did not take {url}"
 
 
 def _deregister(router: str, url: str) -> None:
     assert httpx.delete(f"{router}/workers/{_worker_id(router, url)}").status_code == 202
     deadline = time.monotonic() + 30
-    while url in _listed(router) and time.monotonic() < deadline:
+    while url in listed_workers(router) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert url not in _listed(router), f"the router still lists {url}"
+    assert url not in listed_workers(router), f"the router still lists {url}"
 
 
 async def test_a_session_on_a_worker_left_out_of_an_update_moves_to_the_new_weights(
@@ -331,7 +297,7 @@ async def test_a_worker_registered_while_weights_load_gets_them_too(
             assert registered and engine.weight_version == 30
             assert httpx.get(late + "/get_model_info").json()["weight_version"] == "30"
     finally:
-        if late in _listed(fleet.router):
+        if late in listed_workers(fleet.router):
             _deregister(fleet.router, late)
         if proc is not None:
             stop_serve(proc)
@@ -361,7 +327,7 @@ async def test_new_sessions_avoid_a_dead_worker_the_router_still_lists(
                 await engine.generate(PROMPT, greedy, session)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-            assert _listed(url)[spare], "the router noticed: the test proves nothing"
+            assert listed_workers(url)[spare], "the router noticed: the test proves nothing"
             for _ in range(4):
                 session = await engine.open_session()
                 assert len((await engine.generate(PROMPT, greedy, session)).token_ids) == 2
@@ -534,9 +500,11 @@ async def test_a_dead_worker_is_left_out_as_the_router_leaves_it_out(
             )
         _kill_last_worker(fleet)
         deadline = time.monotonic() + 30
-        while _listed(fleet.router).get(dead, False) and time.monotonic() < deadline:
+        while listed_workers(fleet.router).get(dead, False) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _listed(fleet.router).get(dead, False), "the router still lists it healthy"
+        assert not listed_workers(fleet.router).get(dead, False), (
+            "the router still lists it healthy"
+        )
         for _ in range(2 * len(fleet.workers)):  # the router routes around it
             result = await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
             assert len(result.token_ids) == 2
@@ -560,7 +528,7 @@ def test_the_router_reads_each_workers_load(fleet: Fleet) -> None:
     worker's ``/get_load``; its ``/get_loads`` shows what it read (``-1`` for a worker it could
     not read). While a request with a long prompt decodes on one worker, that worker's load
     covers its whole context, the prompt pages it holds in the prefix cache included."""
-    healthy = [w for w, ok in _listed(fleet.router).items() if ok]  # a test kills one
+    healthy = [w for w, ok in listed_workers(fleet.router).items() if ok]  # a test kills one
     loads = httpx.get(fleet.router + "/get_loads", timeout=30).json()["workers"]
     assert set(healthy) <= {entry["worker"] for entry in loads}
     assert all(entry["load"] >= 0 for entry in loads if entry["worker"] in healthy), loads

@@ -282,6 +282,51 @@ def test_training_against_a_server_publishes_snapshots(tmp_path, tiny_model_path
     assert [p.name for p in (tmp_path / "run" / "weights").iterdir()] == ["v00000002"]
 
 
+def test_training_through_a_router_that_serves_another_model_too(tmp_path, tiny_model_path):
+    """``server.urls`` names an ``sglang-router`` in front of two policy workers and a worker of
+    another model (say, the reward model), ``server.model`` the policy's: the rollouts run on
+    both policy workers, every version is published to both, and the other model's worker gets
+    neither a request nor the weights."""
+    import httpx
+    from serve_helpers import start_router, start_serve, stop_serve
+
+    def requests(url: str) -> float:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("sglang:num_requests_total"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError("sglang:num_requests_total")
+
+    procs = []
+    try:
+        workers = []
+        for index, name in enumerate(["policy", "policy", "reward"]):
+            log = tmp_path / f"worker{index}.log"
+            proc, url = start_serve(tiny_model_path, log, "--served-model-name", name)
+            procs.append(proc)
+            workers.append(url)
+        router, router_url = start_router(workers, tmp_path / "router.log")
+        procs.append(router)
+        cfg = load_train_config(
+            tiny_config(
+                tmp_path,
+                server={"urls": [router_url], "model": "policy", "keep_snapshots": 1},
+                train={"max_steps": 2},
+            )
+        )
+        result = train(cfg, tmp_path / "run")
+        info = [httpx.get(u + "/get_model_info", timeout=10).json() for u in workers]
+        served = [requests(u) for u in workers]
+    finally:
+        for proc in procs:
+            stop_serve(proc)
+    assert result.policy_version == 2
+    assert [i["weight_version"] for i in info[:2]] == ["2", "2"], info
+    assert info[2]["weight_version"] != "2" and info[2]["model_path"] == str(tiny_model_path)
+    assert served[0] > 0 and served[1] > 0 and served[2] == 0, served
+    for record in read_ledger(tmp_path / "run" / "ledger.jsonl"):
+        assert record["mismatch_abs_mean"] < 1e-3  # both workers scored the ids as we do
+
+
 def test_dapo_refill_replaces_groups_without_signal(tmp_path):
     """``train.refill_rounds``: every other vowels task rewards a constant (its group has no
     signal); the loop samples fresh tasks until the step has ``tasks_per_step`` informative
