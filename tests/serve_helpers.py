@@ -100,18 +100,21 @@ def listed_workers(router: str) -> dict[str, bool]:
 
 
 def start_router(
-    workers: list[str], log: Path, health_check_s: int = 1
+    workers: list[str], log: Path, health_check_s: int = 1, failures: int = 1
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``sglang-router`` with round-robin routing (the policy least likely to keep a session on
-    one worker by chance) and a health check every ``health_check_s``. Its metrics listener
-    gets a free loopback port too: on its default (29000) a second router on the host fails to
+    one worker by chance) and a health check every ``health_check_s``, a worker unhealthy after
+    ``failures`` failed checks in a row (a test that does not kill workers takes more, so a
+    worker busy loading weights on a loaded machine is not dropped). Its metrics listener gets
+    a free loopback port too: on its default (29000) a second router on the host fails to
     start."""
     port = free_port()
     cmd = [
         *(sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"),
         *("--port", str(port), "--policy", "round_robin", "--worker-urls", *workers),
         *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
-        *("--health-check-interval-secs", str(health_check_s), "--health-failure-threshold", "1"),
+        *("--health-check-interval-secs", str(health_check_s)),
+        *("--health-failure-threshold", str(failures)),
         *("--worker-startup-timeout-secs", "60", "--log-level", "warn"),
     ]
     with open(log, "wb") as out:

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 import msgspec
 
 from agentrl._config import short_repr
@@ -63,12 +62,21 @@ from . import _wire as w
 from ._options import IN_FLIGHT_RULES
 from ._sglang_http import SGLangHTTPError, Transport, Upstream, to_result, wire_sampling
 from ._sglang_router import Worker, router_workers, router_workers_blocking, the_model
-from ._sglang_servers import answering, broken, placement, refused, server_urls
+from ._sglang_servers import (
+    answering,
+    broken,
+    connection_refused,
+    placement,
+    refused,
+    server_urls,
+)
 
 T = TypeVar("T")
 
-_DEATH_PROBES = 3
-"""Health probes after a connection broke mid-request, while each is dropped unanswered."""
+_DEATH_PROBES = 10
+_DEATH_WAIT_S = 2.0
+"""After a connection broke mid-request: health probes, and for how long, while each is
+accepted and dropped unanswered (a refused one says the server's process ended)."""
 
 
 class SGLangStatistics(msgspec.Struct, frozen=True):
@@ -156,11 +164,12 @@ class SGLangEngine:
         self._plain_to = list(self._entry)
         """Where plain requests go: the given URLs, but a router that lists other models'
         workers too is replaced by the policy's workers."""
-        self._model = model
-        """The model id of the policy's workers behind routers (None: not known yet)."""
+        self._policy: set[str | None] | None = None if model is None else {model}
+        """The model ids of the policy's workers behind routers (None: not known yet; told
+        from the first listing when no ``model`` is given)."""
         self._published: set[str] = set()
         """The paths weights were published from (a worker that loaded one reports it)."""
-        self._snapshots = None if snapshot_dir is None else os.fspath(snapshot_dir).rstrip("/")
+        self._snapshots = None if snapshot_dir is None else os.path.normpath(snapshot_dir)
         self._routers: list[Upstream] = []
         self._servers = list(self._entry)
         """The servers themselves (a router's healthy workers in its place): sessions,
@@ -240,18 +249,18 @@ class SGLangEngine:
         servers: list[Upstream] = []
         plain: list[Upstream] = []
         routers: list[Upstream] = []
-        model = self._model
+        policy = self._policy
         for entry, listed in found:
             if listed is None:
                 servers.append(entry)
                 plain.append(entry)
                 continue
-            urls, model, mixed = the_model(listed, model, self._is_published, entry.url)
+            urls, policy, mixed = the_model(listed, policy, self._is_published, entry.url)
             workers = [known.get(url) or Upstream(url) for url in urls]
             routers.append(entry)
             servers.extend(workers)
             plain.extend(workers if mixed else [entry])
-        self._model = model
+        self._policy = policy
         self._routers = routers
         self._servers = list({s.url: s for s in servers}.values())
         self._plain_to = list({s.url: s for s in plain}.values())
@@ -272,10 +281,19 @@ class SGLangEngine:
             self._bos = bos if isinstance(bos, int) else None
 
     def _is_published(self, model_id: str) -> bool:
-        """Whether a worker listed as ``model_id`` loaded weights this run published."""
-        if model_id in self._published:
+        """Whether a worker listed as ``model_id`` loaded weights this run published: a path
+        given to ``update_weights``, or a version folder (``v`` and digits) of
+        ``snapshot_dir``, however either is spelled."""
+        path = os.path.normpath(model_id)
+        if path in self._published:
             return True
-        return self._snapshots is not None and model_id.startswith(self._snapshots + "/")
+        folder, name = os.path.split(path)
+        return (
+            self._snapshots is not None
+            and folder == self._snapshots
+            and name.startswith("v")
+            and name[1:].isdigit()
+        )
 
     def _check_in_flight(self) -> None:
         """Every server must run the ``in_flight`` rule this engine was opened with: the rule
@@ -351,8 +369,9 @@ class SGLangEngine:
             except EngineError as exc:
                 if len(tried) + 1 >= len(self._plain_to):
                     raise
-                if not refused(exc):
-                    if again or not await self._died(server, exc):
+                if not refused(exc):  # a router that died may have passed it on: not again
+                    in_router = any(server is r for r in self._routers)
+                    if again or in_router or not await self._died(server, exc):
                         raise
                     again = True
                     self._counts["regenerated"] += 1
@@ -385,26 +404,26 @@ class SGLangEngine:
 
     async def _died(self, server: Upstream, exc: EngineError) -> bool:
         """Whether ``exc`` is the connection breaking mid-request (the request was sent) and
-        ``server`` has stopped accepting connections since: its process ended, so the request
-        runs nowhere and sampling it again elsewhere cannot run it twice. A server that still
-        answers, or does not answer in time, keeps the failure (and a request that brought
-        one down is sent again only once)."""
+        ``server`` refuses connections since: its process ended, so the request runs nowhere
+        and sampling it again elsewhere cannot run it twice. Probes that are accepted and
+        dropped unanswered (a process still closing its sockets as it exits, or a forwarder
+        whose server may be alive behind it) are repeated for up to ``_DEATH_WAIT_S``; a server
+        that answers, does not answer in time, or is never refused keeps the failure (and a
+        request that brought one down is sent again only once)."""
         if not broken(exc):
             return False
         for _ in range(_DEATH_PROBES):
             try:
                 await self._http.call(server, "GET", "/health", timeout=10, retries=0)
             except EngineError as probe:
-                if isinstance(probe.__cause__, httpx.ConnectError):  # not a connect timeout
+                if connection_refused(probe):
                     return True
                 if not broken(probe):
                     return False
-                # accepted, then dropped unanswered: a process that is still closing its
-                # sockets as it exits (the listening one can outlive the request's by a moment)
-                await anyio.sleep(0.2)
+                await anyio.sleep(_DEATH_WAIT_S / _DEATH_PROBES)
                 continue
             return False
-        return True
+        return False
 
     async def _move(self, state: _Session, *, relist: bool = True, alive: bool = True) -> bool:
         """Put the session on another server (a router's workers asked again when ``relist``),
@@ -616,7 +635,7 @@ class SGLangEngine:
         request = w.WireUpdateWeightsFromDiskReq(
             model_path=os.fspath(source), weight_version=str(int(version)), flush_cache=False
         )
-        self._published.add(request.model_path)
+        self._published.add(os.path.normpath(request.model_path))
         failures: list[str] = []
         updated: list[Upstream] = []
 

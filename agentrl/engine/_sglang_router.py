@@ -11,11 +11,11 @@ router was given: the client must reach them too.
 
 Only the policy's workers are used: those whose ``model_id`` is the engine's ``model`` (when not
 given, the one model the router lists at the first listing; a router that lists several is
-refused until one is named) or a path the run published weights from (inside the engine's
-``snapshot_dir``, or given to its ``update_weights``). A worker listed under another id later
-(another model registered) is left out. When a router lists workers the engine leaves out,
-plain requests go straight to the policy's workers instead of through it (the router's routing
-ignores the request's model).
+refused until one is named) or a version the run published weights from (a folder of the
+engine's ``snapshot_dir``, or a path given to its ``update_weights``). A worker listed under
+another id later (another model registered) is left out. When a router lists workers the
+engine leaves out, plain requests go straight to the policy's workers instead of through it
+(the router's routing ignores the request's model).
 """
 
 from __future__ import annotations
@@ -57,46 +57,58 @@ def _regular(body: bytes, url: str) -> list[Worker]:
         listing = _workers_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise EngineError(f"{url}/workers: unexpected reply: {exc}") from exc
-    return [
+    regular = [
         (worker.url.rstrip("/"), worker.model_id, worker.is_healthy)
         for worker in listing.workers
         if worker.worker_type == "regular"
     ]
+    if listing.workers and not regular:
+        kinds = ", ".join(sorted({worker.worker_type for worker in listing.workers}))
+        raise EngineError(
+            f"the router at {url} lists only {kinds} workers (prefill/decode disaggregation), "
+            "which agentrl does not drive: give the run a router of regular workers"
+        )
+    return regular
 
 
 def the_model(
-    listed: list[Worker], model: str | None, published: Callable[[str], bool], router: str
-) -> tuple[list[str], str | None, bool]:
-    """The policy's healthy workers among those a router lists, the policy's model id, and
-    whether the router lists any other worker. A policy worker's id is ``model`` or, once it
-    loaded a version the run published, that version's path (``published``; a worker
-    registered after loading one is listed so). With ``model`` None the router's workers,
-    healthy or not, must be of at most one model (a worker listed without an id counts as a
-    model of its own), which becomes ``model``. ``EngineError`` when they are of several, or
-    no healthy worker is the policy's."""
+    listed: list[Worker],
+    policy: set[str | None] | None,
+    published: Callable[[str], bool],
+    router: str,
+) -> tuple[list[str], set[str | None], bool]:
+    """The policy's healthy workers among those a router lists, the policy's model ids, and
+    whether the router lists any other worker. A policy worker is listed under one of
+    ``policy`` (``None`` in it: a worker listed without a model id) or, once it loaded a
+    version the run published, under that version's path (``published``; a worker registered
+    after loading one is listed so). ``policy`` None (not known yet, the first listing): the
+    router's workers, healthy or not, must be of at most one model besides published versions,
+    and that is the policy's (none: only published versions are). ``EngineError`` when they
+    are of several, or no healthy worker is the policy's."""
     ids = {m for _, m, _ in listed if m is None or not published(m)}
     names = ", ".join(sorted("(no model_id)" if m is None else m for m in ids))
-    if model is None:
+    if policy is None:
         if len(ids) > 1:
             raise EngineError(
                 f"the router at {router} serves several models ({names}): set server.model "
                 "(SGLangEngine(model=...)) to the policy's, so neither requests nor published "
                 "weights reach another model's workers"
             )
-        model = next(iter(ids), None)
+        policy = ids
 
     def ours(m: str | None) -> bool:
-        return m == model or (m is not None and published(m))
+        return m in policy or (m is not None and published(m))
 
     mine = [(url, healthy) for url, m, healthy in listed if ours(m)]
     healthy = [url for url, ok in mine if ok]
     if not healthy:
         if not any(ok for _, _, ok in listed):
             raise EngineError(f"the router at {router} lists no healthy worker")
+        wanted = ", ".join(repr(m) for m in sorted(policy, key=str)) or "a published version"
         raise EngineError(
-            f"no healthy worker of the router at {router} serves model {model!r} (it lists {names})"
+            f"no healthy worker of the router at {router} serves model {wanted} (it lists {names})"
         )
-    return healthy, model, len(mine) < len(listed)
+    return healthy, policy, len(mine) < len(listed)
 
 
 async def router_workers(http: Transport, server: Upstream) -> list[Worker] | None:

@@ -64,6 +64,19 @@ def broken(exc: BaseException) -> bool:
     )
 
 
+def connection_refused(exc: BaseException) -> bool:
+    """The server's host refused the connection (ECONNREFUSED: nothing listens on the port),
+    not a connect timeout, an unreachable host or a name that does not resolve."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ConnectionRefusedError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def answering(pool: list[Upstream]) -> list[Upstream]:
     """The servers in ``pool`` that have not refused a connection in the last ``REFUSED_S``."""
     now = time.monotonic()

@@ -393,7 +393,7 @@ async def test_a_router_serving_another_model_too_gets_only_the_policys_traffic(
     proc, other = start_serve(tiny_dir, tmp_path / "o.log", "--served-model-name", "other-model")
     router = None
     try:
-        router, url = start_router([*fleet.workers, other], tmp_path / "router.log")
+        router, url = start_router([*fleet.workers, other], tmp_path / "router.log", failures=3)
         with pytest.raises(EngineError, match=r"serves several models \(.*other-model"):
             async with SGLangEngine(url, max_context=2048):
                 pass
@@ -426,39 +426,56 @@ async def test_a_router_serving_another_model_too_gets_only_the_policys_traffic(
 
 
 def test_the_policys_workers_are_told_by_model_id() -> None:
-    """Which of a router's workers are the policy's (``the_model``): the one model listed, or
-    the one named; a worker re-registered after loading a published version is listed under
-    that version's path and stays the policy's; several models (a worker without a model id
-    counts as one) need a name; the model is told from every worker, healthy or not."""
+    """Which of a router's workers are the policy's (``the_model``): the one model listed at
+    the first listing, or the one named, and from then on only that one; a worker re-registered
+    after loading a published version is listed under that version's path and stays the
+    policy's; several models (a worker without a model id counts as one) need a name; the
+    model is told from every worker, healthy or not."""
     from agentrl.engine._sglang_router import the_model
 
     def published(model_id: str) -> bool:
         return model_id.startswith("/runs/w/")
 
     one = [("http://a", "m", True), ("http://b", "m", True), ("http://z", "m", False)]
-    assert the_model(one, None, published, "R") == (["http://a", "http://b"], "m", False)
+    assert the_model(one, None, published, "R") == (["http://a", "http://b"], {"m"}, False)
     mixed = [("http://a", "m", True), ("http://b", "other", True), ("http://c", "/old/v3", True)]
     with pytest.raises(EngineError, match=r"several models \(/old/v3, m, other\)"):
         the_model(mixed, None, published, "R")
-    assert the_model(mixed, "m", published, "R") == (["http://a"], "m", True)
+    assert the_model(mixed, {"m"}, published, "R") == (["http://a"], {"m"}, True)
     again = [("http://a", "m", True), ("http://c", "/runs/w/v00000003", True)]
-    assert the_model(again, None, published, "R") == (["http://a", "http://c"], "m", False)
-    assert the_model(again[1:], None, published, "R") == (["http://c"], None, False)
+    assert the_model(again, None, published, "R") == (["http://a", "http://c"], {"m"}, False)
+    # a resumed run whose workers all hold published versions: those alone are the policy's,
+    # and a model registered later is not taken for it
+    resumed = the_model(again[1:], None, published, "R")
+    assert resumed == (["http://c"], set(), False)
+    later = [*again[1:], ("http://r", "reward", True), ("http://n", None, True)]
+    assert the_model(later, resumed[1], published, "R") == (["http://c"], set(), True)
     # the reward model's worker is the only healthy one while the policy's still load
     loading = [("http://a", "m", False), ("http://r", "reward", True)]
     with pytest.raises(EngineError, match=r"several models \(m, reward\)"):
         the_model(loading, None, published, "R")
     with pytest.raises(EngineError, match="no healthy worker of the router at R serves model 'm'"):
-        the_model(loading, "m", published, "R")
+        the_model(loading, {"m"}, published, "R")
     with pytest.raises(EngineError, match="the router at R lists no healthy worker"):
         the_model([("http://a", "m", False)], None, published, "R")
     unnamed = [("http://a", None, True), ("http://r", "reward", True)]
     with pytest.raises(EngineError, match=r"several models \(\(no model_id\), reward\)"):
         the_model(unnamed, None, published, "R")
-    assert the_model(unnamed, "reward", published, "R") == (["http://r"], "reward", True)
+    assert the_model(unnamed, {"reward"}, published, "R") == (["http://r"], {"reward"}, True)
     # an older router that lists no model ids: every worker, as before
     old = [("http://a", None, True), ("http://b", None, True)]
-    assert the_model(old, None, published, "R") == (["http://a", "http://b"], None, False)
+    assert the_model(old, None, published, "R") == (["http://a", "http://b"], {None}, False)
+
+
+def test_a_published_version_is_told_however_its_folder_is_spelled() -> None:
+    engine = SGLangEngine("http://127.0.0.1:9", snapshot_dir="./runs/out/weights/")
+    assert engine._is_published("runs/out/weights/v00000012")
+    assert engine._is_published("runs/out//weights/./v00000012")
+    assert not engine._is_published("runs/out/weights/../../b/reward")
+    assert not engine._is_published("runs/out/weights/reward")
+    assert not engine._is_published("runs/out/weights/v00000012/extra")
+    root = SGLangEngine("http://127.0.0.1:9", snapshot_dir="/")
+    assert root._is_published("/v00000001") and not root._is_published("/models/reward")
 
 
 def _kill_last_worker(fleet: Fleet) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from serve_helpers import start_serve, stop_serve
+from serve_helpers import start_router, start_serve, stop_serve
 
 from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
@@ -48,17 +48,24 @@ def _metric(url: str, name: str) -> float:
 
 class BreakingFront:
     """An HTTP/1.1 front end on loopback for ``target``: every request is forwarded there, but
-    a ``POST /generate`` gets its connection closed without a reply; with ``dies`` the front
-    end also stops listening then (connections are refused from that moment, as from a server
-    whose process ended)."""
+    a ``POST /generate`` gets its connection closed without a reply; what the front end does
+    then is ``after``:
 
-    def __init__(self, target: str, *, dies: bool, lingers: bool = False) -> None:
-        self.target, self.dies, self.lingers = target, dies, lingers
-        self.closing = False
-        """``lingers``: after the ``/generate`` it breaks, it accepts one more connection and
-        drops it unanswered before it stops listening (a process closing its sockets as it
-        exits: the listening one can outlive the request's by a moment)."""
+    - ``lives``: it goes on forwarding (a server that broke one connection and runs on);
+    - ``dies``: it stops listening at once (connections are refused, as from a server whose
+      process ended);
+    - ``lingers``: it accepts one more connection and drops it unanswered, then stops listening
+      (a process closing its sockets as it exits: the listening one can outlive the request's
+      by a moment);
+    - ``cut``: it accepts every later connection and drops it unanswered, listening on (a
+      forwarder whose link to a server that may still be running is down)."""
+
+    def __init__(self, target: str, *, after: str) -> None:
+        assert after in ("lives", "dies", "lingers", "cut")
+        self.target, self.after = target, after
+        self.broke = False
         self.generates = 0
+        self.dropped = 0
         self.server: asyncio.Server | None = None
         self.url = ""
 
@@ -85,16 +92,17 @@ class BreakingFront:
                     if line.lower().startswith("content-length:"):
                         length = int(line.split(":", 1)[1])
                 body = await reader.readexactly(length)
-                if self.closing:
-                    assert self.server is not None
-                    self.server.close()
+                assert self.server is not None
+                if self.broke and self.after in ("lingers", "cut"):
+                    self.dropped += 1
+                    if self.after == "lingers":
+                        self.server.close()
                     writer.close()
                     return
                 if method == "POST" and path == "/generate":
                     self.generates += 1
-                    if self.dies and self.lingers:
-                        self.closing = True
-                    elif self.dies and self.server is not None:
+                    self.broke = True
+                    if self.after == "dies":
                         self.server.close()  # stop listening first: the client's probe is refused
                     writer.close()
                     return
@@ -124,7 +132,7 @@ async def _until_it_gets_one(engine: SGLangEngine, front: BreakingFront) -> list
 
 
 async def test_a_plain_request_whose_server_dies_is_sampled_on_another(worker: str) -> None:
-    async with BreakingFront(worker, dies=True) as front:
+    async with BreakingFront(worker, after="dies") as front:
         async with SGLangEngine([front.url, worker], max_context=2048) as engine:
             outcomes = await _until_it_gets_one(engine, front)
             assert not front.listening
@@ -135,18 +143,52 @@ async def test_a_plain_request_whose_server_dies_is_sampled_on_another(worker: s
 
 
 async def test_a_server_that_drops_a_probe_while_it_exits_is_dead(worker: str) -> None:
-    async with BreakingFront(worker, dies=True, lingers=True) as front:
+    async with BreakingFront(worker, after="lingers") as front:
         async with SGLangEngine([front.url, worker], max_context=2048) as engine:
             outcomes = await _until_it_gets_one(engine, front)
             assert all(not isinstance(o, EngineError) for o in outcomes), outcomes
             assert not front.listening and engine.statistics().regenerated == 1
 
 
+async def test_a_front_end_that_drops_every_probe_keeps_the_failure(worker: str) -> None:
+    """A forwarder whose link to the server broke: it accepts the probes and drops them, and the
+    server behind it may still be running the request; after about two seconds of that the
+    failure is kept, the request not sent again."""
+    async with BreakingFront(worker, after="cut") as front:
+        async with SGLangEngine([front.url, worker], max_context=2048) as engine:
+            requests0 = _metric(worker, "sglang:num_requests_total")
+            began = time.monotonic()
+            outcomes = await _until_it_gets_one(engine, front)
+            failed = [o for o in outcomes if isinstance(o, EngineError)]
+            assert len(failed) == 1 and front.url in str(failed[0]), outcomes
+            assert front.dropped >= 5 and time.monotonic() - began >= 1.5
+            assert engine.statistics().regenerated == 0
+            served = len(outcomes) - 1
+            assert _metric(worker, "sglang:num_requests_total") == requests0 + served
+
+
+async def test_a_router_that_dies_mid_request_keeps_the_failure(
+    worker: str, tmp_path: Path
+) -> None:
+    """Two routers in ``server.urls``, one of which dies while a plain request runs through it:
+    it may have passed the request on to a worker that runs it still, so the request is not
+    sent again through the other router."""
+    router, url = start_router([worker], tmp_path / "router.log")
+    try:
+        async with BreakingFront(url, after="dies") as front:
+            async with SGLangEngine([front.url, url], max_context=2048) as engine:
+                outcomes = await _until_it_gets_one(engine, front)
+                assert any(isinstance(o, EngineError) for o in outcomes), outcomes
+                assert engine.statistics().regenerated == 0
+    finally:
+        stop_serve(router)
+
+
 async def test_the_request_sent_again_never_goes_back_to_the_dead_server(worker: str) -> None:
     """The live server refused a connection a moment ago (say, it restarted), so the first
     send goes to the other one, which dies: the request goes to the live server all the same,
     not back to the dead one (the servers that refused lately are only a fallback)."""
-    async with BreakingFront(worker, dies=True) as front:
+    async with BreakingFront(worker, after="dies") as front:
         async with SGLangEngine([front.url, worker], max_context=2048) as engine:
             (live,) = [s for s in engine._plain_to if s.url == worker]
             live.refused_at = time.monotonic()
@@ -158,7 +200,7 @@ async def test_the_request_sent_again_never_goes_back_to_the_dead_server(worker:
 async def test_a_server_that_still_answers_keeps_its_failure(worker: str) -> None:
     """The connection broke but the server answers its health check: the request may still
     run there, so it is not sent again; the failure names the server."""
-    async with BreakingFront(worker, dies=False) as front:
+    async with BreakingFront(worker, after="lives") as front:
         async with SGLangEngine([front.url, worker], max_context=2048) as engine:
             requests0 = _metric(worker, "sglang:num_requests_total")
             outcomes = await _until_it_gets_one(engine, front)
@@ -173,9 +215,9 @@ async def test_a_request_that_brings_servers_down_is_sent_again_once(worker: str
     """Three servers that each die on the request: the second death ends it (a request that
     kills whatever runs it does not take down the whole fleet)."""
     async with (
-        BreakingFront(worker, dies=True) as a,
-        BreakingFront(worker, dies=True) as b,
-        BreakingFront(worker, dies=True) as c,
+        BreakingFront(worker, after="dies") as a,
+        BreakingFront(worker, after="dies") as b,
+        BreakingFront(worker, after="dies") as c,
     ):
         async with SGLangEngine([a.url, b.url, c.url], max_context=2048) as engine:
             with pytest.raises(EngineError, match="/generate failed"):

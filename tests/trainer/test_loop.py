@@ -304,7 +304,7 @@ def test_training_through_a_router_that_serves_another_model_too(tmp_path, tiny_
             proc, url = start_serve(tiny_model_path, log, "--served-model-name", name)
             procs.append(proc)
             workers.append(url)
-        router, router_url = start_router(workers, tmp_path / "router.log")
+        router, router_url = start_router(workers, tmp_path / "router.log", failures=3)
         procs.append(router)
         cfg = load_train_config(
             tiny_config(
