@@ -42,7 +42,9 @@ def _env() -> dict[str, str]:
 class Node:
     """One "node": ``torchrun --nnodes 2 --node-rank R`` in its own process group."""
 
-    def __init__(self, rank: int, port: int, log: Path, *args: str) -> None:
+    def __init__(self, rank: int, port: int, log: Path, *args: str, first: str = "") -> None:
+        """``first``: a folder put first on the node's PYTHONPATH (the node then runs in the
+        log's folder: ``python -m`` puts the working directory before PYTHONPATH)."""
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
             str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
@@ -50,8 +52,16 @@ class Node:
         ]  # fmt: skip
         self.log = log
         with open(log, "wb") as out:
+            env = _env()
+            if first:
+                env["PYTHONPATH"] = os.pathsep.join([first, env["PYTHONPATH"]])
             self.proc = subprocess.Popen(
-                cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=log.parent if first else None,
             )
 
     def wait(self, timeout: float) -> int:
@@ -198,6 +208,49 @@ def test_nodes_given_different_configs_are_refused_naming_the_keys(tmp_path):
         out = node.output()
         assert "every node must be given the same configuration" in out, out[-3000:]
         assert "optimizer.lr: 0.001 on rank 0, 0.002 on rank 1" in out, out[-3000:]
+    assert not (tmp_path / "run" / "ledger.jsonl").exists() or not _ledger(tmp_path / "run")
+
+
+def test_nodes_on_different_code_are_refused_naming_both(tmp_path):
+    """A node started from another install (here a copy of agentrl with one source file
+    changed, first on that node's PYTHONPATH) would train with other code in silence: both
+    nodes end before any model runs, with the same error naming both builds."""
+    import importlib.util
+    import re
+    import shutil
+
+    spec = importlib.util.find_spec("agentrl")
+    assert spec is not None and spec.submodule_search_locations
+    other = tmp_path / "other-install"
+    shutil.copytree(
+        spec.submodule_search_locations[0],
+        other / "agentrl",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    with open(other / "agentrl" / "_config.py", "a") as source:
+        source.write("\n# built from another commit\n")
+    config, port = _config(tmp_path), free_port()
+    args = ("train", "--config", str(config), "--out", str(tmp_path / "run"))
+    nodes = [
+        Node(r, port, tmp_path / f"node{r}.log", *args, first=str(other) if r else "")
+        for r in (0, 1)
+    ]
+    try:
+        codes = [n.wait(BOUND_S) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert codes[0] != 0 and codes[1] != 0
+    for node in nodes:
+        out = node.output()
+        assert "every node must run the same code" in out, out[-3000:]
+        sources = re.findall(
+            r"rank 0 on \S+ runs agentrl \S+ \(sources (\w+)\).*?"
+            r"rank 1 on \S+ \(agentrl \S+ \(sources (\w+)\)",
+            out,
+            re.S,
+        )
+        assert sources and sources[0][0] != sources[0][1], out[-3000:]
     assert not (tmp_path / "run" / "ledger.jsonl").exists() or not _ledger(tmp_path / "run")
 
 
