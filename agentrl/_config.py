@@ -11,6 +11,10 @@ import pydantic
 
 from ._errors import ConfigError
 
+ROLLOUT_LEGACY_VALUES: dict[str, Any] = {"max_tool_output_chars": None}
+"""``RolloutConfig`` fields added after rollouts and runs were made with this package, each with
+the value that reproduces them (a recorded configuration that lacks one ran with that value)."""
+
 
 class RolloutConfig(pydantic.BaseModel):
     """How trajectories are generated. ``None`` means "the environment's default"."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from ._config import RolloutConfig
+from ._config import ROLLOUT_LEGACY_VALUES, RolloutConfig
 from ._config_file import read_json_value
 from ._env_values import check_task_ids
 from ._errors import ConfigError
@@ -201,6 +201,16 @@ def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
     return {**part, "engine": config.get("engine", "embedded"), "rollout": rollout}
 
 
+def _as_recorded(config: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's recorded ``config.json`` with each rollout field added since it was written
+    set to the value it ran with (``ROLLOUT_LEGACY_VALUES``): an append compares like with
+    like, and one that gives the same value may go on."""
+    rollout = config.get("rollout")
+    if not isinstance(rollout, dict):
+        return config
+    return {**config, "rollout": {**ROLLOUT_LEGACY_VALUES, **rollout}}
+
+
 def engine_label(engine: Any) -> str:
     """How ``config.json`` names the engine a rollout ran on: ``embedded`` when ``arollout``
     opened it, else the engine's ``label`` (the scripted engine: ``scripted:FILE``) or its
@@ -284,7 +294,7 @@ def prepare_run_dir(
         if not (out / "config.json").is_file():
             raise ConfigError(f"--append: {out} has no config.json (not an agentrl rollout)")
         old = read_config_json(out / "config.json", "--append")
-        differ = config_diff(_sampling_part(old), _sampling_part(resolved))
+        differ = config_diff(_sampling_part(_as_recorded(old)), _sampling_part(resolved))
         if differ:
             raise ConfigError(
                 f"--append: this rollout differs from the one in {out}: " + "; ".join(differ)

@@ -365,6 +365,30 @@ def test_rollout_refuses_a_run_directory_unless_told_to_overwrite_or_append(
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
+def test_a_rollout_from_before_a_field_existed_takes_appends_that_sample_as_it_did(
+    tmp_path, tiny_model_path
+):
+    """A rollout written before ``rollout.max_tool_output_chars`` existed ran without the cap:
+    an append with the new default is refused naming both values, one that sets the field to
+    null (no cap, as it ran) goes on."""
+    out = tmp_path / "run"
+    assert _rollout(out).returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["rollout"]["max_tool_output_chars"]  # as an older agentrl wrote it
+    (out / "config.json").write_text(json.dumps(config))
+
+    refused = _rollout(out, "--append")
+    assert refused.returncode == 2
+    assert "rollout.max_tool_output_chars: null → 1048576" in refused.stderr, refused.stderr
+    uncapped = tmp_path / "uncapped.yaml"
+    uncapped.write_text("rollout:\n  max_tool_output_chars: null\n")
+    appended = _rollout(out, "--append", "--config", str(uncapped))
+    assert appended.returncode == 0, appended.stdout + appended.stderr
+    assert len(read_trajectories(str(out / "trajectories.jsonl"))) == 4
+    written = json.loads((out / "config.json").read_text())
+    assert "max_tool_output_chars" not in written["rollout"] and len(written["appended"]) == 1
+
+
 @pytest.mark.parametrize(
     ("marker", "text", "named"),
     [

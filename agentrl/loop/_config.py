@@ -20,7 +20,7 @@ from typing import Any, Literal
 import pydantic
 import pydantic_core
 
-from agentrl._config import RolloutConfig, short_repr, validate_config
+from agentrl._config import ROLLOUT_LEGACY_VALUES, RolloutConfig, short_repr, validate_config
 from agentrl._config_file import ConfigSyntaxError, load_yaml
 from agentrl._config_file import read_config_file as read_any_config_file
 from agentrl._env import Split
@@ -530,7 +530,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 LEGACY_VALUES: dict[str, Any] = {
     "algorithm.clip_ratio_c": None,
-    "rollout.max_tool_output_chars": None,
+    **{f"rollout.{name}": value for name, value in ROLLOUT_LEGACY_VALUES.items()},
 }
 """Training fields added after runs were made with this package, each with the value that
 reproduces those runs. A run's own ``config.yaml`` that lacks one takes that value (the run
