@@ -120,20 +120,32 @@ def _two_nodes(tmp: Path, name: str, *args: str, outs: tuple[Path, Path]) -> tup
     return nodes  # type: ignore[return-value]
 
 
-def _run_two_nodes(tmp: Path, name: str, *args: str, outs: tuple[Path, Path]) -> list[str]:
-    nodes = _two_nodes(tmp, name, *args, outs=outs)
+def _finish(nodes: list[Node] | tuple[Node, ...]) -> tuple[list[int], list[str]]:
+    """Wait for the nodes (each killed after, whatever happened); exit codes and outputs."""
     try:
         codes = [n.wait(BOUND_S) for n in nodes]
     finally:
         for n in nodes:
             n.kill()
-    logs = [n.output() for n in nodes]
+    return codes, [n.output() for n in nodes]
+
+
+def _run_two_nodes(tmp: Path, name: str, *args: str, outs: tuple[Path, Path]) -> list[str]:
+    codes, logs = _finish(_two_nodes(tmp, name, *args, outs=outs))
     assert codes == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
     return logs
 
 
 def _ledger(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+
+
+def _both_refused(nodes: list[Node], run: Path) -> list[str]:
+    """Wait for two nodes that must both refuse to start training; their outputs."""
+    codes, outputs = _finish(nodes)
+    assert codes[0] != 0 and codes[1] != 0, "\n----\n".join(x[-3000:] for x in outputs)
+    assert not (run / "ledger.jsonl").exists() or not _ledger(run)
+    return outputs
 
 
 def _config(tmp: Path, **extra) -> Path:
@@ -198,17 +210,9 @@ def test_nodes_given_different_configs_are_refused_naming_the_keys(tmp_path):
         Node(r, port, tmp_path / f"node{r}.log", "train", "--config", str(configs[r]), *out)
         for r in (0, 1)
     ]
-    try:
-        codes = [n.wait(BOUND_S) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-    assert codes[0] != 0 and codes[1] != 0
-    for node in nodes:
-        out = node.output()
+    for out in _both_refused(nodes, tmp_path / "run"):
         assert "every node must be given the same configuration" in out, out[-3000:]
         assert "optimizer.lr: 0.001 on rank 0, 0.002 on rank 1" in out, out[-3000:]
-    assert not (tmp_path / "run" / "ledger.jsonl").exists() or not _ledger(tmp_path / "run")
 
 
 def test_nodes_on_different_code_are_refused_naming_both(tmp_path):
@@ -235,14 +239,7 @@ def test_nodes_on_different_code_are_refused_naming_both(tmp_path):
         Node(r, port, tmp_path / f"node{r}.log", *args, first=str(other) if r else "")
         for r in (0, 1)
     ]
-    try:
-        codes = [n.wait(BOUND_S) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-    assert codes[0] != 0 and codes[1] != 0
-    for node in nodes:
-        out = node.output()
+    for out in _both_refused(nodes, tmp_path / "run"):
         assert "every node must run the same code" in out, out[-3000:]
         sources = re.findall(
             r"rank 0 on \S+ runs agentrl \S+ \(sources (\w+)\).*?"
@@ -251,7 +248,6 @@ def test_nodes_on_different_code_are_refused_naming_both(tmp_path):
             re.S,
         )
         assert sources and sources[0][0] != sources[0][1], out[-3000:]
-    assert not (tmp_path / "run" / "ledger.jsonl").exists() or not _ledger(tmp_path / "run")
 
 
 def test_a_dead_node_ends_the_other_with_an_error(tmp_path):
