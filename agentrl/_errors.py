@@ -15,6 +15,8 @@ Registering the sandboxes classes as virtual subclasses (``ABCMeta.register``) w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class AgentRLError(Exception):
     """Root of every error agentrl raises on purpose."""
@@ -94,3 +96,14 @@ class WriteError(AgentRLError):
 
 class ModelError(AgentRLError):
     """A model cannot be found, fetched or converted."""
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (``__cause__``, else
+    ``__context__``), each once: a chain that loops back ends there."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__

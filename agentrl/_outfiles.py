@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from ._errors import ConfigError, OutputError, WriteError
+from ._errors import ConfigError, OutputError, WriteError, exception_chain
 
 GENERATOR = '<meta name="generator" content="agentrl">'
 """The tag every HTML page agentrl writes carries in its head."""
@@ -261,15 +261,11 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC or EDQUOT anywhere in the exception's chain (writers that wrap the ``OSError``,
     safetensors' or torch's, say so in their message)."""
-    seen: BaseException | None = exc
-    for _ in range(16):
-        if seen is None:
-            break
-        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
+    for link in exception_chain(exc):
+        if isinstance(link, OSError) and link.errno in _FULL_ERRNOS:
             return True
-        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+        if "No space left on device" in str(link) or "Disk quota exceeded" in str(link):
             return True
-        seen = seen.__cause__ or seen.__context__
     return False
 
 

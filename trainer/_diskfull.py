@@ -11,13 +11,13 @@ oldest is pruned.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import traceback
 from pathlib import Path
 
-from agentrl._outfiles import human_size
+from agentrl._errors import exception_chain
+from agentrl._outfiles import human_size, is_disk_full
 
 from ._manifest import CheckpointError
 
@@ -33,33 +33,21 @@ def _tree_size(path: Path) -> int:
     return total
 
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_FLOOR = 64 << 20
 
 
 def _disk_full(exc: BaseException, free: int, one_checkpoint: int) -> bool:
     """ENOSPC/EDQUOT anywhere in the exception's chain, or (torch's writer reports a full disk
     as a bare ``RuntimeError`` with no errno) less room left than one checkpoint needs."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
-            return True
-        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return free < max(_FULL_FLOOR, one_checkpoint)
+    return is_disk_full(exc) or free < max(_FULL_FLOOR, one_checkpoint)
 
 
 def _release_frames(exc: BaseException) -> None:
     """Drop the local variables of the frames of ``exc`` and the exceptions it chains to
     (torch's writer fails a second time while closing: its file is held by that chained
     exception's frames)."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
+    for link in exception_chain(exc):
         traceback.clear_frames(link.__traceback__)
-        link = link.__cause__ or link.__context__
 
 
 def save_failed(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import httpx
 
 from agentrl._config import short_repr
-from agentrl._errors import EngineError
+from agentrl._errors import EngineError, exception_chain
 
 from ._sglang_http import Upstream
 
@@ -67,14 +67,7 @@ def broken(exc: BaseException) -> bool:
 def connection_refused(exc: BaseException) -> bool:
     """The server's host refused the connection (ECONNREFUSED: nothing listens on the port),
     not a connect timeout, an unreachable host or a name that does not resolve."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, ConnectionRefusedError):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
+    return any(isinstance(link, ConnectionRefusedError) for link in exception_chain(exc))
 
 
 def answering(pool: list[Upstream]) -> list[Upstream]:
