@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from ._types import RunRequest, RunResult, SupervisorResult, from_supervisor
+from ._types import RunRequest, RunResult, RunStatus, SupervisorResult, from_supervisor
 
 _LOST_POLL_S = 1.0
 _STDERR_TAIL = 4000
@@ -378,10 +378,13 @@ class ContainerSandbox:
             self._busy = False
         return self._parse(out, timeout, start)
 
-    def _error(self, message: str, start: float) -> RunResult:
+    def _error(
+        self, message: str, start: float, status: RunStatus = "sandbox_error", **more: Any
+    ) -> RunResult:
         return RunResult(
-            status="sandbox_error",
+            status=status,
             error=message,
+            **more,
             wall_s=round(time.monotonic() - start, 4),
             backend=self.backend,
             sandbox_id=self.id,
@@ -406,15 +409,8 @@ class ContainerSandbox:
             self.clean = False
         if answer is None or problem:
             self.close()
-            if out.oom_killed:
-                return RunResult(
-                    status="oom",
-                    signal=9,  # the kernel's SIGKILL, to the whole container
-                    error=problem,
-                    wall_s=round(time.monotonic() - start, 4),
-                    backend=self.backend,
-                    sandbox_id=self.id,
-                )
+            if out.oom_killed:  # the kernel's SIGKILL, to the whole container
+                return self._error(_OOM_KILLED, start, "oom", signal=9)
             return self._error(problem or "no answer from the sandbox", start)
         probe, result = answer.probe, from_supervisor(answer.result)
         del answer

@@ -421,8 +421,8 @@ class SGLangEngine:
                 if not broken(probe):
                     return False
                 await anyio.sleep(_DEATH_WAIT_S / _DEATH_PROBES)
-                continue
-            return False
+            else:
+                return False  # it answered
         return False
 
     async def _move(self, state: _Session, *, relist: bool = True, alive: bool = True) -> bool:
