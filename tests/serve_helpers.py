@@ -93,6 +93,14 @@ def perturbed_copy(model_dir: Path, dest: Path, seed: int = 1) -> Path:
     return dest
 
 
+def metric(url: str, name: str) -> float:
+    """The value of ``name`` on the server's ``/metrics`` (Prometheus text, labels or not)."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
 def listed_workers(router: str) -> dict[str, bool]:
     """The workers an ``sglang-router`` lists, and whether it finds each healthy."""
     workers = httpx.get(router + "/workers", timeout=10).json()["workers"]

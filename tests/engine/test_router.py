@@ -27,7 +27,14 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from serve_helpers import listed_workers, perturbed_copy, start_router, start_serve, stop_serve
+from serve_helpers import (
+    listed_workers,
+    metric,
+    perturbed_copy,
+    start_router,
+    start_serve,
+    stop_serve,
+)
 
 from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
@@ -53,13 +60,6 @@ class Fleet:
     """The processes started here: the workers (``agentrl serve`` only), then the router."""
     sglang: bool = False
     """The workers are real SGLang servers started outside."""
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ async def test_sessions_stick_to_the_worker_that_holds_their_kv(fleet: Fleet) ->
         # one session per worker: the router's workers, not the router, hold them (SGLang does
         # not export its open sessions: there the cached tokens above show where the KV is)
         if not fleet.sglang:
-            held = [_metric(w, "agentrl:open_sessions") for w in fleet.workers]
+            held = [metric(w, "agentrl:open_sessions") for w in fleet.workers]
             assert held == [1.0] * len(fleet.workers)
         for session in sessions:
             await engine.close_session(session)
@@ -262,7 +262,7 @@ async def test_a_session_on_a_worker_left_out_of_an_update_moves_to_the_new_weig
                 assert result.weight_version == 21, (index, result)
             assert engine.statistics().session_moves == 1
             if not fleet.sglang:  # the drained worker's session was closed there
-                assert _metric(drained, "agentrl:open_sessions") == 0.0
+                assert metric(drained, "agentrl:open_sessions") == 0.0
             for session in sessions:
                 await engine.close_session(session)
         finally:
@@ -400,7 +400,7 @@ async def test_a_router_serving_another_model_too_gets_only_the_policys_traffic(
         with pytest.raises(EngineError, match="serves model 'no-such-model'"):
             async with SGLangEngine(url, max_context=2048, model="no-such-model"):
                 pass
-        requests0 = _metric(other, "sglang:num_requests_total")
+        requests0 = metric(other, "sglang:num_requests_total")
         version0 = httpx.get(other + "/get_model_info", timeout=10).json()["weight_version"]
         async with SGLangEngine(url, max_context=2048, model=policy) as engine:
             for _ in range(2 * len(fleet.workers) + 2):
@@ -409,14 +409,14 @@ async def test_a_router_serving_another_model_too_gets_only_the_policys_traffic(
             sessions = [await engine.open_session() for _ in range(len(fleet.workers) + 1)]
             for session in sessions:
                 await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), session)
-            assert _metric(other, "agentrl:open_sessions") == 0.0
+            assert metric(other, "agentrl:open_sessions") == 0.0
             for session in sessions:
                 await engine.close_session(session)
             await engine.update_weights(40, str(update_path))
             assert engine.weight_version == 40 and engine.statistics().workers_skipped == 0
         for worker in fleet.workers:
             assert httpx.get(worker + "/get_model_info").json()["weight_version"] == "40"
-        assert _metric(other, "sglang:num_requests_total") == requests0
+        assert metric(other, "sglang:num_requests_total") == requests0
         info = httpx.get(other + "/get_model_info", timeout=10).json()
         assert info["weight_version"] == version0 and info["model_path"] == str(tiny_dir)
     finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from serve_helpers import start_router, start_serve, stop_serve
+from serve_helpers import metric, start_router, start_serve, stop_serve
 
 from agentrl._errors import EngineError
 from agentrl._types import SamplingParams
@@ -37,13 +37,6 @@ def worker(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield url
     finally:
         stop_serve(proc)
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 class BreakingFront:
@@ -156,7 +149,7 @@ async def test_a_front_end_that_drops_every_probe_keeps_the_failure(worker: str)
     failure is kept, the request not sent again."""
     async with BreakingFront(worker, after="cut") as front:
         async with SGLangEngine([front.url, worker], max_context=2048) as engine:
-            requests0 = _metric(worker, "sglang:num_requests_total")
+            requests0 = metric(worker, "sglang:num_requests_total")
             began = time.monotonic()
             outcomes = await _until_it_gets_one(engine, front)
             failed = [o for o in outcomes if isinstance(o, EngineError)]
@@ -164,7 +157,7 @@ async def test_a_front_end_that_drops_every_probe_keeps_the_failure(worker: str)
             assert front.dropped >= 5 and time.monotonic() - began >= 1.5
             assert engine.statistics().regenerated == 0
             served = len(outcomes) - 1
-            assert _metric(worker, "sglang:num_requests_total") == requests0 + served
+            assert metric(worker, "sglang:num_requests_total") == requests0 + served
 
 
 async def test_a_router_that_dies_mid_request_keeps_the_failure(
@@ -202,13 +195,13 @@ async def test_a_server_that_still_answers_keeps_its_failure(worker: str) -> Non
     run there, so it is not sent again; the failure names the server."""
     async with BreakingFront(worker, after="lives") as front:
         async with SGLangEngine([front.url, worker], max_context=2048) as engine:
-            requests0 = _metric(worker, "sglang:num_requests_total")
+            requests0 = metric(worker, "sglang:num_requests_total")
             outcomes = await _until_it_gets_one(engine, front)
             failed = [o for o in outcomes if isinstance(o, EngineError)]
             assert len(failed) == 1 and front.url in str(failed[0]), outcomes
             assert front.listening and engine.statistics().regenerated == 0
             served = len(outcomes) - 1  # the others went to the real worker, once each
-            assert _metric(worker, "sglang:num_requests_total") == requests0 + served
+            assert metric(worker, "sglang:num_requests_total") == requests0 + served
 
 
 async def test_a_request_that_brings_servers_down_is_sent_again_once(worker: str) -> None:
@@ -252,7 +245,7 @@ async def test_a_session_whose_server_dies_mid_turn_moves_and_the_turn_completes
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_turn)
                 deadline = time.monotonic() + 60
-                while _metric(doomed, "sglang:num_running_reqs") < 1:
+                while metric(doomed, "sglang:num_running_reqs") < 1:
                     assert time.monotonic() < deadline, "the long turn never ran on its server"
                     await anyio.sleep(0.02)
                 os.kill(proc.pid, signal.SIGKILL)

@@ -288,13 +288,7 @@ def test_training_through_a_router_that_serves_another_model_too(tmp_path, tiny_
     both policy workers, every version is published to both, and the other model's worker gets
     neither a request nor the weights."""
     import httpx
-    from serve_helpers import start_router, start_serve, stop_serve
-
-    def requests(url: str) -> float:
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("sglang:num_requests_total"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError("sglang:num_requests_total")
+    from serve_helpers import metric, start_router, start_serve, stop_serve
 
     procs = []
     try:
@@ -315,7 +309,7 @@ def test_training_through_a_router_that_serves_another_model_too(tmp_path, tiny_
         )
         result = train(cfg, tmp_path / "run")
         info = [httpx.get(u + "/get_model_info", timeout=10).json() for u in workers]
-        served = [requests(u) for u in workers]
+        served = [metric(u, "sglang:num_requests_total") for u in workers]
     finally:
         for proc in procs:
             stop_serve(proc)
