@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -33,22 +34,30 @@ async def run_until_interrupted(
     *,
     on_interrupt: Callable[[int], None] | None = None,
     enabled: bool = True,
+    same_stop_s: float = 0.0,
 ) -> tuple[T, int | None]:
     """``(work(stop)'s result, the signal that set stop or None)``. ``on_interrupt(signum)``
     runs on the first signal (e.g. to say what happens now). Exceptions of ``work`` propagate
     unchanged. Without ``enabled`` (or off the main thread, where signals cannot be received)
-    SIGINT and SIGTERM keep their default behaviour."""
+    SIGINT and SIGTERM keep their default behaviour. A signal less than ``same_stop_s`` after
+    the first is taken for the same stop, not an abort (under torchrun a scheduler that signals
+    every process of the job and torchrun forwarding its own signal reach each rank twice)."""
     stop = anyio.Event()
     if not enabled or threading.current_thread() is not threading.main_thread():
         return await work(stop), None
     outcome: dict[str, Any] = {}
     received: list[int] = []
+    first = 0.0
 
     async def watch() -> None:
+        nonlocal first
         with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
             async for signum in signals:
                 if stop.is_set():
+                    if time.monotonic() - first < same_stop_s:
+                        continue
                     raise KeyboardInterrupt
+                first = time.monotonic()
                 received.append(int(signum))
                 stop.set()
                 if on_interrupt is not None:

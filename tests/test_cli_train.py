@@ -298,6 +298,11 @@ def test_two_ranks_train_and_resume_like_one_process(runs, tmp_path):
     first = _torchrun("train", "--config", str(config), "--out", str(two), "--max-steps", "2")
     assert first.stdout.count("done: 2 steps") == 1, "only rank 0 reports"
     _torchrun("train", "--resume", str(two), "--max-steps", str(STEPS))
+    _assert_like_one_process(straight, two)
+
+
+def _assert_like_one_process(straight: Path, two: Path) -> None:
+    """The two-rank run ``two`` recorded what the one-process run ``straight`` did."""
     a, b = _ledger(straight), _ledger(two)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b, strict=True):
@@ -318,6 +323,86 @@ def test_two_ranks_train_and_resume_like_one_process(runs, tmp_path):
     for x, y in zip(sorted(ta, key=key), sorted(tb, key=key), strict=True):
         assert key(x) == key(y) and x.token_ids == y.token_ids, f"samples differ for {key(x)}"
     assert len(read_trajectories(str(two / "eval_trajectories.jsonl"))) == 2 * 2  # steps 2, 4
+
+
+def _start_torchrun(config: Path, run: Path) -> subprocess.Popen:
+    """Two CPU ranks training into ``run`` (torchrun in its own session, output to one pipe)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(run)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _rank_pid(agent: int, rank: int) -> int:
+    """The pid of torchrun ``agent``'s worker of ``rank`` (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if parent == agent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} under torchrun {agent}")
+
+
+def _stopped_two_ranks(tmp_path: Path, signal_to) -> tuple[Path, int, str]:
+    """Two ranks with no checkpoint due, sent SIGTERM (``signal_to(torchrun's pid)`` picks the
+    process) after step KILL_AFTER; the run, its complete steps and the output."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({**CONFIG, "train": {**CONFIG["train"], "max_steps": 60},
+                                  "checkpoint": {"every_steps": 0}}))  # fmt: skip
+    run = tmp_path / "two-ranks"
+    proc = _start_torchrun(config, run)
+    try:
+        deadline = time.monotonic() + 600
+        while _lines(run / "ledger.jsonl") < KILL_AFTER:
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(signal_to(proc.pid), signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    steps = len(_ledger(run))
+    assert [r["step"] for r in _ledger(run)] == list(range(1, steps + 1)), out[-4000:]
+    assert "agentrl/loop" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    saved = run / "checkpoints" / f"step-{steps:08d}"
+    text = " ".join(out.split())
+    assert text.count(f"saving a checkpoint of step {steps} (all 2 ranks) before stopping") == 1
+    assert f"interrupted: {steps} complete steps in {run / 'ledger.jsonl'}; newest checkpoint: " \
+           f"step {steps} ({saved})" in text, out[-4000:]  # fmt: skip
+    assert sorted(p.name for p in saved.glob("rng-rank*.pt")) == ["rng-rank0.pt", "rng-rank1.pt"]
+    assert json.loads((saved / "state.json").read_text())["world_size"] == 2
+    assert [p.name for p in (run / "checkpoints").glob("*step-*")] == [saved.name]
+    return run, steps, text
+
+
+def test_two_ranks_stopped_by_sigterm_save_together_and_resume_like_one_process(runs, tmp_path):
+    """SIGTERM to torchrun (a preempted job): it signals both ranks, they drop the same step
+    at its collection, save the last complete step together (each rank its partitions and RNG
+    states) and exit; ``--resume`` then repeats the one-process run exactly."""
+    _, straight, _, _, _ = runs
+    run, steps, text = _stopped_two_ranks(tmp_path, lambda agent: agent)
+    assert text.count("stopping (SIGTERM): every rank drops the step in progress") == 1, text
+    assert steps < STEPS, "the stop came too late for this test"
+    resumed = _torchrun("train", "--resume", str(run), "--max-steps", str(STEPS))
+    assert f"resuming from checkpoint step {steps}" in resumed.stdout
+    _assert_like_one_process(straight, run)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone: rank 0, never signalled, learns of it at the next collection;
+    both drop that step and save the last complete one together, and rank 0 says why."""
+    _, _, text = _stopped_two_ranks(tmp_path, lambda agent: _rank_pid(agent, 1))
+    assert "stopping: rank 1 received a stop signal; every rank drops the step in progress" in text
+    assert "stopping (SIGTERM)" not in text, "rank 0 was not signalled; rank 1 does not speak"
 
 
 # -- failures are loud, Ctrl-C is safe, resume says what it does ---------------------------------

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 Handler = Callable[[argparse.Namespace], int]
+SAME_STOP_S = 2.0
+"""Under torchrun: a second signal this soon after the first is the same stop (a scheduler
+signals every process of the job, and torchrun forwards the signal it got to each rank)."""
 
 
 def add_train_commands(subparsers) -> dict[str, Handler]:
@@ -108,16 +111,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
             flush=True,
         )  # fmt: skip
 
+    alone = os.environ.get("WORLD_SIZE", "1") == "1"
+
     def stopping(signum: int) -> None:
+        if not lead:  # rank 0 speaks for the ranks
+            return
+        where = "the step in progress is dropped" if alone else (
+            "every rank drops the step in progress at its next collection (an update already "
+            "running finishes first)"
+        )  # fmt: skip
         print(
-            f"\nstopping ({signal_name(signum)}): the step in progress is dropped, nothing "
-            "half-written is kept (Ctrl-C or SIGTERM again to abort now)",
+            f"\nstopping ({signal_name(signum)}): {where}, nothing half-written is kept "
+            "(Ctrl-C or SIGTERM again to abort now)",
             flush=True,
         )
 
-    # under torchrun every rank would stop at a different point: keep the default Ctrl-C and
-    # SIGTERM there (docs/training.md, "Failures and Ctrl-C")
-    alone = os.environ.get("WORLD_SIZE", "1") == "1"
     result, signum = anyio.run(
         lambda: run_until_interrupted(
             lambda stop: atrain(
@@ -128,7 +136,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 accept_lost_records=args.accept_lost_records,
             ),
             on_interrupt=stopping,
-            enabled=alone,
+            same_stop_s=0.0 if alone else SAME_STOP_S,
         ),
         backend=args.backend,
     )

@@ -131,8 +131,9 @@ class CheckpointSection(_Section):
     at_end: bool = True
     """Also save after the last step."""
     at_stop: bool = True
-    """On Ctrl-C or SIGTERM (a one-process run), save the last complete step before exiting
-    when no checkpoint holds it yet, so a preempted run resumes where it stopped."""
+    """On Ctrl-C or SIGTERM (under torchrun: all ranks together), save the last complete step
+    before exiting when no checkpoint holds it yet, so a preempted run resumes where it
+    stopped."""
 
 
 class WandbSection(_Section):

@@ -12,7 +12,8 @@ Step ``s`` (the learner holds version ``v``; the engines hold ``v`` too once it 
    by a version newer than the learner's — weights this run never published, e.g. a server
    another run updated: never trained on); ``dropped`` (a failed member, under drop/fill);
    ``timed_out``; ``filtered``/``surplus`` (DAPO refill: no reward signal, or beyond
-   ``tasks_per_step``).
+   ``tasks_per_step``). With several ranks each collection gathers every rank's groups; it is
+   also where a stop signal one rank received reaches all of them (``StopAgreed``).
    ``fill`` samples as many fresh tasks once in place of the dropped and timed-out groups;
    ``train.refill_rounds`` samples fresh tasks until enough groups carry a reward signal.
 3. *Train* (in a worker thread: the actors keep the event loop), then *publish* version
@@ -107,19 +108,31 @@ def assign_fates(
             kept += 1
 
 
-def views_of(groups: list[Group]) -> list[GroupView]:
-    """Every rank's groups (``groups`` are this rank's), in slot order."""
+class StopAgreed(Exception):
+    """The ranks stop together: some were signalled (``ranks``). Raised on every rank at the
+    collection where they told the others, before anything of that step is written."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        names = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+        super().__init__(f"{names} received a stop signal")
+        self.ranks = ranks
+
+
+def views_of(groups: list[Group], stopping: bool = False) -> tuple[list[GroupView], list[int]]:
+    """Every rank's groups (``groups`` are this rank's), in slot order, and the ranks that
+    are ``stopping`` (they send no groups)."""
     mine = [
-        GroupView(g.slot, str(g.task.id), g.version, g.timed_out, g.trajectories) for g in groups
+        GroupView(g.slot, str(g.task.id), g.version, g.timed_out, g.trajectories)
+        for g in ([] if stopping else groups)
     ]
     rank = rank_world()[0]
-    everyone = gather((rank, mine))
+    everyone = gather((rank, mine, stopping))
     out = []
-    for owner, part in everyone:
+    for owner, part, _ in everyone:
         for view in part:
             view.mine = owner == rank
             out.append(view)
-    return sorted(out, key=lambda v: v.slot)
+    return sorted(out, key=lambda v: v.slot), [r for r, _, stops in everyone if stops]
 
 
 async def wait_groups(groups: list[Group], timeout_s: float | None) -> None:
@@ -156,6 +169,8 @@ class LearnerRole:
         """When the last collection ended (None before the first: sampling starts then)."""
         alg = learner.settings.algorithm
         self.refill = cfg.train.refill_rounds if alg.dynamic_sampling else 0
+        self.stop: anyio.Event | None = None
+        """Several ranks: the signal event; each collection is where they agree to stop."""
 
     def admit(self, step: int) -> None:
         """Start the groups of every step up to ``step + k`` not started yet."""
@@ -201,8 +216,12 @@ class LearnerRole:
 
     async def _round(self, data: StepData, groups: list[Group]) -> None:
         rule = self.cfg.train.partial_groups
-        await wait_groups(groups, self.cfg.train.group_timeout_s if rule != "wait" else None)
-        views = views_of(groups)
+        timeout_s = self.cfg.train.group_timeout_s if rule != "wait" else None
+        if self.stop is None:
+            await wait_groups(groups, timeout_s)
+            views, _ = views_of(groups)
+        else:
+            views = await self._agreed_round(groups, timeout_s, self.stop)
         keep = self.cfg.train.tasks_per_step if self.refill else None
         assign_fates(views, self.learner.version, self.max_lag, rule, keep_informative=keep)
         data.views += views
@@ -210,6 +229,30 @@ class LearnerRole:
         for view in views:
             if view.mine:
                 self.buffer.consumed(by_slot[view.slot], view.fate, view.lag)
+
+    async def _agreed_round(
+        self, groups: list[Group], timeout_s: float | None, stop: anyio.Event
+    ) -> list[GroupView]:
+        """Several ranks: wait for the groups unless ``stop`` is set first; every rank then
+        learns whether any rank stops (``StopAgreed`` on all of them). The gather runs in a
+        thread, so a second signal still aborts a rank that waits for the others there."""
+
+        async def wait_then_end(scope: anyio.CancelScope) -> None:
+            await wait_groups(groups, timeout_s)
+            scope.cancel()
+
+        if not stop.is_set():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_then_end, tg.cancel_scope)
+                await stop.wait()
+                tg.cancel_scope.cancel()
+        stopping = stop.is_set()
+        views, stopped = await anyio.to_thread.run_sync(
+            views_of, groups, stopping, abandon_on_cancel=True
+        )
+        if stopped:
+            raise StopAgreed(stopped)
+        return views
 
     async def train(self, data: StepData) -> dict[str, Any]:
         """Update on this rank's trained groups (in a worker thread); the merged statistics."""

@@ -31,8 +31,10 @@ end).
 
 Stopping: ``stop`` (set by the command's Ctrl-C handler) cancels the step in progress (its
 sampling, or its evaluation); nothing of that step is written, so the run is as if it had been
-killed after its last complete step; with ``checkpoint.at_stop`` (one process) that step is
-then saved when no checkpoint holds it yet, from the states recorded as it ended. After
+killed after its last complete step; with ``checkpoint.at_stop`` that step is then saved when
+no checkpoint holds it yet, from the states recorded as it ended. With several ranks a stop
+takes effect at a collection (``LearnerRole``), where every rank learns of it, so all of them
+drop the same step and save together; a step that is training finishes first. After
 ``train.max_steps_without_update`` consecutive steps that trained on nothing the loop writes the
 reason into that step's record and raises ``TrainingStalled``.
 """
@@ -70,10 +72,10 @@ from ._checkpointer import (
 from ._config import TrainConfig, dump_config
 from ._evaluator import Evaluator, sandbox_metrics
 from ._files import RunFiles, check_dashboard
-from ._learner import LearnerRole
+from ._learner import LearnerRole, StopAgreed
 from ._publisher import EngineWeightSink, Publisher
 from ._rank_publish import wrap_for_ranks
-from ._ranks import barrier, check_shared_out, gather
+from ._ranks import barrier, check_shared_out, gather, rank_world
 from ._records import (
     Clock,
     TrainingStalled,
@@ -169,7 +171,10 @@ async def atrain(
         if setup.trackers is not None:
             stack.callback(setup.trackers.close)  # also when the run fails before its files
         runtime = await _compose(stack, setup)
-        return await runtime.run(stop)
+        result = await runtime.run(stop)
+    if result.interrupted and runtime.world > 1:  # rank 0's files closed before any rank exits
+        await anyio.to_thread.run_sync(barrier, abandon_on_cancel=True)
+    return result
 
 
 def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = False) -> _Setup:
@@ -398,8 +403,8 @@ class _Runtime:
         self.last: dict[str, Any] = {}
         self.idle_steps = setup.idle_steps
         self.ended: _Ended | None = None
-        # under torchrun a signal ends every rank (no stop), so there is nothing to save at one
-        self.saves_at_stop = cfg.checkpoint.at_stop and os.environ.get("WORLD_SIZE", "1") == "1"
+        self.saves_at_stop = cfg.checkpoint.at_stop
+        self.world = rank_world()[1]
 
     async def run(self, stop: anyio.Event | None) -> TrainResult:
         try:
@@ -428,6 +433,7 @@ class _Runtime:
         ended = self.ended
         if ended is None:
             return
+        lead = self.setup.lead
         if self.learner.version != ended.version:  # the dropped step's update had been applied
             print(
                 f"no checkpoint at stop: the learner had applied the update of step "
@@ -435,11 +441,13 @@ class _Runtime:
                 flush=True,
             )
             return
-        print(
-            f"saving a checkpoint of step {ended.step} before stopping "
-            "(Ctrl-C or SIGTERM again abandons it)",
-            flush=True,
-        )
+        if lead:
+            ranks = f" (all {self.world} ranks)" if self.world > 1 else ""
+            print(
+                f"saving a checkpoint of step {ended.step}{ranks} before stopping "
+                "(Ctrl-C or SIGTERM again abandons it)",
+                flush=True,
+            )
 
         def save() -> None:
             self.checkpointer.save(
@@ -454,7 +462,8 @@ class _Runtime:
         try:
             await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
         except Exception as exc:  # the run files are whole: the stop goes on without it
-            print(f"no checkpoint at stop: {exc}", flush=True)
+            rank = f"rank {rank_world()[0]}: " if self.world > 1 else ""
+            print(f"{rank}no checkpoint at stop: {exc}", flush=True)
         else:
             self.ended = None
 
@@ -467,17 +476,31 @@ class _Runtime:
         return f"The run stopped with {where} {when}{cut}"
 
     async def _run(self, stop: anyio.Event | None) -> bool:
+        """Run the steps; whether a stop ended them. One process: ``stop`` cancels the step in
+        progress wherever it is. Several ranks: each rank stops at a collection, where they
+        all learn of it (``StopAgreed``), so every rank drops the same step and none is left
+        waiting in a collective operation."""
         intervals = self.files is not None and self.cfg.logging.interval_s > 0
+        agreed = False
         async with self.actor.running(), anyio.create_task_group() as tg:
             if intervals:
                 tg.start_soon(self._intervals)
             with anyio.CancelScope() as steps:
-                if stop is not None:
+                if stop is not None and self.world == 1:
                     tg.start_soon(cancel_when_set, stop, steps)
-                await self._steps()
+                elif stop is not None:
+                    self.role.stop = stop
+                try:
+                    await self._steps()
+                except StopAgreed as exc:
+                    agreed = True
+                    if self.setup.lead and stop is not None and not stop.is_set():
+                        print(f"stopping: {exc}; every rank drops the step in progress", flush=True)
             tg.cancel_scope.cancel()
             if intervals:  # the last, partial interval: a run shorter than one has a record
                 self._interval()
+        if self.world > 1:  # a stop after the last step's collection: the run is complete
+            return agreed
         return steps.cancelled_caught or (stop is not None and stop.is_set())
 
     async def _steps(self) -> None:

@@ -371,13 +371,14 @@ def test_no_checkpoint_at_stop_once_the_dropped_step_has_updated_the_learner(cap
     saved: list[tuple] = []
     checkpointer = SimpleNamespace(save=lambda *args, **kwargs: saved.append((args, kwargs)))
     ended = _Ended(3, 3, {"low": 6}, 6, 0, {"torch": "states at step 3"})
+    alone = {"setup": SimpleNamespace(lead=True), "world": 1}
     updated = SimpleNamespace(ended=ended, learner=SimpleNamespace(version=4),
-                              checkpointer=checkpointer)  # fmt: skip
+                              checkpointer=checkpointer, **alone)  # fmt: skip
     anyio.run(_Runtime._save_at_stop, updated)
     assert saved == [] and updated.ended is ended
     assert "had applied the update of step 4" in capsys.readouterr().out
     learner = SimpleNamespace(version=3)
-    current = SimpleNamespace(ended=ended, learner=learner, checkpointer=checkpointer)
+    current = SimpleNamespace(ended=ended, learner=learner, checkpointer=checkpointer, **alone)
     anyio.run(_Runtime._save_at_stop, current)
     assert saved == [((3, learner, {"low": 6}, 6), {"idle_steps": 0, "rng": ended.rng})]
     assert current.ended is None
