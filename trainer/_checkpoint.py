@@ -46,6 +46,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -198,11 +199,20 @@ def _lock_path(folder: Path) -> Path:
     return folder.with_name(folder.name + ".lock")
 
 
+_LEFTOVER = re.compile(r"\.tmp-(?:old-|universal-)?step-\d+")
+"""The names of the temporary folders checkpoints are written in (a save's, the swap of a
+re-saved step's, a resharding conversion's); their claim files add ``.lock``."""
+
+
 def _remove_leftovers(root: Path) -> None:
-    """Remove the ``.tmp-*`` folders (and claim files) of writers that are gone: a crash's
-    leftovers. A folder a live process is filling (its claim is held) is left alone."""
+    """Remove the temporary folders (and claim files) of checkpoint writers that are gone: a
+    crash's leftovers. A folder a live process is filling (its claim is held) is left alone,
+    and so is anything else in the root, whatever its name (a ``checkpoint.dir`` may be a
+    folder other files live in)."""
     for path in sorted(root.glob(".tmp-*")):
         folder = path.with_name(path.name.removesuffix(".lock"))
+        if not _LEFTOVER.fullmatch(folder.name):
+            continue  # not a checkpoint writer's
         if path != folder and folder.exists():
             continue  # the claim file of a folder: handled with the folder
         claim = _Claim.try_take(folder)

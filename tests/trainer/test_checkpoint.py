@@ -273,6 +273,35 @@ def test_a_save_leaves_the_folder_another_live_writer_is_filling(tmp_path):
     ]
 
 
+def test_a_save_removes_only_its_own_kind_of_leftovers(tmp_path):
+    """A ``checkpoint.dir`` other files live in: a save removes the temporary folders and claim
+    files of checkpoint writers that are gone (a save's, a re-saved step's swap, a resharding
+    conversion's), and nothing else whose name merely starts with ``.tmp-``."""
+    root = tmp_path / "shared"
+    theirs = {
+        ".tmp-userdata": "precious",
+        ".tmp-build": "objects",
+        ".tmp-step-00000003-notes": "mine",
+        ".tmp-steps": "mine too",
+    }
+    for name, text in theirs.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "file.txt").write_text(text)
+    (root / ".tmp-session.lock").write_text("held elsewhere")
+    (root / "notes.txt").write_text("keep")
+    ours = [".tmp-step-00000007", ".tmp-old-step-00000004", ".tmp-universal-step-00000002"]
+    for name in ours:
+        (root / name).mkdir()
+        (root / name / "part.pt").write_bytes(b"x" * 10)
+    (root / ".tmp-step-00000005.lock").write_text("")  # a dead writer's claim file alone
+    save_checkpoint(root, _FakeLearner(), _state(1), keep=5)
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [*theirs, ".tmp-session.lock", "notes.txt", "step-00000001"]
+    )
+    for name, text in theirs.items():
+        assert (root / name / "file.txt").read_text() == text
+
+
 # -- the LR schedule keeps its length -------------------------------------------------------------
 
 
