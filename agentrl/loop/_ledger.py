@@ -274,7 +274,11 @@ class StepProgress:
         console.print(line)
 
     def _report_errors(self, record: dict[str, Any]) -> None:
+        """The step's failures: an env's error message and traceback may carry model or tool
+        output, so every string is printed with its control characters made visible."""
         from rich.text import Text
+
+        from agentrl._report_term import terminal_safe
 
         first = record.get("first_error")
         if not record.get("errors") or not first:
@@ -284,18 +288,20 @@ class StepProgress:
         console.print(
             Text.assemble(
                 (failed + " trajectories failed", "red"),
-                f"; first: {first['trajectory']} ({first['where']}) "
-                f"{first['type']}: {first['message']}",
+                terminal_safe(
+                    f"; first: {first['trajectory']} ({first['where']}) "
+                    f"{first['type']}: {first['message']}"
+                ),
             )
         )
         traceback = first.get("traceback")
         if traceback and self._last_traceback is not None and self._last_traceback[1] == traceback:
             console.print(Text(f"  (same traceback as step {self._last_traceback[0]})"))
         elif traceback:
-            console.print(Text("  " + traceback.replace("\n", "\n  ")))
+            console.print(Text(terminal_safe("  " + traceback.replace("\n", "\n  "))))
             self._last_traceback = (record["step"], traceback)
         if record.get("stop_reason"):
-            console.print(Text(f"stopping: {record['stop_reason']}", style="red"))
+            console.print(Text(terminal_safe(f"stopping: {record['stop_reason']}"), style="red"))
 
     def close(self) -> None:
         if self._progress is not None:

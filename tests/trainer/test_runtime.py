@@ -383,3 +383,25 @@ def test_no_checkpoint_at_stop_once_the_dropped_step_has_updated_the_learner(cap
     assert saved == [((3, learner, {"low": 6}, 6), {"idle_steps": 0, "rng": ended.rng})]
     assert current.ended is None
     assert "saving a checkpoint of step 3 before stopping" in capsys.readouterr().out
+
+
+def test_step_errors_reach_the_terminal_without_their_control_characters(capsys):
+    """An env's error message, traceback and the stop reason may carry model or tool output:
+    the step's report shows their escape sequences as text (``\\x1b``), newlines kept."""
+    from agentrl.loop._ledger import StepProgress
+
+    hostile = "bad answer \x1b[2J\x1b]0;PWNED\x07\x1b[41m red"
+    progress = StepProgress(3, 0, enabled=False)
+    progress._report_errors({
+        "step": 1, "errors": 2, "trajectories": 4, "stop_reason": f"stalled: {hostile}",
+        "first_error": {"trajectory": "calc-v0/\x1b[1mt1/0", "where": "reward",
+                        "type": "RuntimeError", "message": hostile,
+                        "traceback": f"Traceback:\n  File x\nRuntimeError: {hostile}"},
+    })  # fmt: skip
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out, repr(out)
+    assert "\n    File x\n" in out, "the traceback keeps its lines"
+    text = " ".join(out.split())  # rich wraps long lines
+    assert "bad answer \\x1b[2J\\x1b]0;PWNED\\x07\\x1b[41m red" in text
+    assert "calc-v0/\\x1b[1mt1/0 (reward) RuntimeError" in text
+    assert "stopping: stalled: bad answer \\x1b[2J" in text
