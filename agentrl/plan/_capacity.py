@@ -28,6 +28,10 @@ MAX_GROUPS = 200_000
 """Groups one simulation admits at most: ``tasks_per_step × (steps + max_version_lag + 1)``.
 Every group is an object and an event, and a plan simulates up to ~16 actor counts: the bound
 keeps a plan to seconds and its memory small, whatever a run's config says."""
+SECONDS = (1e-9, 1e9)
+"""The range of a group's generation time on one actor and of a step's learner time: beyond
+it a setting is a typo (or a hostile run folder), and the simulated clock would lose the
+events to rounding or overflow."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,26 @@ class CapacitySettings:
                 f"group_size × tasks_per_step = {self.group_size * self.tasks_per_step}: at "
                 f"most {MAX_SAMPLES_PER_STEP} samples per step"
             )
+        low, high = SECONDS
+        samples = self.tasks_per_step * self.group_size
+        for what, seconds in (
+            (
+                "a group takes group_size × gen_tokens / actor_tokens_per_s = "
+                f"{self.group_size} × {self.gen_tokens:g} / {self.actor_tokens_per_s:g} = "
+                f"{self.group_size * self.gen_tokens / self.actor_tokens_per_s:g} s on one actor",
+                self.group_size * self.gen_tokens / self.actor_tokens_per_s,
+            ),
+            (
+                "a step trains tasks_per_step × group_size × learner_tokens / "
+                f"learner_tokens_per_s = {samples} × {self.learner_tokens:g} / "
+                f"{self.learner_tokens_per_s:g} = "
+                f"{samples * self.learner_tokens / self.learner_tokens_per_s:g} s",
+                samples * self.learner_tokens / self.learner_tokens_per_s,
+            ),
+            (f"publish_s {self.publish_s:g} s", max(self.publish_s, low)),
+        ):
+            if not low <= seconds <= high:  # NaN and inf too
+                raise ConfigError(f"{what}: must be between {low:g} and {high:g} s")
         groups = self.tasks_per_step * (self.steps + self.max_version_lag + 1)
         if groups > MAX_GROUPS:
             raise ConfigError(
@@ -171,7 +195,16 @@ class _Sim:
         s, warmup = self.s, self.s.steps // 3  # the pipeline fills in the first steps
         start = None
         self.admit()
+        # each event finishes a group or an update: more rounds than that is a clock that
+        # stopped (never, within the bounds ``check`` sets)
+        rounds = 4 * (s.tasks_per_step * (s.steps + s.max_version_lag + 1) + s.steps) + 100
         while self.updates < s.steps:
+            rounds -= 1
+            if rounds < 0:
+                raise ConfigError(
+                    f"the simulation of {self.actors} actors stopped advancing at "
+                    f"{self.t:g} s: these rates are too far apart to simulate ({s})"
+                )
             self.maybe_train()
             events = []
             if self.running:
@@ -246,7 +279,8 @@ def plan_capacity(
     s: CapacitySettings, max_actors: int = 256, target_idle: float = 0.05
 ) -> tuple[int, list[CapacityResult]]:
     """The fewest actors that keep the learner idle at most ``target_idle`` of the time (the
-    last one tried if none does), and the results tried on the way (doubling, then bisection)."""
+    last one tried if none does: ``max_actors``), and the results tried on the way (doubling,
+    then bisection)."""
     s.check()
     rough = s.learner_tokens_per_s * s.gen_tokens / (s.actor_tokens_per_s * s.learner_tokens)
     tried: dict[int, CapacityResult] = {}

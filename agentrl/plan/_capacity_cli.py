@@ -10,6 +10,10 @@ from .._errors import ConfigError
 from .._report_term import terminal_safe
 from ._capacity import CapacityResult, CapacitySettings, plan_capacity, simulate
 
+MAX_ACTORS = 256
+"""The most actors a plan tries."""
+TARGET_IDLE = 0.05
+"""The learner's idle fraction a recommended actor count stays within."""
 _RATES = {
     "actor_tokens_per_s": "generated tokens/s of one actor's engine",
     "learner_tokens_per_s": "trained tokens/s of the learner",
@@ -98,9 +102,16 @@ def _line(r: dict) -> str:
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     settings, measures = _settings(args)
-    best, tried = plan_capacity(settings)
+    best, tried = plan_capacity(settings, max_actors=MAX_ACTORS, target_idle=TARGET_IDLE)
     out: dict = {"settings": dataclasses.asdict(settings), "recommended_actors": best}
     out["tried"] = [_row(r) for r in tried]
+    out["target_met"] = next(
+        r.learner_idle_fraction <= TARGET_IDLE for r in tried if r.actors == best
+    )
+    out["rough_actors"] = (
+        settings.learner_tokens_per_s * settings.gen_tokens
+        / (settings.actor_tokens_per_s * settings.learner_tokens)
+    )  # fmt: skip
     if args.actors is not None or measures is not None:
         n = args.actors if args.actors is not None else measures.actors  # type: ignore[union-attr]
         out["evaluated"] = _row(simulate(settings, n))
@@ -126,7 +137,17 @@ def _render(out: dict) -> str:
         f"{'':>6} {'':>9} {'':>9} {'idle':>8} {'idle':>8} {'mean':>8}",
     ]
     lines += [_line(r) for r in out["tried"]]
-    lines.append(f"recommended: {out['recommended_actors']} actor(s) keep the learner busy")
+    best = out["recommended_actors"]
+    if out["target_met"]:
+        lines.append(f"recommended: {best} actor(s) keep the learner busy")
+    else:
+        idle = next(r for r in out["tried"] if r["actors"] == best)["learner_idle_fraction"]
+        lines.append(
+            f"no count up to {best} actors keeps the learner idle at most {TARGET_IDLE:.0%} of "
+            f"the time (with {best}: {idle:.0%}); the rates call for about "
+            f"{out['rough_actors']:.3g} actors (learner tokens/s × generated tokens ÷ actor "
+            "tokens/s ÷ trained tokens)"
+        )
     if "evaluated" in out:
         lines += ["evaluated:", _line(out["evaluated"])]
     if "measured" in out:

@@ -51,6 +51,11 @@ def _read_jsonl(path: Path) -> list[Record]:
         raise ConfigError(f"--from-run: {exc}") from None
 
 
+MAX_VALUE = 1e15
+"""The largest number taken from a run file (tokens, seconds, counts): sums and products of
+such numbers over a ledger stay far inside a float's range."""
+
+
 def _bad(where: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"--from-run: {where}: {short_repr(value)}: expected {expected}")
 
@@ -74,6 +79,8 @@ def _checked(where: str, value: Any, required: bool = False) -> float:
         raise _bad(where, value, "a number a float can hold") from None
     if not (math.isfinite(number) and number >= 0):
         raise _bad(where, value, "a finite number >= 0")
+    if number > MAX_VALUE:
+        raise _bad(where, value, f"a number up to {MAX_VALUE:g} (no run records more)")
     return number
 
 

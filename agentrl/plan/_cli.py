@@ -102,7 +102,7 @@ def settings_from_args(args: argparse.Namespace, shape: ModelShape) -> MemorySet
     reference, critic = _algorithm_models(args.algorithm, args.kl_coef)
     reward = {"none": None, "same": shape}.get(args.reward_model)
     if reward is None and args.reward_model not in ("none", "same"):
-        reward = load_shape(args.reward_model)
+        reward = load_shape(args.reward_model, "--reward-model")
     memory = None if args.gpu_memory is None else parse_bytes(args.gpu_memory, "--gpu-memory")
     return MemorySettings(
         gpus=args.gpus,

@@ -87,9 +87,16 @@ class MemorySettings:
             raise ConfigError(f"--offload params needs --zero 3 (got --zero {self.zero})")
         if "reward" in self.offload and self.reward is None:
             raise ConfigError("--offload reward: there is no reward model (--reward-model none)")
-        for name in ("micro_batch_tokens", "chunk_size", "rollout_batch", "context"):
+        if "reference" in self.offload and not self.reference:
+            raise ConfigError(
+                "--offload reference: there is no reference model (one is kept only with a KL "
+                "coefficient > 0: --kl-coef)"
+            )
+        for name, flag in (("micro_batch_tokens", "--micro-batch-tokens"),
+                           ("chunk_size", "--chunk-size"), ("rollout_batch", "--rollout-batch"),
+                           ("context", "--seq-len")):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} {getattr(self, name)}: at least 1")
+                raise ConfigError(f"{flag} {getattr(self, name)}: at least 1")
 
 
 @dataclass

@@ -56,12 +56,36 @@ def _replace(shape: ModelShape, name: str, params: int) -> ModelShape:
     return ModelShape(**fields)
 
 
+MAX_DIM = 2**31
+"""The largest size a config.json dimension may give (layers, widths, heads, vocabulary)."""
+MAX_PARAMS = 10**16
+"""The largest parameter count sized (10 quadrillion: far past any model)."""
+
+
 def parse_count(text: str) -> int | None:
-    """``7B`` -> 7e9, ``135M`` -> 135e6, ``1.5b`` -> 1.5e9; None for anything else."""
+    """``7B`` -> 7e9, ``135M`` -> 135e6, ``1.5b`` -> 1.5e9; None for anything else (a count
+    past ``MAX_PARAMS`` is ``MAX_PARAMS + 1``: refused by the caller, as too large)."""
     match = _COUNT.match(text)
     if match is None:
         return None
-    return int(float(match.group(1)) * _SCALE[match.group(2).lower()])
+    count = float(match.group(1)) * _SCALE[match.group(2).lower()]
+    return int(count) if count <= MAX_PARAMS else MAX_PARAMS + 1
+
+
+def _dim(raw: dict[str, Any], key: str, name: str, default: int | None = None) -> int:
+    """``raw[key]`` as a positive integer dimension (``default`` when absent or null)."""
+    value = raw.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ConfigError(f"{name}: config.json lacks a usable {key!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: config.json {key} {value!r}: expected a whole number")
+    if not 1 <= value <= MAX_DIM:
+        raise ConfigError(f"{name}: config.json {key} {value}: expected 1 to {MAX_DIM}")
+    return value
 
 
 def shape_from_config(raw: dict[str, Any], name: str) -> ModelShape:
@@ -69,14 +93,11 @@ def shape_from_config(raw: dict[str, Any], name: str) -> ModelShape:
     kind = raw.get("model_type")
     if kind not in _FAMILIES:
         raise ConfigError(f"{name}: model_type {kind!r} is not sized (supported: {_FAMILIES})")
-    try:
-        hidden, layers = int(raw["hidden_size"]), int(raw["num_hidden_layers"])
-        heads, inter = int(raw["num_attention_heads"]), int(raw["intermediate_size"])
-        vocab = int(raw["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: config.json lacks a usable {exc}") from None
-    kv = int(raw.get("num_key_value_heads") or heads)
-    hd = int(raw.get("head_dim") or hidden // heads)
+    hidden, layers = _dim(raw, "hidden_size", name), _dim(raw, "num_hidden_layers", name)
+    heads, inter = _dim(raw, "num_attention_heads", name), _dim(raw, "intermediate_size", name)
+    vocab = _dim(raw, "vocab_size", name)
+    kv = _dim(raw, "num_key_value_heads", name, default=heads)
+    hd = _dim(raw, "head_dim", name, default=max(1, hidden // heads))
     qkv_bias = kind == "qwen2" or bool(raw.get("attention_bias", False))
     o_bias = bool(raw.get("attention_bias", False))
     mlp_bias = bool(raw.get("mlp_bias", False))
@@ -90,12 +111,25 @@ def shape_from_config(raw: dict[str, Any], name: str) -> ModelShape:
     return ModelShape(name, params, largest, layers, hidden, inter, heads, kv, hd, vocab, tied)
 
 
-def load_shape(spec: str) -> ModelShape:
-    """A parameter count, a config.json, an HF folder, or a cached registered model name."""
+def load_shape(spec: str, option: str = "--model") -> ModelShape:
+    """A parameter count, a config.json, an HF folder, or a cached registered model name
+    (``option``: the flag that gave it, named in errors)."""
+    try:
+        return _load_shape(spec)
+    except ConfigError as exc:
+        text = str(exc)
+        if text.startswith("--model "):
+            raise ConfigError(option + text.removeprefix("--model")) from None
+        raise ConfigError(f"{option} {text}") from None
+
+
+def _load_shape(spec: str) -> ModelShape:
     count = parse_count(spec)
     if count is not None:
         if count <= 0:
             raise ConfigError(f"--model {spec!r}: a parameter count must be positive")
+        if count > MAX_PARAMS:
+            raise ConfigError(f"--model {spec[:40]!r}: at most {MAX_PARAMS:.0e} parameters")
         return ModelShape(spec, count, 0)  # no architecture: activations, KV, logits unknown
     path = Path(spec).expanduser()
     if path.is_dir():

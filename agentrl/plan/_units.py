@@ -8,6 +8,8 @@ from .._errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+MAX_BYTES = 10**18
+"""The largest size taken (an exabyte)."""
 
 
 def parse_bytes(text: str, option: str) -> int:
@@ -20,7 +22,10 @@ def parse_bytes(text: str, option: str) -> int:
     letter = unit[:1].lower() if unit.lower() != "b" else ""
     binary = "i" in unit.lower() or (len(unit) == 1 and letter != "")
     scale = 1024 ** "bkmgt".index(letter) if binary and letter else _UNIT[letter]
-    return int(number * scale)
+    size = number * scale
+    if not size <= MAX_BYTES:  # inf too
+        raise ConfigError(f"{option} {text[:40]!r}: at most {MAX_BYTES:.0e} bytes")
+    return int(size)
 
 
 def gb(n: int) -> str:

@@ -111,10 +111,43 @@ def test_run_files_that_are_not_regular_or_not_utf8(tmp_path, capsys):
     assert "/dev/zero: not a regular file" in capsys.readouterr().err
 
 
-def test_rates_whose_ratio_overflows_plan_without_a_traceback(capsys):
-    rates = ["--actor-tokens-per-s", "1e-300", "--learner-tokens-per-s", "1e300"]
-    assert main(["plan", "capacity", *rates, *RATES[4:], "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["recommended_actors"] >= 1
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({"--actor-tokens-per-s": "1e-300", "--learner-tokens-per-s": "1e300"},
+         "a group takes group_size × gen_tokens / actor_tokens_per_s = 2 × 10 / 1e-300 = 2e+301 s"),
+        ({"--gen-tokens": "1e308"}, "= 2 × 1e+308 / 100 = inf s on one actor"),
+        ({"--actor-tokens-per-s": "1e-310"}, "/ 1e-310 = inf s on one actor"),
+        ({"--learner-tokens-per-s": "1e-320"}, "a step trains tasks_per_step × group_size × "),
+        ({"--learner-tokens-per-s": "1e300"}, "= 4 × 20 / 1e+300 = 8e-299 s: must be"),
+        ({"--publish-s": "1e308"}, "publish_s 1e+308 s: must be between 1e-09 and 1e+09 s"),
+    ],
+)  # fmt: skip
+def test_rates_beyond_any_run_are_refused_naming_the_time_they_make(capsys, changed, message):
+    """Finite rates whose times overflow (or vanish) left the simulated clock stuck on NaN: the
+    plan never returned, or printed NaN rows and a recommendation. Refused at once."""
+    flags = dict(zip(RATES[::2], RATES[1::2], strict=True)) | changed
+    began = time.monotonic()
+    assert main(["plan", "capacity", *[x for kv in flags.items() for x in kv]]) == 2
+    assert time.monotonic() - began < 10
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_target_no_actor_count_meets_is_said_so(capsys):
+    """Actors far too slow for the learner: even the most actors tried leave the learner idle,
+    and the plan says so (with the count the rates call for) instead of recommending them."""
+    rates = ["--actor-tokens-per-s", "1", "--gen-tokens", "1000", "--learner-tokens-per-s",
+             "100000", "--learner-tokens", "1000", "--group-size", "8", "--tasks-per-step", "4",
+             "--max-version-lag", "0"]  # fmt: skip
+    assert main(["plan", "capacity", *rates]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "recommended:" not in out
+    assert "no count up to 256 actors keeps the learner idle at most 5% of the time (with " \
+           "256: 100%); the rates call for about 1e+05 actors" in out  # fmt: skip
+    assert main(["plan", "capacity", *rates, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["target_met"] is False and plan["recommended_actors"] == 256
 
 
 @pytest.mark.parametrize(
@@ -199,6 +232,8 @@ def test_a_well_formed_run_calibrates(tmp_path, capsys):
         ),
         (None, {"step_s": True}, None, "line 2: step_s: True: expected a number"),
         (None, {"gen_tokens": 10**400}, None, "line 2: gen_tokens: "),
+        (None, {"gen_tokens": 1e307}, None, "gen_tokens: 1e+307: expected a number up to 1e+15"),
+        (None, {"step_s": 1e300}, None, "line 2: step_s: 1e+300: expected a number up to 1e+15"),
         (None, {"step": None}, [], "ledger.jsonl: line 2: step: missing"),
         (None, {"version_lag_hist": {"x": 1}}, None, "version_lag_hist: 'x': expected lags"),
         (None, {"version_lag_hist": {" 1_0 ": 1}}, None, "version_lag_hist: ' 1_0 ': expected"),

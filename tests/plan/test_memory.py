@@ -210,11 +210,48 @@ def test_the_table_and_the_exit_code_say_whether_it_fits(capsys):
         (["--model", "no-such-model"], "not a parameter count"),
         (["--model", "7B", "--gpus", "0"], "--gpus 0: at least 1"),
         (["--model", "7B", "--kl-coef", "nan"], "--kl-coef nan: must be a finite number >= 0"),
+        (["--model", "7B", "--reward-model", "0B"], "--reward-model '0B': a parameter count must"),
+        (["--model", "7B", "--seq-len", "0"], "--seq-len 0: at least 1"),
+        (["--model", "7B", "--micro-batch-tokens", "0"], "--micro-batch-tokens 0: at least 1"),
+        (["--model", "7B", "--offload", "reference"], "--offload reference: there is no refer"),
+        (["--model", "9" * 400], "at most 1e+16 parameters"),
+        (["--model", "7B", "--gpu-memory", "9" * 400], "--gpu-memory '999"),
     ],
 )
 def test_bad_options_are_named(capsys, argv, message):
     assert main(["plan", "memory", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_attention_heads", 0, "num_attention_heads 0: expected 1 to 2147483648"),
+        ("num_hidden_layers", -200, "num_hidden_layers -200: expected 1 to"),
+        ("num_key_value_heads", "x", "num_key_value_heads 'x': expected a whole number"),
+        ("num_attention_heads", 4.9, "num_attention_heads 4.9: expected a whole number"),
+        ("hidden_size", True, "hidden_size True: expected a whole number"),
+        ("head_dim", 1e400, "head_dim inf: expected a whole number"),
+        ("vocab_size", None, "lacks a usable 'vocab_size'"),
+    ],
+)
+def test_a_config_json_dimension_that_is_not_a_size_is_named(
+    tmp_path, capsys, field, value, message
+):
+    """A downloaded config.json sized nonsense (negative memory) or failed with a traceback
+    (a division by zero heads, an overflow); each field is a whole number in range."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000,
+              field: value}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for flag in ("--model", "--reward-model"):
+        argv = (
+            [flag, str(tmp_path)] if flag == "--model" else ["--model", "7B", flag, str(tmp_path)]
+        )
+        assert main(["plan", "memory", *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {tmp_path}: config.json " in err and message in err, err
 
 
 def test_a_config_that_is_not_a_llama_family_model_is_refused(tmp_path, capsys):
