@@ -264,11 +264,26 @@ def check_model(name_or_path: str | os.PathLike[str]) -> str:
         return value
     path = Path(value).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        if _is_training_run(path):
+            raise ModelError(
+                f"{value!r} is a training run's folder (its config.json is the run's), not a "
+                "model: name one of its checkpoints, or export one (agentrl export)"
+            )
         return value
     raise ModelError(
         f"{value!r} is neither a registered model nor a folder with config.json; "
         f"known models: {', '.join(sorted(_REGISTRY))}"
     )
+
+
+def _is_training_run(folder: Path) -> bool:
+    """Does ``folder/config.json`` say ``"train": true`` (the file ``agentrl train`` writes)?"""
+    try:
+        with open(folder / "config.json", "rb") as f:
+            head = f.read(1 << 20)
+        return json.loads(head).get("train") is True
+    except (OSError, ValueError, AttributeError):
+        return False  # a model's config.json (or one that is not JSON: loading says so)
 
 
 def list_models(cache_dir: Path | None = None) -> list[ModelInfo]:

@@ -152,6 +152,87 @@ def test_export_and_eval_commands(runs, tmp_path):
     assert bad.returncode == 2 and "train.max_step" in bad.stderr
 
 
+def _eval(config: Path, checkpoint: Path, *more: str) -> subprocess.CompletedProcess:
+    return _agentrl("eval", "--config", str(config), "--checkpoint", str(checkpoint), *more,
+                    check=False)  # fmt: skip
+
+
+def _refused(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr and all(n in err for n in needles), proc.stderr[-3000:]
+
+
+def test_eval_and_export_check_what_they_load(runs, tmp_path, tiny_model_path):
+    """``eval`` verifies a checkpoint as ``export`` and ``--resume`` do (a damaged one was
+    evaluated); a run folder's checkpoints are found under its own ``checkpoint.dir`` (the run
+    folder was taken for a model: a traceback); a model folder that is no longer where the
+    checkpoint recorded it is named, and ``--model`` gives it, checked against the run's
+    tokenizer; an export copies the model's config and tokenizer files, nothing else."""
+    import yaml
+
+    from agentrl.trainer import list_checkpoints
+    from agentrl.trainer._manifest import write_manifest
+
+    config, straight, _, _, _ = runs
+    damaged = tmp_path / "damaged"
+    shutil.copytree(list_checkpoints(straight / "checkpoints")[-1], damaged)
+    victim = max(
+        (p for p in damaged.rglob("*.pt") if "optim" in p.name), key=lambda p: p.stat().st_size
+    )
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    _refused(_eval(config, damaged), f"{victim}: its contents changed since it was saved")
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    shutil.copytree(straight, run)
+    shutil.move(run / "checkpoints", elsewhere)
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    recorded["checkpoint"]["dir"] = str(elsewhere)
+    (run / "config.yaml").write_text(yaml.safe_dump(recorded))
+    proc = _eval(config, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert metrics["policy_version"] == STEPS
+    assert metrics["checkpoint"] == str(elsewhere / f"step-{STEPS:08d}")
+    recorded["checkpoint"]["dir"] = str(tmp_path / "empty")
+    (run / "config.yaml").write_text(yaml.safe_dump(recorded))
+    _refused(_eval(config, run), f"{run} is a training run with no complete checkpoint under")
+
+    moved = elsewhere / f"step-{STEPS:08d}"
+    state = json.loads((moved / "state.json").read_text())
+    state["model_path"] = str(tmp_path / "gone" / "tiny-random")
+    (moved / "state.json").write_text(json.dumps(state))
+    write_manifest(moved)  # as if the run came from another machine
+    recorded["checkpoint"]["dir"] = str(elsewhere)
+    (run / "config.yaml").write_text(yaml.safe_dump(recorded))
+    hint = "(state.json model_path) has no config.json (a run copied from another machine?)"
+    _refused(_eval(config, run), hint)
+    _refused(_agentrl("export", str(run), "--out", str(tmp_path / "x"), check=False), hint)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    (model / "id_rsa").write_text("not for an export")
+    (model / "notes.md").write_text("nor this")
+    out = tmp_path / "hf"
+    _agentrl("export", str(run), "--out", str(out), "--model", str(model))
+    copied = {p.name for p in out.iterdir()} - {"model.safetensors", "agentrl_export.json"}
+    assert copied and copied <= {p.name for p in tiny_model_path.iterdir()}, copied
+    assert "id_rsa" not in copied and "notes.md" not in copied and "config.json" in copied
+    proc = _eval(config, run, "--model", str(model))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = "{{ messages[0]['content'] }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    _refused(
+        _eval(config, run, "--model", str(model)),
+        f"--model {model}: its tokenizer",
+        "is not the one checkpoint",
+    )
+    _refused(_eval(config, tiny_model_path, "--model", str(model)), "only for a checkpoint")
+
+
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     """A config file that is not UTF-8 (``--config``, or the run's own config.yaml on
     ``--resume``), an eval split no environment serves (in ``train``, with evaluation off, and

@@ -31,14 +31,30 @@ from agentrl._outfiles import write_file
 
 from ._checkpoint import consolidated_state_dict
 from ._lookup import verify_checkpoint
+from ._manifest import CheckpointError
 
 EXPORT_MARKER = "agentrl_export.json"
 _TMP = ".agentrl-export-tmp"
 
 
-def _is_weights_file(name: str) -> bool:
-    # weights and the model cache's manifest (its checksums describe the original weights)
-    return name.endswith((".safetensors", ".bin", ".index.json")) or name == "agentrl_model.json"
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The files of the run's model folder an export copies beside the weights (an HF causal LM's
+configuration and tokenizer); nothing else of that folder is copied, whatever it holds."""
 
 
 def export_checkpoint(
@@ -59,6 +75,12 @@ def export_checkpoint(
     check_export_out(out, path, run_dir=run_dir)
     state = verify_checkpoint(path)
     source = Path(model_path or state.model_path)
+    if not (source / "config.json").is_file():
+        raise CheckpointError(
+            f"checkpoint {path}: its model folder {str(source)!r} (state.json model_path) has no "
+            "config.json (a run copied from another machine?): pass the folder or registered "
+            "name of the model the run trained from (--model)"
+        )
     weights = consolidated_state_dict(path)
     config = json.loads((source / "config.json").read_text())
     if config.get("tie_word_embeddings", False):
@@ -76,9 +98,9 @@ def export_checkpoint(
         str(tmp / "model.safetensors"),
         metadata={"format": "pt", "policy_version": str(state.policy_version)},
     )
-    for file in source.iterdir():
-        if file.is_file() and not _is_weights_file(file.name) and file.name != EXPORT_MARKER:
-            shutil.copy2(file, tmp / file.name)
+    for name in MODEL_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, tmp / name)
     names = sorted(p.name for p in tmp.iterdir())
     record = {
         "checkpoint": str(Path(path).absolute()),

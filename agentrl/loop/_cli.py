@@ -17,6 +17,12 @@ SAME_STOP_S = 2.0
 signals every process of the job, and torchrun forwards the signal it got to each rank)."""
 
 
+_MODEL_HELP = (
+    "the model the run trained from (folder or registered name), where the folder its "
+    "checkpoint recorded is not there (a run copied from another machine)"
+)
+
+
 def add_train_commands(subparsers) -> dict[str, Handler]:
     """Add ``train``, ``eval`` and ``export`` to an argparse subparsers object."""
     t = subparsers.add_parser("train", help="train a policy with RL (DeepSpeed ZeRO-3)")
@@ -43,6 +49,7 @@ def add_train_commands(subparsers) -> dict[str, Handler]:
     e = subparsers.add_parser("eval", help="evaluate a checkpoint on the held-out split")
     e.add_argument("--config", default=None, help="YAML run config (env, eval section)")
     e.add_argument("--checkpoint", required=True, help="checkpoint, run dir, model or folder")
+    e.add_argument("--model", default=None, help=_MODEL_HELP)
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--num-tasks", type=int, default=None, help="shortcut for eval.num_tasks")
     e.add_argument("--out", default=None, help="write eval_summary.json and trajectories here")
@@ -56,6 +63,7 @@ def add_train_commands(subparsers) -> dict[str, Handler]:
     x.add_argument("run_dir", help="run directory")
     x.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     x.add_argument("--out", required=True, help="output folder")
+    x.add_argument("--model", default=None, help=_MODEL_HELP)
     return {"train": _cmd_train, "eval": _cmd_eval, "export": _cmd_export}
 
 
@@ -172,7 +180,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from ._eval import aevaluate
 
     metrics = anyio.run(
-        lambda: aevaluate(cfg, args.checkpoint, out=args.out, overwrite=args.overwrite)
+        lambda: aevaluate(
+            cfg, args.checkpoint, out=args.out, overwrite=args.overwrite, model=args.model
+        )
     )
     print(json.dumps(metrics, indent=2))
     return 0
@@ -181,6 +191,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ._eval import export_run
 
-    path, step = export_run(args.run_dir, args.step, args.out)
+    path, step = export_run(args.run_dir, args.step, args.out, args.model)
     print(f"exported {args.run_dir} step {step} → {path}")
     return 0

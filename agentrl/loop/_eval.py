@@ -16,7 +16,7 @@ from agentrl._env_values import check_task_ids
 from agentrl._errors import ConfigError
 from agentrl._outfiles import write_file
 from agentrl._rollout import RolloutContext
-from agentrl._runner import refuse_training_run, run_groups
+from agentrl._runner import describe_run_dir, refuse_training_run, run_groups
 from agentrl._types import TrajectoryWriter
 from agentrl.envs import check_env_sandbox, open_env_sandbox
 from agentrl.trainer import (
@@ -26,6 +26,7 @@ from agentrl.trainer import (
     list_checkpoints,
     read_state,
     step_dir,
+    verify_checkpoint,
 )
 
 from ._checkpointer import checkpoint_root
@@ -35,10 +36,18 @@ from ._evaluator import eval_metrics, eval_rollout, sandbox_metrics
 
 def find_checkpoint(path: str | os.PathLike[str]) -> Path | None:
     """A checkpoint folder from a checkpoint folder, a checkpoints root or a run folder
-    (its newest); None when ``path`` holds none."""
+    (its newest, under the run's own ``checkpoint.dir``); None when ``path`` is none of
+    them. A training run without a complete checkpoint is a ``ConfigError`` (its folder is no
+    model either)."""
     path = Path(path)
     if (path / "state.json").is_file():
         return path
+    if describe_run_dir(path)[0]:
+        root = run_checkpoint_root(path)
+        found = latest_checkpoint(root)
+        if found is None:
+            raise ConfigError(f"{path} is a training run with no complete checkpoint under {root}")
+        return found
     for root in (path, path / "checkpoints"):
         found = latest_checkpoint(root)
         if found is not None:
@@ -46,17 +55,57 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-async def _policy(checkpoint: str) -> tuple[str, int, dict[str, Any] | None, str]:
+def run_checkpoint_root(run: Path) -> Path:
+    """Where a run folder keeps its checkpoints: its recorded ``checkpoint.dir``, else
+    ``run/checkpoints``."""
+    config_file = run / "config.yaml"
+    if not config_file.is_file():
+        return run / "checkpoints"
+    from ._config import load_train_config
+
+    return checkpoint_root(load_train_config(config_file, recorded=True), run)
+
+
+def checkpoint_model(checkpoint: Path, state: Any, model: str | None) -> str:
+    """The model folder a checkpoint's policy goes on (its config and tokenizer): ``model``
+    (a folder or registered name, ``--model``; its tokenizer must be the one the run trained
+    with), else the folder the checkpoint recorded (``state.json``'s ``model_path``)."""
+    from agentrl._models import load_tokenizer, resolve_model, tokenizer_fingerprint
+
+    if model is None:
+        if not (Path(state.model_path) / "config.json").is_file():
+            raise ConfigError(
+                f"checkpoint {checkpoint}: its model folder {state.model_path!r} (state.json "
+                "model_path) has no config.json (a run copied from another machine?): pass "
+                "--model with the folder or registered name of the model the run trained from"
+            )
+        return state.model_path
+    folder = str(resolve_model(model))
+    fingerprint = tokenizer_fingerprint(load_tokenizer(folder))
+    if fingerprint != state.tokenizer_fingerprint:
+        raise ConfigError(
+            f"--model {model}: its tokenizer ({fingerprint}) is not the one checkpoint "
+            f"{checkpoint} was trained with ({state.tokenizer_fingerprint})"
+        )
+    return folder
+
+
+async def _policy(
+    checkpoint: str, model: str | None = None
+) -> tuple[str, int, dict[str, Any] | None, str]:
     """(model folder, policy version, weights or None, what was loaded) of a checkpoint, or
-    of a model name."""
+    of a model name. A checkpoint is verified first (every file its manifest lists, hashed)."""
     from agentrl._models import resolve_model
 
     found = find_checkpoint(checkpoint)
     if found is None:
+        if model is not None:
+            raise ConfigError(f"--model {model}: only for a checkpoint; {checkpoint} is none")
         return str(resolve_model(checkpoint)), 0, None, checkpoint
-    state = read_state(found)
+    state = await anyio.to_thread.run_sync(verify_checkpoint, found)
+    folder = await anyio.to_thread.run_sync(checkpoint_model, found, state, model)
     weights = await anyio.to_thread.run_sync(consolidated_state_dict, found)
-    return state.model_path, state.policy_version, weights, str(found)
+    return folder, state.policy_version, weights, str(found)
 
 
 async def aevaluate(
@@ -65,11 +114,13 @@ async def aevaluate(
     *,
     out: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (or, when ``checkpoint`` is not one, a model name or HF folder)
     on ``eval.num_tasks`` tasks of ``eval.split``; returns the metrics (also written to
     ``out/eval_summary.json`` with the trajectories). An ``out`` that holds an evaluation
-    already is refused, unless ``overwrite``: then this one replaces it once it finishes."""
+    already is refused, unless ``overwrite``: then this one replaces it once it finishes.
+    ``model``: the model folder a checkpoint goes on (``checkpoint_model``)."""
     from agentrl._models import load_tokenizer, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
     from agentrl.engine import engine_options, open_embedded_engine
@@ -80,7 +131,7 @@ async def aevaluate(
         _check_eval_out(out_dir, overwrite)
     spec = env_spec(cfg.env)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
-    model_path, version, weights, source = await _policy(checkpoint)
+    model_path, version, weights, source = await _policy(checkpoint, model)
     tokenizer = load_tokenizer(model_path)
     env = spec.make(**cfg.rollout.env_kwargs)
     tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
@@ -143,19 +194,17 @@ def _check_eval_out(out: Path, overwrite: bool) -> None:
 
 
 def export_run(
-    run_dir: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str]
+    run_dir: str | os.PathLike[str],
+    step: int | None,
+    out: str | os.PathLike[str],
+    model: str | None = None,
 ) -> tuple[Path, int]:
     """``agentrl export RUN --step N --out DIR``: the checkpoint of step N (default: newest)
     of a run as an HF folder; returns the folder and the step exported. ``DIR`` must be new,
     empty or an earlier export; the run folder and any folder holding it are refused
-    (``agentrl.trainer.export_checkpoint``)."""
+    (``agentrl.trainer.export_checkpoint``). ``model``: ``checkpoint_model``."""
     run = Path(run_dir)
-    root = run / "checkpoints"
-    config_file = run / "config.yaml"
-    if config_file.is_file():
-        from ._config import load_train_config
-
-        root = checkpoint_root(load_train_config(config_file, recorded=True), run)
+    root = run_checkpoint_root(run)
     path = step_dir(root, step) if step is not None else latest_checkpoint(root)
     if path is None or not (path / "state.json").is_file():
         steps = [read_state(p).step for p in list_checkpoints(root)]
@@ -166,4 +215,6 @@ def export_run(
             else "it holds none"
         )
         raise ConfigError(f"no complete checkpoint {which} under {root}: {there}")
-    return export_checkpoint(path, out, run_dir=run), read_state(path).step
+    state = read_state(path)
+    folder = checkpoint_model(path, state, model)
+    return export_checkpoint(path, out, model_path=folder, run_dir=run), state.step

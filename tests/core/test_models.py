@@ -53,6 +53,14 @@ def test_folder_without_config_is_rejected(tmp_path: Path) -> None:
         resolve_model(tmp_path)
 
 
+def test_a_training_run_folder_is_no_model(tmp_path: Path) -> None:
+    """A run folder holds a ``config.json`` too (the run's, ``"train": true``): taken for a
+    model, it failed later in transformers with a traceback."""
+    (tmp_path / "config.json").write_text(json.dumps({"train": True, "model": "tiny-random"}))
+    with pytest.raises(ModelError, match="is a training run's folder .* not a model"):
+        resolve_model(tmp_path)
+
+
 def test_local_folder_is_returned_as_is(tiny_dir: Path) -> None:
     assert resolve_model(str(tiny_dir)) == tiny_dir
     assert resolve_model(tiny_dir) == tiny_dir
