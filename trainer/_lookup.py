@@ -14,6 +14,7 @@ A checkpoint whose ``state.json`` names another step than its ``step-N`` folder 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import typing
@@ -179,9 +180,58 @@ def read_state(path: str | os.PathLike[str]) -> LoopState:
     problems += [
         p for key, v in data.items() if key in hints and (p := _checked_value(key, hints[key], v))
     ]
+    problems = problems or _meaning(data)
     if problems:
         raise CheckpointError(f"{file} is damaged: {'; '.join(problems)}")
     return LoopState(**data)
+
+
+IN_FLIGHT_RULES = (IN_FLIGHT_RULE, "requeue")
+"""The in-flight rules checkpoints record (older agentrl's default; the loop's)."""
+MAX_WORLD_SIZE = 1 << 20
+MAX_OPEN_SLOTS = 1_000_000
+"""Task slots handed out and not yet settled that a checkpoint may record: a step holds at most
+``tasks_per_step × (max_version_lag + 1)`` and its refills; a resumed run samples them again."""
+
+
+def _meaning(data: dict[str, Any]) -> list[str]:
+    """What a well-typed ``state.json`` may still get wrong (a hand edit, a damaged or hostile
+    file whose manifest was rewritten): counters below zero, a format from a newer agentrl,
+    task accounting that is not one (it would be sampled again, slot by slot)."""
+    problems = [
+        f"{key} is {data[key]!r} (a count: >= 0)"
+        for key in ("step", "policy_version", "data_cursor", "steps_without_update", "world_size")
+        if key in data and data[key] < 0
+    ]
+    idle = data.get("steps_without_update", 0)
+    if idle > data["step"]:
+        problems.append(f"steps_without_update {idle} > step {data['step']}")
+    fmt = data.get("checkpoint_format", 1)
+    if not 1 <= fmt <= CHECKPOINT_FORMAT:
+        problems.append(
+            f"checkpoint_format is {fmt!r} (this agentrl reads formats 1 to {CHECKPOINT_FORMAT}: "
+            "a newer agentrl wrote it?)"
+        )
+    world = data.get("world_size", 0)
+    if world > MAX_WORLD_SIZE or (fmt >= 2 and world < 1):
+        problems.append(f"world_size is {world!r} (the ranks that saved it: 1 to {MAX_WORLD_SIZE})")
+    if data.get("in_flight", IN_FLIGHT_RULE) not in IN_FLIGHT_RULES:
+        problems.append(f"in_flight is {data['in_flight']!r} (one of {', '.join(IN_FLIGHT_RULES)})")
+    created = data.get("created", 0.0)
+    if not math.isfinite(created):
+        problems.append(f"created is {created!r} (a time)")
+    tasks = data.get("tasks") or {}
+    if tasks:
+        low, nxt, settled = tasks["low"], tasks["next"], tasks["settled"]
+        if not low <= nxt:
+            problems.append(f"tasks.low {low} > tasks.next {nxt}")
+        elif nxt - low > MAX_OPEN_SLOTS:
+            problems.append(f"tasks: {nxt - low} open task slots (at most {MAX_OPEN_SLOTS})")
+        elif any(not low <= slot < nxt for slot in settled) or len(set(settled)) < len(settled):
+            problems.append(f"tasks.settled {settled!r:.80} (distinct slots in [low, next))")
+        if low != data["data_cursor"]:
+            problems.append(f"tasks.low {low} is not data_cursor {data['data_cursor']}")
+    return problems
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, contents: bool = True) -> LoopState:

@@ -154,9 +154,30 @@ def _old_format(path) -> None:
         (lambda s: s.update(step="3"), r"step is '3'"),
         (lambda s: s.update(file_lengths={"ledger.jsonl": -1}), r"file_lengths is"),
         (lambda s: s.update(stepp=3), r"'stepp' is not a loop-state key"),
+        (lambda s: s.update(policy_version=-5), r"policy_version is -5 \(a count: >= 0\)"),
+        (lambda s: s.update(data_cursor=-3), r"data_cursor is -3"),
+        (lambda s: s.update(steps_without_update=99), r"steps_without_update 99 > step 3"),
+        (lambda s: s.update(checkpoint_format=99), r"checkpoint_format is 99 \(this agentrl"),
+        (lambda s: s.update(world_size=-2), r"world_size is -2"),
+        (lambda s: s.update(world_size=10**9), r"world_size is 1000000000 \(the ranks"),
+        (lambda s: s.update(in_flight="rerun-all"), r"in_flight is 'rerun-all' \(one of"),
+        (lambda s: s.update(created=float("nan")), r"created is nan"),
+        (lambda s: s.update(tasks={"low": 30, "settled": [], "next": 10**12}),
+         r"tasks: 999999999970 open task slots \(at most 1000000\)"),
+        (lambda s: s.update(tasks={"low": 30, "settled": [], "next": 4}),
+         r"tasks.low 30 > tasks.next 4"),
+        (lambda s: s.update(tasks={"low": 30, "settled": [31, 31], "next": 40}),
+         r"tasks.settled \[31, 31\]"),
+        (lambda s: s.update(tasks={"low": 30, "settled": [50], "next": 40}),
+         r"tasks.settled \[50\]"),
+        (lambda s: s.update(tasks={"low": 0, "settled": [], "next": 4}),
+         r"tasks.low 0 is not data_cursor 30"),
     ],
-    ids=["missing-key", "wrong-type", "negative-length", "unknown-key"],
-)
+    ids=["missing-key", "wrong-type", "negative-length", "unknown-key", "negative-version",
+         "negative-cursor", "idle-past-step", "newer-format", "negative-world", "huge-world",
+         "unknown-rule", "nan-time", "huge-gap", "low-past-next", "settled-twice",
+         "settled-outside", "cursor-mismatch"],
+)  # fmt: skip
 def test_state_json_is_checked_key_by_key(tmp_path, edit, expected):
     *_, newest = _three(tmp_path)
     _old_format(newest)  # no manifest to catch the edit first: the state check itself must
