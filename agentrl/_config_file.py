@@ -90,6 +90,15 @@ def load_json(text: str, where: str) -> Any:
         ) from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ConfigError(f"{where}: {_unreadable(exc)}") from None
+
+
+def _unreadable(exc: ValueError) -> str:
+    text = str(exc)
+    if "integer string conversion" in text:
+        return f"an integer too long to read ({text.split(';')[0]})"
+    return f"a value that cannot be read ({text})"
 
 
 def load_yaml(text: str, where: str) -> Any:
@@ -119,6 +128,8 @@ def load_yaml(text: str, where: str) -> Any:
         raise ConfigSyntaxError(f"{where}: cannot parse: {' '.join(str(exc).split())}") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ConfigError(f"{where}: {_unreadable(exc)}") from None
     finally:
         loader.dispose()
 

@@ -150,3 +150,19 @@ def test_json_config_is_read_as_json(tmp_path):
     path = tmp_path / "pool.json"
     path.write_text(json.dumps({"size": 2}))
     assert read_config_file(path) == {"size": 2}
+
+
+@pytest.mark.parametrize("name", ["run.yaml", "run.json"])
+def test_an_integer_too_long_to_read_is_one_line(tmp_path, name):
+    """An integer of more digits than Python converts (4300) raised a bare ValueError (a
+    traceback), from a file or from ``--set``."""
+    digits = "9" * 5000
+    content = f"train:\n  seed: {digits}\n" if name.endswith(".yaml") else (
+        f'{{"train": {{"seed": {digits}}}}}'
+    )  # fmt: skip
+    message = refused(tmp_path, name, content)
+    assert "an integer too long to read (Exceeds the limit" in message, message
+    with pytest.raises(ConfigError, match="--set train.seed: an integer too long to read"):
+        from agentrl.loop._config import parse_overrides
+
+        parse_overrides([f"train.seed={digits}"])
