@@ -33,7 +33,7 @@ from agentrl._runner import config_diff, is_training_config
 from agentrl.trainer import LoopState, find_intact_checkpoint, latest_checkpoint, list_checkpoints
 
 from ._config import TrainConfig, dump_config
-from ._runfiles import record_lengths, restore_run_files
+from ._runfiles import check_run_files, record_lengths, restore_run_files
 from ._runlock import LOCK_FILE
 from ._trackers import IDS_FILE, read_tracker_ids
 
@@ -251,9 +251,17 @@ class Resume(NamedTuple):
     """The broken checkpoints newer than ``path``, with the reason each was skipped."""
 
 
-def check_resume(cfg: TrainConfig, out: Path, fingerprint: str, *, lead: bool = True) -> Resume:
-    """The checkpoint to resume from, refused early (before any model is built) when it
-    belongs to another tokenizer or configuration. None when the run never recorded a step (it
+def check_resume(
+    cfg: TrainConfig,
+    out: Path,
+    fingerprint: str,
+    *,
+    lead: bool = True,
+    accept_lost: bool = False,
+) -> Resume:
+    """The checkpoint to resume from, refused early (before any model is built and anything
+    is written) when it belongs to another tokenizer or configuration, or when a run file lost
+    records it counted (unless ``accept_lost``). None when the run never recorded a step (it
     then starts over: its files are emptied); a ledger that holds steps with no checkpoint under
     the checkpoint root is refused, naming what the root holds. ``lead`` prints what was
     skipped (the process that writes the run files)."""
@@ -279,6 +287,10 @@ def check_resume(cfg: TrainConfig, out: Path, fingerprint: str, *, lead: bool = 
     # the tokenizer first (ids would not mean the same thing), then the configuration
     verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
     if state.config_hash == cfg.hash():
+        # what cutting the run files back would refuse, refused before config.yaml is rewritten
+        check_run_files(
+            out, state.file_lengths, RUN_FILES, short="recover" if accept_lost else "refuse"
+        )
         return Resume(path, found.skipped)
     changed = _changed_fields(out, state.config_hash, cfg)
     raise ConfigError(

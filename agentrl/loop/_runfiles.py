@@ -164,6 +164,18 @@ def _plan(out: Path, name: str, recorded: int, short: str) -> RunFileRepair:
     return RunFileRepair(name, size, keep, recorded, lost=lost)
 
 
+def check_run_files(
+    out: str | os.PathLike[str],
+    lengths: Mapping[str, int],
+    names: Iterable[str],
+    *,
+    short: Literal["refuse", "recover"] = "refuse",
+) -> None:
+    """What ``restore_run_files`` would refuse, refused without changing anything."""
+    for name in names:
+        _plan(Path(out), name, lengths.get(name, 0), short)
+
+
 def restore_run_files(
     out: str | os.PathLike[str],
     lengths: Mapping[str, int],

@@ -219,7 +219,11 @@ def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
     cfg, out, lead = setup.cfg, setup.out, setup.lead
     # what another run may have written before the lock was taken is looked at again
     check_out(cfg, out, resume=resume)
-    found = check_resume(cfg, out, setup.fingerprint, lead=lead) if resume else None
+    found = (
+        check_resume(cfg, out, setup.fingerprint, lead=lead, accept_lost=setup.accept_lost)
+        if resume
+        else None
+    )
     # one writer per checkpoint root too (two runs may share a checkpoint.dir), from here on
     lock_checkpoint_root(setup.lock, checkpoint_root(cfg, out), out, lead=lead)
     if not resume:  # what another run wrote there before that lock was taken

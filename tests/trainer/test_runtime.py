@@ -276,9 +276,12 @@ def test_resume_refuses_a_run_file_that_lost_records_unless_told(tmp_path, capsy
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:3]) + lines[3][:10])  # lost its tail, torn last line
     longer = load_train_config(out / "config.yaml", ["train.max_steps=3"])
+    recorded = (out / "config.yaml").read_bytes()
     with pytest.raises(RunFileError, match="trajectories.jsonl"):
         train(longer, out, resume=True)
     assert path.read_bytes() == b"".join(lines[:3]) + lines[3][:10]  # nothing was changed
+    # nor the configuration: a later plain --resume would have trained to the refused one's
+    assert (out / "config.yaml").read_bytes() == recorded
     result = train(longer, out, resume=True, accept_lost_records=True)
     assert result.steps == 3
     assert "--accept-lost-records" in capsys.readouterr().out
