@@ -93,16 +93,14 @@ def test_every_tracker_holds_the_ledger_at_the_training_step(tracked_run):
     ids = json.loads((run / "trackers.json").read_text())
     _, metrics = mlflow_run(ids["mlflow"]["tracking_uri"], ids["mlflow"]["run_id"])
     rows = [row for r in wandb_offline_runs(run / "wandb") for row in r["history"]]
-    step_rows = [row for row in rows if "runtime/time_s" not in row]
+    step_rows = [row for row in rows if "interval/run_s" not in row]
     for record in ledger:
         step, scalars = record["step"], step_scalars(record)
         assert {"reward/mean", "mismatch/kl", "time/update_s", "train/loss"} <= set(scalars)
         wandb_row = [row for row in step_rows if row["train/step"] == step][-1]
         for name, value in scalars.items():
-            # runtime/… names are shared with the interval records, which MLflow (as
-            # TensorBoard) places at whole seconds: a step may hold an interval's point too
             at_step = [m.value for m in metrics[mlflow_key(name)] if m.step == step]
-            assert any(_close(v, value) for v in at_step), (name, step, at_step, value)
+            assert at_step and _close(at_step[-1], value), (name, step, at_step, value)
             assert _close(wandb_row[name], value), (name, step, wandb_row.get(name), value)
     # the reward histogram (a step whose groups were all skipped has none): W&B as TensorBoard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -116,6 +114,8 @@ def test_every_tracker_holds_the_ledger_at_the_training_step(tracked_run):
     assert {row["reward/histogram/_type"] for row in histograms} <= {"histogram"}
     assert [row["train/step"] for row in histograms] == tb_steps
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    # a runtime/ tag holds the step records only (the interval records are a section apart)
+    assert [e.step for e in acc.Scalars("runtime/buffer_backlog")] == [1, 2, 3]
 
 
 def test_interval_records_reach_every_tracker(tracked_run):
@@ -124,17 +124,29 @@ def test_interval_records_reach_every_tracker(tracked_run):
     assert intervals, "no interval record: the run was shorter than logging.interval_s"
     ids = json.loads((run / "trackers.json").read_text())
     _, metrics = mlflow_run(ids["mlflow"]["tracking_uri"], ids["mlflow"]["run_id"])
-    rows = [row for r in wandb_offline_runs(run / "wandb") for row in r["history"]]
-    by_time = {row["runtime/time_s"]: row for row in rows if "runtime/time_s" in row}
+    runs = wandb_offline_runs(run / "wandb")
+    rows = [row for r in runs for row in r["history"] if "interval/run_s" in row]
+    by_time = {row["interval/time_s"]: row for row in rows}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard" / "interval"), size_guidance={"scalars": 0})
+    acc.Reload()
     for record in intervals:
         row = by_time[record["time_s"]]
         assert row["train/step"] == record["step"]
+        second = int(row["interval/run_s"])  # since the run first started
         for name, value in interval_scalars(record).items():
             assert _close(row[name], value), (name, record["time_s"])
-            second = int(record["time_s"])
             assert any(
                 m.step == second and _close(m.value, value) for m in metrics[mlflow_key(name)]
             ), (name, second)
+            assert any(e.step == second for e in acc.Scalars(name)), (name, second)
+    # the resumed process's intervals come after the first one's (time goes on across the
+    # resume, and TensorBoard's purge of the redone steps leaves the interval points alone)
+    first, second_process = ([row["interval/run_s"] for row in r["history"]
+                              if "interval/run_s" in row] for r in runs)  # fmt: skip
+    assert first and second_process and max(first) < min(second_process)
+    assert len(acc.Scalars("interval/buffer_backlog")) == len(first) + len(second_process)
 
 
 def test_the_run_config_is_attached(tracked_run):
@@ -163,7 +175,7 @@ def test_resume_appends_to_the_same_tracker_runs(tracked_run):
     # one W&B run written by two processes: offline files per process, the same run id
     assert [r["id"] for r in runs] == [ids["wandb"]["id"]] * 2
     steps = [
-        [row["train/step"] for row in r["history"] if "runtime/time_s" not in row] for r in runs
+        [row["train/step"] for row in r["history"] if "interval/run_s" not in row] for r in runs
     ]
     assert steps == [[1, 2], [3]]
     mlflow, metrics = mlflow_run(ids["mlflow"]["tracking_uri"], ids["mlflow"]["run_id"])

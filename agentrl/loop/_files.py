@@ -60,13 +60,12 @@ class RunFiles:
             self.ledger.write(record, rewards=rewards)
 
     def interval(self, record: dict[str, Any]) -> None:
-        """One interval record: ``runtime.jsonl`` and the trackers' ``runtime/`` scalars."""
+        """One interval record: ``runtime.jsonl`` and the trackers' ``interval/`` scalars."""
         with self._writing(self.out / "runtime.jsonl"):
             self.runtime.write(json.dumps(record) + "\n")
             self.runtime.flush()
             os.fsync(self.runtime.fileno())
-        scalars = interval_scalars(record)
-        self.ledger.trackers.log_interval(float(record["time_s"]), int(record["step"]), scalars)
+        self.ledger.trackers.log_interval(int(record["step"]), interval_scalars(record))
 
     async def dashboard(self, step: int, *, last: bool) -> None:
         """Rewrite OUT/dashboard.html when ``logging.dashboard_every_steps`` says so (and after

@@ -185,13 +185,15 @@ def step_scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def interval_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """An interval record's numbers as ``runtime/<field>`` (``time_s`` is the x axis)."""
+    """An interval record's numbers as ``interval/<field>``: a section of their own, whose x
+    axis is time (a step record's ``runtime/…`` are per step), ``interval/time_s`` included
+    (the record's own seconds since this process started)."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if key == "version_lag_hist" and isinstance(value, dict):
-            out.update({f"runtime/version_lag_{lag}": count for lag, count in value.items()})
-        elif key != "time_s" and _number(value):
-            out[f"runtime/{key}"] = value
+            out.update({f"interval/version_lag_{lag}": count for lag, count in value.items()})
+        elif _number(value):
+            out[f"interval/{key}"] = value
     return out
 
 

@@ -2,8 +2,9 @@
 Biases, MLflow — one interface, one implementation each.
 
 Every tracker gets the same scalars under the same names (``reward/mean``,
-``policy/kl_to_reference``, ``runtime/buffer_backlog`` …; see ``step_scalars`` /
-``interval_scalars``) at the training step,
+``policy/kl_to_reference``, ``runtime/buffer_backlog`` …; see ``step_scalars``) at the
+training step, the interval records (``interval/…``, ``interval_scalars``) at the seconds since
+the run first started (``trackers.json`` keeps that time, so a resumed run goes on from it),
 and the run's resolved config (W&B: the run config; MLflow: params, flattened with dots). The
 ids of the tracker runs are kept in ``OUT/trackers.json`` so that ``--resume`` appends to the
 same W&B run (``resume="allow"`` with its id) and the same MLflow run (its ``run_id``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import queue
 import re
 import secrets
@@ -58,7 +60,8 @@ class Tracker(Protocol):
         """One ledger record's scalars at training step ``step`` (and the step's rewards)."""
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
-        """One interval record's scalars, ``time_s`` seconds into the run, at step ``step``."""
+        """One interval record's scalars (``interval/…``), ``time_s`` seconds since the run
+        first started (across resumes), while the learner is at step ``step``."""
 
     def close(self) -> None: ...
 
@@ -92,8 +95,17 @@ class Trackers:
     and waits 120 s for each answer) delays its own points, never the rollouts or the step.
     ``close`` waits for the points still queued at most ``close_timeout_s``."""
 
-    def __init__(self, trackers: Sequence[Tracker], *, close_timeout_s: float = CLOSE_TIMEOUT_S):
+    def __init__(
+        self,
+        trackers: Sequence[Tracker],
+        *,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
+        started: float | None = None,
+    ):
+        """``started``: when the run first started (``time.time()``; its resumes keep it), the
+        origin of the interval records' time axis."""
         self.trackers = list(trackers)
+        self.started = time.time() if started is None else started
         self.failed: dict[str, str] = {}
         """Trackers switched off while training → the error that did it."""
         self.close_timeout_s = close_timeout_s
@@ -108,8 +120,10 @@ class Trackers:
     def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
         self._send(f"step {step}", lambda t: t.log_step(step, scalars, rewards))
 
-    def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
-        self._send(f"{time_s:.0f} s", lambda t: t.log_interval(time_s, step, scalars))
+    def log_interval(self, step: int, scalars: dict[str, float]) -> None:
+        """An interval record's scalars, placed at the seconds since the run first started."""
+        run_s = max(0.0, time.time() - self.started)
+        self._send(f"{run_s:.0f} s", lambda t: t.log_interval(run_s, step, scalars))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every point queued so far is delivered (or failed); False on timeout."""
@@ -190,6 +204,12 @@ def open_trackers(
     check_trackers(logging.trackers)
     ids_path = out / IDS_FILE
     ids = read_tracker_ids(out) if resume else {}
+    started = (ids.get("run") or {}).get("started")
+    if isinstance(started, bool) or not isinstance(started, int | float):
+        started = time.time()  # a new run (or one that predates the record)
+    elif not math.isfinite(started) or started > time.time():
+        started = time.time()
+    ids["run"] = {"started": started}
     opened: list[Tracker] = []
     try:
         for name in logging.trackers:
@@ -208,11 +228,13 @@ def open_trackers(
     except BaseException:
         Trackers(opened).close()
         raise
-    return Trackers(opened)
+    return Trackers(opened, started=started)
 
 
 class TensorBoardTracker:
-    """Event files in ``OUT/tensorboard``; interval records at whole seconds since the start."""
+    """Event files in ``OUT/tensorboard`` at the training step; interval records in
+    ``OUT/tensorboard/interval`` (a run of their own: another x axis, which a resume's
+    ``purge_step`` must not cut) at whole seconds since the run first started."""
 
     name = "tensorboard"
 
@@ -223,6 +245,7 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(folder), purge_step=purge_step)
+        self.intervals = SummaryWriter(str(folder / "interval"))
 
     def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
         for tag, value in scalars.items():
@@ -235,17 +258,19 @@ class TensorBoardTracker:
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, int(time_s))
-        self.writer.flush()
+            self.intervals.add_scalar(tag, value, int(time_s))
+        self.intervals.flush()
 
     def close(self) -> None:
         self.writer.close()
+        self.intervals.close()
 
 
 class WandbTracker:
     """A W&B run (online, or offline files under ``logging.wandb.dir``, synced later with
     ``wandb sync``). Every scalar is plotted against ``train/step``; interval records carry
-    ``train/step`` (the step the learner is at) and ``runtime/time_s``."""
+    ``train/step`` (the step the learner is at) and ``interval/run_s`` (seconds since the run
+    first started)."""
 
     name = "wandb"
 
@@ -283,7 +308,7 @@ class WandbTracker:
         self.run.log(row)
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
-        self.run.log({**scalars, "train/step": step, "runtime/time_s": time_s})
+        self.run.log({**scalars, "train/step": step, "interval/run_s": time_s})
 
     def close(self) -> None:
         self.run.finish()

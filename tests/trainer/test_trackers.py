@@ -122,7 +122,7 @@ def test_a_tracker_failing_mid_run_is_switched_off_and_the_others_go_on(
         (2, 0.75),
         (3, 1.0),
     ]
-    assert set(json.loads((tmp_path / "trackers.json").read_text())) == {"mlflow"}
+    assert set(json.loads((tmp_path / "trackers.json").read_text())) == {"mlflow", "run"}
 
 
 def test_a_tracker_that_hangs_never_holds_the_training_loop(capsys):
