@@ -201,7 +201,7 @@ class LoggingSection(_Section):
     """Append every training trajectory to OUT/trajectories.jsonl."""
     interval_s: float = pydantic.Field(10.0, ge=0)
     """Seconds between the runtime's interval records (``runtime.jsonl`` and the trackers'
-    ``runtime/``: tokens generated and trained, buffer backlog, in-flight groups, version lag,
+    ``interval/``: tokens generated and trained, buffer backlog, in-flight groups, version lag,
     idle fractions); 0: per step only."""
     dashboard_every_steps: int = pydantic.Field(0, ge=0)
     """Rewrite OUT/dashboard.html (the run's interactive page, as ``agentrl dashboard OUT``
