@@ -216,6 +216,7 @@ STEP_TIME = {
     "update_s": "update",
     "publish_s": "publish",
     "checkpoint_s": "checkpoint",
+    "dashboard_s": "dashboard",
     "eval_s": "evaluation",
 }
 

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,8 @@ class RunFiles:
         self.out = out
         check_dashboard(cfg.logging)
         self.dashboard_every = cfg.logging.dashboard_every_steps
+        self.dashboard_s = 0.0
+        """Seconds of page rewrites not reported yet (the next step's record carries them)."""
         self.keep_trajectories = cfg.logging.trajectories
         self.trajectories = TrajectoryWriter(str(out / "trajectories.jsonl"))
         self.eval_trajectories = TrajectoryWriter(str(out / "eval_trajectories.jsonl"))
@@ -74,10 +77,13 @@ class RunFiles:
             return
         from agentrl.dashboard import write_dashboard
 
+        started = time.perf_counter()
         try:
             await anyio.to_thread.run_sync(write_dashboard, self.out)
         except Exception as exc:  # the run's files stay the record; the page is a view of them
             print(f"agentrl: dashboard not written after step {step}: {exc}", file=sys.stderr)
+        finally:
+            self.dashboard_s += time.perf_counter() - started
 
     @contextmanager
     def _writing(self, path: Any) -> Iterator[None]:

@@ -7,7 +7,8 @@ learner_tokens, publish_s``; then reward std and pass rate, entropy, clip fracti
 statistics, the rollout↔trainer logprob mismatch (``mismatch_abs_mean``, ``mismatch_kl``),
 response length, tool calls and tool errors per trajectory, termination reasons, and the step
 time broken into ``rollout_s / reference_s / logprob_s / update_s / publish_s``
-(``checkpoint_s`` is the previous step's checkpoint write). ``eval_*`` fields appear on steps
+(``checkpoint_s`` is the previous step's checkpoint write, ``dashboard_s`` its rewrite of
+``dashboard.html``, when there was one). ``eval_*`` fields appear on steps
 with an evaluation. Each key of the env's reward breakdown (``Reward.breakdown``) is logged as
 ``reward/<key>``: its mean over the step's trajectories that report it (a key that names one
 of the ledger's own reward tags, ``mean``, ``std``, ``pass_rate`` or ``histogram``, is logged as

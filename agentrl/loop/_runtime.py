@@ -547,6 +547,9 @@ class _Runtime:
         fields.update(published)
         fields["checkpoint_s"] = self.checkpointer.last_s  # reported once, the step after
         self.checkpointer.last_s = 0.0
+        if self.files is not None and self.files.dashboard_s:  # the same, for the page
+            fields["dashboard_s"] = self.files.dashboard_s
+            self.files.dashboard_s = 0.0
         if data.refill_rounds or self.role.refill:
             fields["refill_rounds"] = data.refill_rounds
             fields["refill_task_ids"] = [str(self.stream.at(s).id) for s in data.extra]

@@ -172,7 +172,7 @@ def from_run(run_dir: str) -> tuple[CapacitySettings, RunMeasures]:
         max_version_lag=_setting(train, "train", "max_version_lag", 0, config_path)
         if train.get("mode") == "async"
         else 0,
-        publish_s=_sum(ledger, steady, "publish_s", "checkpoint_s") / len(steady),
+        publish_s=_sum(ledger, steady, "publish_s", "checkpoint_s", "dashboard_s") / len(steady),
         concurrency=_setting(rollout, "rollout", "concurrency", 64, config_path),
     )
     measures = _measures(ledger, steady, engines)

@@ -31,9 +31,10 @@ async def test_the_page_is_rewritten_every_n_steps_and_after_the_last(tmp_path):
     try:
         files.ledger.write({"step": 1, "step_s": 1.0, "reward_mean": 0.5})
         await files.dashboard(1, last=False)
-        assert not page.exists()
+        assert not page.exists() and files.dashboard_s == 0
         await files.dashboard(2, last=False)
         assert "1 steps" in page.read_text()
+        assert files.dashboard_s > 0  # the next step's record reports the rewrite's time
         files.ledger.write({"step": 3, "step_s": 1.0, "reward_mean": 0.7})
         await files.dashboard(3, last=True)
         assert "3 steps" in page.read_text()

@@ -180,6 +180,11 @@ def test_calibrates_from_a_real_async_run(tiny_async_run, tmp_path, capsys):
     assert out["measured"]["steps"] == 2  # steps 2 and 3: start-up and drain left out
     assert out["evaluated"]["actors"] == 1
     assert set(out["measured"]["lag_hist"]) <= {"0", "1"}
+    # the page rewritten after step 2 (dashboard_every_steps: 2) is on step 3's record
+    ledger = [
+        json.loads(line) for line in (tiny_async_run / "ledger.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in ledger if r.get("dashboard_s", 0) > 0] == [3], ledger
 
 
 # -- a run folder someone else made: every value checked, the work bounded -------------------------
