@@ -162,9 +162,11 @@ class MlflowSection(_Section):
     """The MLflow run (``logging.trackers: [mlflow]``; ``pip install 'agentrl[mlflow]'``)."""
 
     tracking_uri: str | None = None
-    """Tracking store: a server (``http://host:5000``), a database (``sqlite:///mlflow.db``)
-    or a folder (``file:///path/mlruns``; MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true``
-    to use one). None: MLflow's own default (``MLFLOW_TRACKING_URI``, …)."""
+    """Tracking store: a server (``http://host:5000``), a folder (``file:///path/mlruns``;
+    MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` to use one), or a database
+    (``sqlite:///mlflow.db``: needs the full ``mlflow`` package, not the extra's
+    ``mlflow-skinny``; refused at the start without it). None: MLflow's own default
+    (``MLFLOW_TRACKING_URI``, …)."""
     experiment: str = "agentrl"
     """Experiment name (created when missing)."""
     run_name: str | None = None

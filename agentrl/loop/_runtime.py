@@ -86,7 +86,7 @@ from ._records import (
 )
 from ._runlock import RunLocks, lock_checkpoint_root, lock_run_folder
 from ._tasks import TaskLedger, TaskStream
-from ._trackers import Trackers, check_trackers, open_trackers
+from ._trackers import Trackers, check_mlflow_store, check_trackers, open_trackers
 
 
 @dataclass
@@ -187,6 +187,7 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     # everything the configuration decides is checked before the run folder is written
     spec = env_spec(cfg.env)
     check_trackers(cfg.logging.trackers)  # a missing package stops the run before the model
+    check_mlflow_store(cfg.logging)
     check_dashboard(cfg.logging)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     env = spec.make(**cfg.rollout.env_kwargs)  # the env's arguments, its splits

@@ -19,6 +19,7 @@ stopped by a dashboard. Nor held up by one: the trackers run on their own thread
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import queue
@@ -81,6 +82,27 @@ def check_trackers(names: Sequence[str]) -> None:
                 f"{module!r} is not installed: pip install 'agentrl[{_EXTRAS[name]}]'"
             )
             raise ConfigError(f"logging.trackers: {name}: {hint}") from None
+
+
+_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
+"""The URI schemes of MLflow's database stores (a driver may follow: ``postgresql+psycopg2``)."""
+
+
+def check_mlflow_store(logging: Any) -> None:
+    """Refuse, before any model loads, an MLflow database store where MLflow's server-side
+    packages are missing: the ``agentrl[mlflow]`` extra is the client (``mlflow-skinny``),
+    which speaks to a tracking server or a folder store only."""
+    if "mlflow" not in logging.trackers or not logging.mlflow.tracking_uri:
+        return
+    uri = logging.mlflow.tracking_uri
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+    if scheme in _DATABASES and missing:
+        raise ConfigError(
+            f"logging.mlflow.tracking_uri {uri!r}: a database store needs the full MLflow "
+            "(pip install mlflow); the agentrl[mlflow] extra installs its client, which logs to "
+            "a tracking server (http://host:5000) or a folder (file:///path/mlruns)"
+        )
 
 
 CLOSE_TIMEOUT_S = 120.0

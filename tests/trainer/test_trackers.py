@@ -169,3 +169,26 @@ def test_mlflow_params_are_flat_and_within_mlflow_limits():
     assert params["a.e"] == "null" and params["bad key_"] == "v"
     assert len(params["long"]) == MLFLOW_PARAM_VALUE_MAX
     assert params["long"].startswith("x" * 1000) and "whole value in config.json" in params["long"]
+
+
+@pytest.mark.parametrize(
+    "uri", ["sqlite:///mlflow.db", "postgresql+psycopg2://u@db/mlflow", "MySQL://db/mlflow"]
+)
+def test_an_mlflow_database_store_without_its_packages_is_refused_before_the_model(uri):
+    """The mlflow extra is the client (mlflow-skinny): a database store failed only once the
+    model and the learner had loaded, in MLflow's words about its model registry."""
+    import importlib.util
+
+    from agentrl.loop._trackers import check_mlflow_store
+
+    logging = LoggingSection.model_validate(
+        {"trackers": ["mlflow"], "mlflow": {"tracking_uri": uri}}
+    )
+    if importlib.util.find_spec("sqlalchemy") and importlib.util.find_spec("alembic"):
+        check_mlflow_store(logging)  # the full MLflow is installed: MLflow's to judge
+        return
+    with pytest.raises(ConfigError, match="a database store needs the full MLflow"):
+        check_mlflow_store(logging)
+    for fine in ("http://127.0.0.1:5000", "file:///tmp/mlruns", None):
+        check_mlflow_store(LoggingSection.model_validate(
+            {"trackers": ["mlflow"], "mlflow": {"tracking_uri": fine}}))  # fmt: skip
