@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import queue
 import re
 import secrets
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentrl._config_file import read_json_value
-from agentrl._errors import ConfigError
+from agentrl._errors import ConfigError, exception_chain
 from agentrl._outfiles import write_file, writing
 
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -347,11 +348,33 @@ def _check_server_answers(uri: str | None) -> None:
     (a database, ``file:``, the default) are MLflow's to check."""
     if not uri or not uri.lower().startswith(("http://", "https://")):
         return
+    import ssl
+
     import httpx
 
+    # TLS as MLflow's client is told to do it (its own environment variables)
+    verify: bool | ssl.SSLContext = False
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() not in ("true", "1"):
+        try:
+            verify = ssl.create_default_context(
+                cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None
+            )
+            if client := os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH"):
+                verify.load_cert_chain(client)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"logging.mlflow: the TLS files MLflow's environment names cannot be used "
+                f"(MLFLOW_TRACKING_SERVER_CERT_PATH / MLFLOW_TRACKING_CLIENT_CERT_PATH: {exc})"
+            ) from None
     try:
-        httpx.get(uri.rstrip("/") + "/health", timeout=MLFLOW_PROBE_S)  # proxies as MLflow's
+        httpx.get(uri.rstrip("/") + "/health", timeout=MLFLOW_PROBE_S, verify=verify)
     except httpx.HTTPError as exc:
+        if any(isinstance(e, ssl.SSLError) for e in exception_chain(exc)):
+            raise ConfigError(
+                f"logging.mlflow: the tracking server at tracking_uri={uri!r} answered, but its "
+                f"TLS certificate was not accepted ({exc}): set MLFLOW_TRACKING_SERVER_CERT_PATH "
+                "to its CA bundle (or MLFLOW_TRACKING_INSECURE_TLS=true), as for MLflow itself"
+            ) from None
         raise ConfigError(
             f"logging.mlflow: no tracking server answers at tracking_uri={uri!r} within "
             f"{MLFLOW_PROBE_S:g} s ({type(exc).__name__}: {exc}): start it, or correct "

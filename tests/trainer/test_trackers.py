@@ -192,3 +192,61 @@ def test_an_mlflow_database_store_without_its_packages_is_refused_before_the_mod
     for fine in ("http://127.0.0.1:5000", "file:///tmp/mlruns", None):
         check_mlflow_store(LoggingSection.model_validate(
             {"trackers": ["mlflow"], "mlflow": {"tracking_uri": fine}}))  # fmt: skip
+
+
+@pytest.fixture
+def https_server(tmp_path):
+    """An HTTPS server on loopback with a self-signed certificate (``openssl``), answering 200
+    to every GET; yields (url, certificate file)."""
+    import http.server
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl (scripts/setup installs it with the test dependencies)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
+         "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", cert
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_mlflow_probe_verifies_tls_as_mlflow_is_told_to(https_server, monkeypatch):
+    """A tracking server with a private CA: the start-up probe ignored MLflow's own TLS
+    variables and called it a server that does not answer."""
+    from agentrl.loop._trackers import _check_server_answers
+
+    url, cert = https_server
+    for name in ("MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="answered, but its TLS certificate was not accepted"):
+        _check_server_answers(url)
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
+    _check_server_answers(url)
+    monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+    _check_server_answers(url)
