@@ -18,6 +18,7 @@ stopped by a dashboard. Nor held up by one: the trackers run on their own thread
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -254,6 +255,22 @@ def open_trackers(
     return Trackers(opened, started=started)
 
 
+def histogram_values(rewards: Sequence[float]) -> Any:
+    """The step's rewards a histogram can bin (numpy float64): the finite ones, or None when
+    none is left or their range overflows (±1e308 from an env: binning them raised, and the
+    tracker was switched off for the rest of the run)."""
+    import numpy as np
+
+    values = np.asarray(rewards, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return None
+    with np.errstate(over="ignore"):
+        if not np.isfinite(values.max() - values.min()):
+            return None
+    return values
+
+
 class TensorBoardTracker:
     """Event files in ``OUT/tensorboard`` at the training step; interval records in
     ``OUT/tensorboard/interval`` (a run of their own: another x axis, which a resume's
@@ -273,10 +290,9 @@ class TensorBoardTracker:
     def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
-        if rewards:
-            import numpy as np
-
-            self.writer.add_histogram("reward/histogram", np.asarray(rewards), step)
+        values = histogram_values(rewards)
+        if values is not None:
+            self.writer.add_histogram("reward/histogram", values, step)
         self.writer.flush()
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
@@ -326,8 +342,9 @@ class WandbTracker:
 
     def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
         row: dict[str, Any] = {**scalars, "train/step": step}
-        if rewards:
-            row["reward/histogram"] = self._wandb.Histogram(list(rewards))
+        values = histogram_values(rewards)
+        if values is not None:
+            row["reward/histogram"] = self._wandb.Histogram(values.tolist())
         self.run.log(row)
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
@@ -461,8 +478,13 @@ def _new_id() -> str:
 
 def mlflow_key(name: str) -> str:
     """A metric or param name MLflow accepts (letters, digits, ``_ - . space / :``; at most
-    250 characters): other characters become ``_``."""
-    return _MLFLOW_KEY_BAD.sub("_", name)[:MLFLOW_KEY_MAX]
+    250 characters). A name that has other characters (they become ``_``) or is longer ends in
+    ``_`` and 8 hex digits of its hash, so two names never share a key (``a+b``, ``a*b``)."""
+    key = _MLFLOW_KEY_BAD.sub("_", name)
+    if key == name and len(key) <= MLFLOW_KEY_MAX:
+        return key
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{key[: MLFLOW_KEY_MAX - 9]}_{digest}"
 
 
 def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
@@ -479,7 +501,10 @@ def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
         if len(text) > MLFLOW_PARAM_VALUE_MAX:
             note = f"… [{len(text)} characters; whole value in config.json]"
             text = text[: MLFLOW_PARAM_VALUE_MAX - len(note)] + note
-        flat[mlflow_key(prefix)] = text
+        key = mlflow_key(prefix)
+        if key in flat:  # a dotted key beside the nesting it reads as ({"a.b": 1, "a": {"b": 2}})
+            key = mlflow_key(prefix + "\0")
+        flat[key] = text
 
     walk("", config)
     return flat

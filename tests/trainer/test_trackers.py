@@ -22,6 +22,7 @@ from agentrl.loop._trackers import (
     TensorBoardTracker,
     Trackers,
     check_trackers,
+    mlflow_key,
     mlflow_params,
     open_trackers,
 )
@@ -166,9 +167,21 @@ def test_mlflow_params_are_flat_and_within_mlflow_limits():
         {"a": {"b": 1, "c": [1, 2], "d": {}, "e": None}, "long": long, "bad key!": "v"}
     )
     assert params["a.b"] == "1" and params["a.c"] == "[1, 2]" and params["a.d"] == "{}"
-    assert params["a.e"] == "null" and params["bad key_"] == "v"
+    assert params["a.e"] == "null" and params[mlflow_key("bad key!")] == "v"
+    assert mlflow_key("bad key!").startswith("bad key__")
     assert len(params["long"]) == MLFLOW_PARAM_VALUE_MAX
     assert params["long"].startswith("x" * 1000) and "whole value in config.json" in params["long"]
+
+
+def test_names_mlflow_cannot_take_never_share_a_key():
+    """``a+b`` and ``a*b`` both became ``a_b`` (a reward breakdown's two keys logged into one
+    metric, two values per step); a dotted key beside the nesting it reads as lost a param."""
+    names = ["reward/a+b", "reward/a*b", "reward/a_b", "x" * 300, "x" * 301]
+    keys = [mlflow_key(n) for n in names]
+    assert len(set(keys)) == len(keys) and keys[2] == "reward/a_b", keys
+    assert all(len(k) <= 250 and mlflow_key(n) == k for n, k in zip(names, keys, strict=True))
+    params = mlflow_params({"a": {"b": 1}, "a.b": 2})
+    assert sorted(params.values()) == ["1", "2"] and params["a.b"] == "1"
 
 
 @pytest.mark.parametrize(
@@ -250,3 +263,23 @@ def test_the_mlflow_probe_verifies_tls_as_mlflow_is_told_to(https_server, monkey
     monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH")
     monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
     _check_server_answers(url)
+
+
+def test_rewards_a_histogram_cannot_bin_skip_the_histogram_not_the_tracker(tmp_path):
+    """Rewards of ±1.7e308 (an env's) made TensorBoard's histogram raise ("The histogram is
+    empty"), and the tracker was switched off for the rest of the run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from agentrl.loop._trackers import TensorBoardTracker, histogram_values
+
+    assert histogram_values([1.7e308, -1.7e308]) is None
+    assert histogram_values([float("nan"), float("inf")]) is None
+    assert histogram_values([0.5, float("nan"), 1.0]).tolist() == [0.5, 1.0]
+    tracker = TensorBoardTracker(tmp_path / "tb", None)
+    tracker.log_step(1, {"reward/mean": 0.0}, [1.7e308, -1.7e308])
+    tracker.log_step(2, {"reward/mean": 0.5}, [0.0, 1.0])
+    tracker.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
+    assert [e.step for e in acc.Histograms("reward/histogram")] == [2]
