@@ -377,9 +377,21 @@ def _without_dropout(config: Any) -> None:
 def _load_lm(model_path: str, *, gradient_checkpointing: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
-    _without_dropout(config)
-    lm = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    from agentrl._errors import ModelError
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        _without_dropout(config)
+        lm = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    except MemoryError:
+        raise
+    except Exception as exc:  # a broken folder: config.json, weights, a size they disagree on
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 400 else text[:400] + " …"
+        raise ModelError(
+            f"the learner cannot load the model in {model_path} ({type(exc).__name__}: {text}); "
+            "check its config.json and weights, or name another model"
+        ) from exc
     for module in lm.modules():  # a dropout a model hard-codes rather than reads from config
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

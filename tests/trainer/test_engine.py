@@ -373,3 +373,33 @@ def test_a_head_the_learner_cannot_reproduce_is_refused(tmp_path):
     lm.lm_head = torch.nn.Linear(32, 64, bias=True)
     with pytest.raises(ValueError, match="LM head has a bias"):
         TokenScorer(lm, varlen=False)
+
+
+@pytest.mark.parametrize("damage", ["not-json", "negative-width", "lying-weights", "huge-header"])
+def test_a_broken_model_folder_is_a_model_error_naming_it(tmp_path, tiny_model_path, damage):
+    """A model folder someone else made: the learner's load raised transformers', torch's or
+    safetensors' own errors (a traceback); it is one ``ModelError`` naming the folder."""
+    import json
+    import shutil
+    import struct
+
+    from agentrl._errors import ModelError
+    from agentrl.trainer._engine import _load_lm
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    weights = folder / "model.safetensors"
+    if damage == "not-json":
+        (folder / "config.json").write_text("{not json")
+    elif damage == "negative-width":
+        (folder / "config.json").write_text(json.dumps({**config, "hidden_size": -64}))
+    elif damage == "lying-weights":
+        (folder / "config.json").write_text(
+            json.dumps({**config, "vocab_size": 4 * config["vocab_size"]})
+        )
+    else:
+        data = weights.read_bytes()
+        weights.write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
+    with pytest.raises(ModelError, match=f"the learner cannot load the model in {folder}"):
+        _load_lm(str(folder), gradient_checkpointing=False)
