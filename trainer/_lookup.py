@@ -23,7 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ._manifest import MANIFEST, CheckpointError, check_manifest
+from ._manifest import MANIFEST, CheckpointError, check_manifest, unreadable
 
 IN_FLIGHT_RULE = "discard-after-checkpoint"
 CHECKPOINT_FORMAT = 2
@@ -169,6 +169,8 @@ def read_state(path: str | os.PathLike[str]) -> LoopState:
         raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint")
     try:
         data = json.loads(file.read_bytes())
+    except PermissionError as exc:
+        raise unreadable(file, exc) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):

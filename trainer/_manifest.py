@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,25 @@ _CHUNK = 4 << 20
 class CheckpointError(AgentRLError):
     """A checkpoint is missing, broken, incomplete, or does not belong to this run's
     configuration; the message names the checkpoint and the file."""
+
+
+class CheckpointUnreadable(AgentRLError):
+    """A checkpoint file this process may not read (permissions, an I/O error): not a broken
+    checkpoint — a lookup stops here rather than set it aside and resume from an older one."""
+
+
+def unreadable(path: Path, exc: OSError) -> CheckpointUnreadable:
+    return CheckpointUnreadable(
+        f"cannot read {path} ({type(exc).__name__}: {exc.strerror or exc}): nothing was changed; "
+        "give this process access to the checkpoint (its owner and mode), then run again"
+    )
+
+
+def _readable_failure(exc: BaseException) -> bool:
+    """An ``OSError`` that says the file is there but cannot be read by us."""
+    return isinstance(exc, OSError) and not isinstance(
+        exc, FileNotFoundError | NotADirectoryError | IsADirectoryError
+    )
 
 
 def _hash_file(path: Path, *, fsync: bool) -> tuple[int, str]:
@@ -108,7 +128,11 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, dict[str, int | s
                 raise ValueError(f"bad entry for {rel!r}")
             if Path(rel).is_absolute() or ".." in Path(rel).parts:
                 raise ValueError(f"{rel!r} is outside the checkpoint")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:
+        if _readable_failure(exc):
+            raise unreadable(file, exc) from None
+        raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from None
+    except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from None
     return files
 
@@ -123,17 +147,29 @@ def check_manifest(folder: str | os.PathLike[str], *, contents: bool = True) -> 
         return False
     for rel, entry in files.items():
         path = folder / rel
-        if not path.is_file():
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if _readable_failure(exc):
+                raise unreadable(path, exc) from None
+            raise CheckpointError(f"{path} is missing (listed in {folder / MANIFEST})") from None
+        if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{path} is missing (listed in {folder / MANIFEST})")
-        size = path.stat().st_size
+        size = st.st_size
         if size != entry["size"]:
             raise CheckpointError(
                 f"{path} is {size} bytes, {entry['size']} were written (truncated or replaced)"
             )
     if contents:
         rels = sorted(files)
-        with ThreadPoolExecutor(_workers()) as pool:
-            results = list(pool.map(lambda rel: _hash_file(folder / rel, fsync=False), rels))
+        try:
+            with ThreadPoolExecutor(_workers()) as pool:
+                results = list(pool.map(lambda rel: _hash_file(folder / rel, fsync=False), rels))
+        except OSError as exc:
+            path = Path(exc.filename) if exc.filename else folder
+            if _readable_failure(exc):
+                raise unreadable(path, exc) from None
+            raise CheckpointError(f"{path} is missing (listed in {folder / MANIFEST})") from None
         for rel, (_, digest) in zip(rels, results, strict=True):
             if digest != files[rel]["hash"]:
                 raise CheckpointError(

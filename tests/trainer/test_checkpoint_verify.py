@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,3 +317,40 @@ def test_enospc_from_any_write_is_named(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(tmp_path, Full(), _state(2), keep=3)
     _check_full_disk_error(info, tmp_path, keep=3)
+
+
+@pytest.mark.parametrize("where", ["stat", "hash", "manifest", "state"])
+def test_a_file_this_process_may_not_read_stops_the_lookup_naming_it(tmp_path, monkeypatch, where):
+    """A permission error is no damage: the lookup used to take the checkpoint for broken
+    (a resume then set it aside and cut the run files back to an older one) or raised a bare
+    PermissionError. It stops, naming the file, with nothing changed."""
+    import agentrl.trainer._manifest as manifest_module
+    from agentrl.trainer._manifest import CheckpointUnreadable
+
+    *_, newest = _three(tmp_path)
+    denied = {
+        "stat": newest / "policy" / "model_states.pt",
+        "hash": newest / "rng-rank0.pt",
+        "manifest": newest / "manifest.json",
+        "state": newest / "state.json",
+    }[where]
+
+    def refuse(path) -> None:
+        if Path(path) == denied:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    if where == "stat":
+        real_stat = os.stat
+        monkeypatch.setattr(os, "stat", lambda p, *a, **k: refuse(p) or real_stat(p, *a, **k))
+    elif where == "hash":
+        real_hash = manifest_module._hash_file
+        monkeypatch.setattr(manifest_module, "_hash_file",
+                            lambda p, **k: refuse(p) or real_hash(p, **k))  # fmt: skip
+    else:
+        real_read = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda p: refuse(p) or real_read(p))
+    with pytest.raises(CheckpointUnreadable, match=rf"cannot read {re.escape(str(denied))} "
+                       r"\(PermissionError: Permission denied\): nothing was changed"):  # fmt: skip
+        find_intact_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == [
+        "step-00000001", "step-00000002", "step-00000003"]  # fmt: skip
