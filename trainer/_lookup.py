@@ -64,6 +64,9 @@ class LoopState:
     steps_without_update: int = 0
     """Consecutive steps up to ``step`` that trained on nothing (the loop's stall count, so a
     resumed run stops where the uninterrupted one would); 0 in checkpoints that predate it."""
+    run_id: str = ""
+    """The run that wrote it (its folder's ``config.json`` ``run_id``), so that a resume never
+    continues one run from another's checkpoints; empty in checkpoints that predate it."""
 
 
 def _step_dirs(root: Path) -> list[Path]:

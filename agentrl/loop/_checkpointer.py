@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -92,6 +93,7 @@ class Checkpointer:
             file_lengths=self._lengths(),  # fsynced, whole lines
             tasks=tasks,
             steps_without_update=idle_steps,
+            run_id=run_id(self.out),
         )
         self.newest = save_checkpoint(
             self.root, learner, state, keep=self.cfg.checkpoint.keep, rng=rng
@@ -227,11 +229,24 @@ def _has_records(ledger: Path) -> bool:
         return False
 
 
+def run_id(out: Path) -> str:
+    """The run id ``out/config.json`` records ("" when it has none: a run that predates it,
+    or none yet)."""
+    try:
+        value = json.loads((out / "config.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""
+
+
 def prepare_out(cfg: TrainConfig, out: Path, model_path: str, *, fresh: bool) -> None:
     """Write the run's configuration files into ``out``; ``fresh`` (a new run): also empty
-    the run files an earlier attempt that never recorded a step may have left."""
+    the run files an earlier attempt that never recorded a step may have left. The run id is
+    made once, by the run's first start, and kept by its resumes."""
+    ours = "" if fresh else run_id(out)
     out.mkdir(parents=True, exist_ok=True)
     info = {"env": cfg.env, "model": cfg.model, "model_path": model_path, "train": True}
+    info["run_id"] = ours or secrets.token_hex(8)
     info["rollout"] = cfg.rollout.model_dump(mode="json")
     # config.json first: it marks the folder as a training run's (``check_out``)
     with writing(out / "config.json"):
@@ -284,6 +299,13 @@ def check_resume(
             )
         return Resume(None, [])
     path, state = found.path, found.state
+    ours = run_id(out)
+    if state.run_id and ours and state.run_id != ours:
+        raise ConfigError(
+            f"--resume: checkpoint {path} belongs to another run (run {state.run_id}; {out} is "
+            f"run {ours}): checkpoint.dir ({cfg.checkpoint.dir or 'checkpoints'}) names another "
+            "run's checkpoints; resume with the folder that holds this run's"
+        )
     # the tokenizer first (ids would not mean the same thing), then the configuration
     verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
     if state.config_hash == cfg.hash():

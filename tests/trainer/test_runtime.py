@@ -408,3 +408,31 @@ def test_step_errors_reach_the_terminal_without_their_control_characters(capsys)
     assert "bad answer \\x1b[2J\\x1b]0;PWNED\\x07\\x1b[41m red" in text
     assert "calc-v0/\\x1b[1mt1/0 (reward) RuntimeError" in text
     assert "stopping: stalled: bad answer \\x1b[2J" in text
+
+
+def test_a_resume_never_continues_from_another_runs_checkpoints(tmp_path):
+    """Two runs of one configuration; a resume of one pointed (``checkpoint.dir``) at the
+    other's checkpoints resumed the other run silently, cutting its own files to the other's
+    lengths. Each run has an id, kept by its resumes and recorded in its checkpoints."""
+    from agentrl import ConfigError
+    from agentrl.trainer import read_state
+
+    cfg = load_train_config(_config(tmp_path, train={"max_steps": 2}))
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(cfg, first)
+    train(cfg, second)
+    ids = [json.loads((run / "config.json").read_text())["run_id"] for run in (first, second)]
+    assert ids[0] != ids[1] and all(len(i) == 16 for i in ids)
+    assert read_state(first / "checkpoints" / "step-00000002").run_id == ids[0]
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    other = f"checkpoint.dir={second / 'checkpoints'}"
+    longer = load_train_config(first / "config.yaml", ["train.max_steps=3", other])
+    with pytest.raises(ConfigError, match=rf"checkpoint .*second.* belongs to another run \(run "
+                       rf"{ids[1]}; .*first is run {ids[0]}\)"):  # fmt: skip
+        train(longer, first, resume=True)
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+    result = train(load_train_config(first / "config.yaml", ["train.max_steps=3"]), first,
+                   resume=True)  # fmt: skip
+    assert result.steps == 3
+    assert json.loads((first / "config.json").read_text())["run_id"] == ids[0]
+    assert read_state(first / "checkpoints" / "step-00000003").run_id == ids[0]
