@@ -60,11 +60,24 @@ class RunData:
     """The run's ``config.yaml`` (empty when missing or unreadable)."""
 
 
+MAX_SAFE_INT = 2**53 - 1
+"""The largest integer a browser holds exactly (JavaScript's ``Number.MAX_SAFE_INTEGER``)."""
+
+
+def _unplottable(value: Any) -> bool:
+    """NaN/Infinity (JSON's extensions), or an integer a browser would read as Infinity or
+    round (a step of 400 digits in someone else's run file)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SAFE_INT
+
+
 def finite(value: Any) -> Any:
-    """JSON's NaN/Infinity extensions become None (the page's JSON has no such numbers).
-    Iterative: a record nested deeper than Python's recursion limit is still walked."""
+    """JSON's NaN/Infinity extensions, and integers past what a browser holds exactly, become
+    None (the page's JSON has no such numbers). Iterative: a record nested deeper than Python's
+    recursion limit is still walked."""
     if not isinstance(value, dict | list | tuple):
-        return None if isinstance(value, float) and not math.isfinite(value) else value
+        return None if _unplottable(value) else value
     root: list[Any] = [value]
     stack: list[tuple[Any, list[Any] | dict[Any, Any], Any]] = [(value, root, 0)]
     while stack:
@@ -74,7 +87,7 @@ def finite(value: Any) -> Any:
             items: Iterable[tuple[Any, Any]] = node.items()
         elif isinstance(node, list | tuple):
             copy, items = [None] * len(node), enumerate(node)
-        elif isinstance(node, float) and not math.isfinite(node):
+        elif _unplottable(node):
             parent[slot] = None
             continue
         else:
@@ -127,6 +140,8 @@ def read_step_rewards(path: Path) -> tuple[dict[int, StepRewards], int]:
             step = int(step)
         except ValueError:
             continue
+        if not 0 <= step <= MAX_SAFE_INT:
+            continue  # no step a run records
         into = steps.setdefault(step, StepRewards())
         if traj.reward is not None and math.isfinite(traj.reward):
             into.rewards.append(traj.reward)

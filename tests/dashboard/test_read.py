@@ -361,3 +361,23 @@ def test_the_lag_axis_ticks_every_version_only_over_a_short_range(tmp_path, lags
     panel = next(p for p in build_panels([load_run(run)]) if p.id == "version_lag")
     assert panel.layout["xaxis"].get("dtick") == ticks
     assert panel.traces[0]["x"] == [int(lag) for lag in lags]
+
+
+def test_steps_past_what_a_browser_holds_are_left_out(tmp_path):
+    """A run file someone else made, with a step of 400 digits (or 2**70): JSON carried it as
+    an integer the browser read as Infinity ("Expected number, NaN" from every path drawn
+    with it), and the header counted it as the run's steps."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 1, "step_s": 1.0, "kl": 0.1}, {"step": int("9" * 400), "step_s": 1.0},
+            {"step": 2**70, "step_s": 1.0, "kl": 0.2}]  # fmt: skip
+    _write(run / "ledger.jsonl", [json.dumps(r) for r in rows])
+    huge = json.loads(_trajectory(1, 0.5))
+    huge["info"]["step"] = "9" * 400
+    _write(run / "trajectories.jsonl", [_trajectory(1, 0.5), json.dumps(huge)])
+    loaded = load_run(run)
+    assert [r["step"] for r in loaded.ledger] == [1, None, None]
+    assert set(loaded.steps) == {1}
+    page = render([loaded])
+    assert "9" * 40 not in page and str(2**70) not in page
+    assert "1 steps" in page
