@@ -48,6 +48,7 @@ from ._lookup import list_checkpoints as list_checkpoints
 from ._lookup import read_state as read_state
 from ._lookup import verify_checkpoint as verify_checkpoint
 from ._manifest import CheckpointError as CheckpointError
+from ._manifest import CheckpointTooNew as CheckpointTooNew
 from ._manifest import CheckpointUnreadable as CheckpointUnreadable
 from ._manifest import fsync_dir as fsync_dir
 from ._names import Aggregation as Aggregation
@@ -169,6 +170,7 @@ __all__ = [
     "AlgorithmSpec",
     "CHECKPOINT_FORMAT",
     "CheckpointError",
+    "CheckpointTooNew",
     "CheckpointUnreadable",
     "CheckpointLookup",
     "CheckpointWarning",

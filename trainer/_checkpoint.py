@@ -54,6 +54,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
+from agentrl._errors import AgentRLError
+
 from ._diskfull import save_failed
 from ._dist import barrier, rank_world
 from ._lookup import (
@@ -64,7 +66,7 @@ from ._lookup import (
     read_state,
     verify_checkpoint,
 )
-from ._manifest import CheckpointError, fsync_dir, write_manifest
+from ._manifest import CheckpointError, CheckpointUnreadable, fsync_dir, write_manifest
 from ._reshard import saved_world_size, to_universal
 from ._rng import load_rng_state, save_rng_state, set_rng_state
 
@@ -120,7 +122,13 @@ def save_checkpoint(
         if claim is not None:
             claim.release()
     if rank == 0:
-        _prune(root, final, keep)
+        try:  # the checkpoint is published: nothing after this may fail the save
+            _prune(root, final, keep)
+        except (OSError, AgentRLError) as exc:
+            warnings.warn(
+                CheckpointWarning(f"{final} is saved; older checkpoints were not pruned: {exc}"),
+                stacklevel=2,
+            )
     barrier()
     return final
 
@@ -134,19 +142,26 @@ def _prune(root: Path, final: Path, keep: int) -> None:
     for path in reversed(list_checkpoints(root)):
         if path == final or step_number(path) > step:
             continue
-        if kept < keep and _looks_intact(path):
+        intact = _looks_intact(path)
+        if intact is None:
+            continue  # one this process cannot judge: neither counted nor removed
+        if kept < keep and intact:
             kept += 1
             continue
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _looks_intact(path: Path) -> bool:
+def _looks_intact(path: Path) -> bool | None:
+    """Whether a checkpoint looks intact (sizes); None when this process cannot tell (a file
+    it may not read, a newer agentrl's format)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)  # a checkpoint without a manifest
         try:
             verify_checkpoint(path, contents=False)
         except CheckpointError:
             return False
+        except (CheckpointUnreadable, OSError):
+            return None
     return True
 
 

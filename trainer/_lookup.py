@@ -23,7 +23,13 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ._manifest import MANIFEST, CheckpointError, check_manifest, unreadable
+from ._manifest import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointTooNew,
+    check_manifest,
+    unreadable,
+)
 
 IN_FLIGHT_RULE = "discard-after-checkpoint"
 CHECKPOINT_FORMAT = 2
@@ -185,6 +191,12 @@ def read_state(path: str | os.PathLike[str]) -> LoopState:
     problems += [
         p for key, v in data.items() if key in hints and (p := _checked_value(key, hints[key], v))
     ]
+    if not problems and data.get("checkpoint_format", 1) > CHECKPOINT_FORMAT:
+        raise CheckpointTooNew(
+            f"{file}: checkpoint format {data['checkpoint_format']}, written by a newer agentrl "
+            f"(this one reads formats 1 to {CHECKPOINT_FORMAT}): nothing was changed; resume it "
+            "with the agentrl that wrote it"
+        )
     problems = problems or _meaning(data)
     if problems:
         raise CheckpointError(f"{file} is damaged: {'; '.join(problems)}")
@@ -211,19 +223,15 @@ def _meaning(data: dict[str, Any]) -> list[str]:
     idle = data.get("steps_without_update", 0)
     if idle > data["step"]:
         problems.append(f"steps_without_update {idle} > step {data['step']}")
-    fmt = data.get("checkpoint_format", 1)
-    if not 1 <= fmt <= CHECKPOINT_FORMAT:
-        problems.append(
-            f"checkpoint_format is {fmt!r} (this agentrl reads formats 1 to {CHECKPOINT_FORMAT}: "
-            "a newer agentrl wrote it?)"
-        )
-    world = data.get("world_size", 0)
-    if world > MAX_WORLD_SIZE or (fmt >= 2 and world < 1):
-        problems.append(f"world_size is {world!r} (the ranks that saved it: 1 to {MAX_WORLD_SIZE})")
+    if data.get("checkpoint_format", 1) < 1:
+        problems.append(f"checkpoint_format is {data['checkpoint_format']!r} (1 or more)")
+    world = data.get("world_size", 0)  # 0: not recorded (counted from the RNG files)
+    if world > MAX_WORLD_SIZE:
+        problems.append(f"world_size is {world!r} (saved by at most {MAX_WORLD_SIZE} ranks)")
     if data.get("in_flight", IN_FLIGHT_RULE) not in IN_FLIGHT_RULES:
         problems.append(f"in_flight is {data['in_flight']!r} (one of {', '.join(IN_FLIGHT_RULES)})")
     created = data.get("created", 0.0)
-    if not math.isfinite(created):
+    if isinstance(created, float) and not math.isfinite(created):
         problems.append(f"created is {created!r} (a time)")
     tasks = data.get("tasks") or {}
     if tasks:

@@ -40,10 +40,18 @@ class CheckpointUnreadable(AgentRLError):
     checkpoint — a lookup stops here rather than set it aside and resume from an older one."""
 
 
+class CheckpointTooNew(CheckpointUnreadable):
+    """A checkpoint a newer agentrl wrote (a ``checkpoint_format`` this one does not read)."""
+
+
 def unreadable(path: Path, exc: OSError) -> CheckpointUnreadable:
+    if isinstance(exc, PermissionError):
+        fix = "give this process access to the checkpoint (its owner and mode)"
+    else:
+        fix = "check the file and the disk it is on"
     return CheckpointUnreadable(
-        f"cannot read {path} ({type(exc).__name__}: {exc.strerror or exc}): nothing was changed; "
-        "give this process access to the checkpoint (its owner and mode), then run again"
+        f"cannot read {path} ({type(exc).__name__}: {exc.strerror or exc}): nothing was "
+        f"changed; {fix}, then run again"
     )
 
 

@@ -158,9 +158,9 @@ def _old_format(path) -> None:
         (lambda s: s.update(policy_version=-5), r"policy_version is -5 \(a count: >= 0\)"),
         (lambda s: s.update(data_cursor=-3), r"data_cursor is -3"),
         (lambda s: s.update(steps_without_update=99), r"steps_without_update 99 > step 3"),
-        (lambda s: s.update(checkpoint_format=99), r"checkpoint_format is 99 \(this agentrl"),
+        (lambda s: s.update(checkpoint_format=0), r"checkpoint_format is 0 \(1 or more\)"),
         (lambda s: s.update(world_size=-2), r"world_size is -2"),
-        (lambda s: s.update(world_size=10**9), r"world_size is 1000000000 \(the ranks"),
+        (lambda s: s.update(world_size=10**9), r"world_size is 1000000000 \(saved by at most"),
         (lambda s: s.update(in_flight="rerun-all"), r"in_flight is 'rerun-all' \(one of"),
         (lambda s: s.update(created=float("nan")), r"created is nan"),
         (lambda s: s.update(tasks={"low": 30, "settled": [], "next": 10**12}),
@@ -175,7 +175,7 @@ def _old_format(path) -> None:
          r"tasks.low 0 is not data_cursor 30"),
     ],
     ids=["missing-key", "wrong-type", "negative-length", "unknown-key", "negative-version",
-         "negative-cursor", "idle-past-step", "newer-format", "negative-world", "huge-world",
+         "negative-cursor", "idle-past-step", "format-zero", "negative-world", "huge-world",
          "unknown-rule", "nan-time", "huge-gap", "low-past-next", "settled-twice",
          "settled-outside", "cursor-mismatch"],
 )  # fmt: skip
@@ -354,3 +354,45 @@ def test_a_file_this_process_may_not_read_stops_the_lookup_naming_it(tmp_path, m
         find_intact_checkpoint(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == [
         "step-00000001", "step-00000002", "step-00000003"]  # fmt: skip
+
+
+def test_a_newer_agentrls_checkpoint_stops_the_lookup_and_is_never_pruned(tmp_path):
+    """A checkpoint format this agentrl does not read is no damage: taken for broken, a resume
+    set it aside and cut the run files back to an older checkpoint. The lookup stops, naming
+    it; a save's pruning neither counts nor removes it; a number too large for a float in it
+    is no crash."""
+    from agentrl.trainer import CheckpointTooNew
+    from agentrl.trainer._manifest import write_manifest
+
+    first, _, newest = _three(tmp_path)
+    state = json.loads((newest / "state.json").read_text())
+    state.update(checkpoint_format=99)
+    (newest / "state.json").write_text(json.dumps(state))
+    write_manifest(newest)
+    with pytest.raises(CheckpointTooNew, match="checkpoint format 99, written by a newer agentrl"):
+        find_intact_checkpoint(tmp_path)
+    state = json.loads((first / "state.json").read_text())
+    state.update(checkpoint_format=99, created=10**400)
+    (first / "state.json").write_text(json.dumps(state))
+    write_manifest(first)
+    save_checkpoint(tmp_path, _Learner(), _state(4), keep=1)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert names == [first.name, newest.name, "step-00000004"], names
+
+
+def test_a_checkpoint_pruning_cannot_read_stays_and_the_save_stands(tmp_path, monkeypatch):
+    """An older checkpoint whose state.json this process may not read: the save of a new one
+    raised after publishing it (saying nothing was changed). The new one stands; the old one
+    is neither counted nor removed."""
+    first, second, third = _three(tmp_path)
+    real_read = Path.read_bytes
+
+    def read(path):
+        if path == second / "state.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read)
+    fourth = save_checkpoint(tmp_path, _Learner(), _state(4), keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert fourth.name in names and second.name in names and first.name not in names, names
