@@ -228,12 +228,7 @@ def open_trackers(
     check_trackers(logging.trackers)
     ids_path = out / IDS_FILE
     ids = read_tracker_ids(out) if resume else {}
-    started = (ids.get("run") or {}).get("started")
-    if isinstance(started, bool) or not isinstance(started, int | float):
-        started = time.time()  # a new run (or one that predates the record)
-    elif not math.isfinite(started) or started > time.time():
-        started = time.time()
-    ids["run"] = {"started": started}
+    ids["run"] = {"started": _started(ids)}
     opened: list[Tracker] = []
     try:
         for name in logging.trackers:
@@ -252,7 +247,21 @@ def open_trackers(
     except BaseException:
         Trackers(opened).close()
         raise
-    return Trackers(opened, started=started)
+    return Trackers(opened, started=ids["run"]["started"])
+
+
+def _started(ids: dict[str, Any]) -> float:
+    """When the run first started, as ``trackers.json`` recorded it (a time on this clock or
+    another host's); now for a new run, one that predates the record, or a value that is no
+    time."""
+    started = (ids.get("run") or {}).get("started")
+    if isinstance(started, bool) or not isinstance(started, int | float):
+        return time.time()
+    try:
+        started = float(started)
+    except OverflowError:
+        return time.time()
+    return started if math.isfinite(started) and started >= 0 else time.time()
 
 
 def histogram_values(rewards: Sequence[float]) -> Any:
@@ -285,7 +294,9 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(folder), purge_step=purge_step)
-        self.intervals = SummaryWriter(str(folder / "interval"))
+        self.folder = folder
+        self.intervals: Any = None
+        """The interval records' writer, made with the first of them."""
 
     def log_step(self, step: int, scalars: dict[str, float], rewards: Sequence[float]) -> None:
         for tag, value in scalars.items():
@@ -296,13 +307,18 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def log_interval(self, time_s: float, step: int, scalars: dict[str, float]) -> None:
+        if self.intervals is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.intervals = SummaryWriter(str(self.folder / "interval"))
         for tag, value in scalars.items():
             self.intervals.add_scalar(tag, value, int(time_s))
         self.intervals.flush()
 
     def close(self) -> None:
         self.writer.close()
-        self.intervals.close()
+        if self.intervals is not None:
+            self.intervals.close()
 
 
 class WandbTracker:

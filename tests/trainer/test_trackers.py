@@ -283,3 +283,16 @@ def test_rewards_a_histogram_cannot_bin_skip_the_histogram_not_the_tracker(tmp_p
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
     assert [e.step for e in acc.Histograms("reward/histogram")] == [2]
+
+
+@pytest.mark.parametrize("recorded", [10**400, "yesterday", True, -5, float("nan"), None])
+def test_a_run_start_that_is_no_time_starts_the_interval_axis_again(recorded):
+    """``trackers.json``'s run start (the interval records' time origin) is someone else's
+    file too: a 400-digit integer raised OverflowError on every resume."""
+    from agentrl.loop._trackers import _started
+
+    before = time.time()
+    assert before <= _started({"run": {"started": recorded}}) <= time.time()
+    assert _started({"run": {"started": 1.5e9}}) == 1.5e9
+    ahead = time.time() + 3600  # a host whose clock was ahead: kept (points at 0 until then)
+    assert _started({"run": {"started": ahead}}) == ahead
