@@ -94,16 +94,25 @@ def check_mlflow_store(logging: Any) -> None:
     """Refuse, before any model loads, an MLflow database store where MLflow's server-side
     packages are missing: the ``agentrl[mlflow]`` extra is the client (``mlflow-skinny``),
     which speaks to a tracking server or a folder store only."""
-    if "mlflow" not in logging.trackers or not logging.mlflow.tracking_uri:
+    if "mlflow" not in logging.trackers:
         return
     uri = logging.mlflow.tracking_uri
+    if not uri:  # MLFLOW_TRACKING_URI, else MLflow's default (a database in MLflow 3)
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
     missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
     if scheme in _DATABASES and missing:
+        given = (
+            f"logging.mlflow.tracking_uri {uri!r}"
+            if logging.mlflow.tracking_uri
+            else f"logging.mlflow.tracking_uri is not set, and MLflow's store is then {uri!r}"
+        )
         raise ConfigError(
-            f"logging.mlflow.tracking_uri {uri!r}: a database store needs the full MLflow "
-            "(pip install mlflow); the agentrl[mlflow] extra installs its client, which logs to "
-            "a tracking server (http://host:5000) or a folder (file:///path/mlruns)"
+            f"{given}: a database store needs the full MLflow (pip install mlflow); the "
+            "agentrl[mlflow] extra installs its client, which logs to a tracking server "
+            "(tracking_uri: http://host:5000) or a folder (file:///path/mlruns)"
         )
 
 
@@ -375,6 +384,9 @@ MLFLOW_PROBE_S = 10.0
 is refused (MLflow's own client retries a server that is down for minutes first)."""
 
 
+_CA_VARIABLES = ("MLFLOW_TRACKING_SERVER_CERT_PATH", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
 def _check_server_answers(uri: str | None) -> None:
     """Refuse an ``http(s)`` tracking URI whose server does not answer within
     ``MLFLOW_PROBE_S``: any HTTP answer (also 401 or 404 from a proxy) passes; other stores
@@ -389,9 +401,13 @@ def _check_server_answers(uri: str | None) -> None:
     verify: bool | ssl.SSLContext = False
     if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() not in ("true", "1"):
         try:
-            verify = ssl.create_default_context(
-                cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None
+            import certifi
+
+            cafile = next(  # as MLflow's client (requests) picks its certificate authorities
+                (os.environ[name] for name in _CA_VARIABLES if os.environ.get(name)),
+                certifi.where(),
             )
+            verify = ssl.create_default_context(cafile=cafile)
             if client := os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH"):
                 verify.load_cert_chain(client)
         except (OSError, ssl.SSLError) as exc:

@@ -202,9 +202,28 @@ def test_an_mlflow_database_store_without_its_packages_is_refused_before_the_mod
         return
     with pytest.raises(ConfigError, match="a database store needs the full MLflow"):
         check_mlflow_store(logging)
-    for fine in ("http://127.0.0.1:5000", "file:///tmp/mlruns", None):
+    for fine in ("http://127.0.0.1:5000", "file:///tmp/mlruns"):
         check_mlflow_store(LoggingSection.model_validate(
             {"trackers": ["mlflow"], "mlflow": {"tracking_uri": fine}}))  # fmt: skip
+
+
+def test_mlflows_default_store_is_checked_too(monkeypatch, tmp_path):
+    """No tracking_uri: MLflow 3's store is then ``sqlite:///mlflow.db``, which its client
+    alone cannot open; the run failed after the model had loaded."""
+    import importlib.util
+
+    from agentrl.loop._trackers import check_mlflow_store
+
+    monkeypatch.chdir(tmp_path)
+    logging = LoggingSection.model_validate({"trackers": ["mlflow"]})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/mlruns")
+    check_mlflow_store(logging)  # the environment names a folder store: fine
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    if importlib.util.find_spec("sqlalchemy") and importlib.util.find_spec("alembic"):
+        check_mlflow_store(logging)
+        return
+    with pytest.raises(ConfigError, match="tracking_uri is not set, and MLflow's store is then"):
+        check_mlflow_store(logging)
 
 
 @pytest.fixture
