@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -13,7 +15,17 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def on_rank_device() -> None:
+    """Before a collective over NCCL: make this rank's GPU the calling thread's current
+    device. NCCL collectives place their buffers there, and a worker thread (the loop runs
+    collectives from some) starts on device 0, which would be every rank's."""
+    dist = torch.distributed
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def barrier() -> None:
     """Wait for every rank (nothing to wait for alone)."""
     if rank_world()[1] > 1:
+        on_rank_device()
         torch.distributed.barrier()

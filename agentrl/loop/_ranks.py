@@ -32,6 +32,7 @@ import agentrl
 from agentrl._errors import ConfigError
 from agentrl.trainer import barrier as barrier
 from agentrl.trainer import rank_world as rank_world
+from agentrl.trainer._dist import on_rank_device
 
 
 def gather(obj: Any) -> list[Any]:
@@ -40,6 +41,7 @@ def gather(obj: Any) -> list[Any]:
     if world == 1:
         return [obj]
     out: list[Any] = [None] * world
+    on_rank_device()  # called from worker threads too
     torch.distributed.all_gather_object(out, obj)
     return out
 
