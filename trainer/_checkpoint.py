@@ -54,10 +54,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from agentrl._errors import AgentRLError
 
 from ._diskfull import save_failed
-from ._dist import barrier, rank_world
+from ._dist import barrier, on_rank_device, rank_world
 from ._lookup import (
     CHECKPOINT_FORMAT,
     CheckpointWarning,
@@ -95,17 +97,22 @@ def save_checkpoint(
     final = step_dir(root, state.step)
     tmp = root / f".tmp-{final.name}"
     rank = rank_world()[0]
-    claim = _Claim.take(tmp) if rank == 0 else None  # a second live writer of tmp: refused
+    claim = None
     try:
-        try:
+
+        def prepare() -> None:
+            nonlocal claim
             if rank == 0:
+                claim = _Claim.take(tmp)  # a second live writer of tmp: refused
                 shutil.rmtree(tmp, ignore_errors=True)  # this step's own earlier attempt
                 _remove_leftovers(root)
                 tmp.mkdir()
-            barrier()
+
+        def write_own() -> None:
             learner.save(str(tmp))
             save_rng_state(tmp / f"rng-rank{rank}.pt", rng)
-            barrier()
+
+        def publish() -> None:
             if rank == 0:
                 state.created = time.time()
                 state.checkpoint_format = CHECKPOINT_FORMAT
@@ -113,11 +120,11 @@ def save_checkpoint(
                 (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
                 write_manifest(tmp)  # hashes and fsyncs every file, then the manifest
                 _publish(root, tmp, final)
-        except Exception as exc:
-            done = list_checkpoints(root)
-            raise save_failed(
-                exc, root, tmp, final, keep=keep, previous=done[-1] if done else None
-            ) from exc
+
+        # each part ends where every rank learns how every rank's part went: the same
+        # collectives on every rank, and every rank raises when one failed
+        for part in (prepare, write_own, publish):
+            _agreed(part, root, tmp, final, keep)
     finally:
         if claim is not None:
             claim.release()
@@ -131,6 +138,39 @@ def save_checkpoint(
             )
     barrier()
     return final
+
+
+def _agreed(part: Any, root: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Run this rank's ``part`` of a save, then learn every rank's outcome (one gather; a
+    barrier's worth alone). A rank whose part failed raises its own ``save_failed`` error
+    (the partial folder removed once no rank writes into it any more); the others raise one
+    naming the rank that failed."""
+    error: Exception | None = None
+    try:
+        part()
+    except Exception as exc:  # every failure is reported below, on every rank
+        error = exc
+    rank, world = rank_world()
+    failed: list[tuple[int, str]] = []
+    if world > 1:
+        on_rank_device()
+        outcomes: list[Any] = [None] * world
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        torch.distributed.all_gather_object(outcomes, mine)
+        failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
+    if error is not None:
+        done = list_checkpoints(root)
+        raise save_failed(
+            error, root, tmp, final, keep=keep, previous=done[-1] if done else None
+        ) from error
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        who = "; ".join(f"rank {r}: {text}" for r, text in failed)
+        raise CheckpointError(
+            f"writing checkpoint {final.name} in {root} failed on another rank ({who}); its "
+            "partial folder was removed and the earlier checkpoints are untouched"
+        )
 
 
 def _prune(root: Path, final: Path, keep: int) -> None:
