@@ -273,13 +273,14 @@ def check_resume(
     *,
     lead: bool = True,
     accept_lost: bool = False,
+    files: bool = True,
 ) -> Resume:
     """The checkpoint to resume from, refused early (before any model is built and anything
     is written) when it belongs to another tokenizer or configuration, or when a run file lost
     records it counted (unless ``accept_lost``). None when the run never recorded a step (it
     then starts over: its files are emptied); a ledger that holds steps with no checkpoint under
     the checkpoint root is refused, naming what the root holds. ``lead`` prints what was
-    skipped (the process that writes the run files)."""
+    skipped (the process that writes the run files); ``files``: read the run files too."""
     from agentrl.trainer import verify_state
 
     if not (out / "config.yaml").is_file():
@@ -310,9 +311,9 @@ def check_resume(
     verify_state(state, path, tokenizer_fingerprint=fingerprint, config_hash=state.config_hash)
     if state.config_hash == cfg.hash():
         # what cutting the run files back would refuse, refused before config.yaml is rewritten
-        check_run_files(
-            out, state.file_lengths, RUN_FILES, short="recover" if accept_lost else "refuse"
-        )
+        if files:
+            short = "recover" if accept_lost else "refuse"
+            check_run_files(out, state.file_lengths, RUN_FILES, short=short)
         return Resume(path, found.skipped)
     changed = _changed_fields(out, state.config_hash, cfg)
     raise ConfigError(

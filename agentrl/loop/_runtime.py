@@ -84,6 +84,7 @@ from ._records import (
     step_record,
     trained_on_nothing,
 )
+from ._runfiles import RunFileError
 from ._runlock import RunLocks, lock_checkpoint_root, lock_run_folder
 from ._tasks import TaskLedger, TaskStream
 from ._trackers import Trackers, check_mlflow_store, check_trackers, open_trackers
@@ -220,11 +221,7 @@ def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
     cfg, out, lead = setup.cfg, setup.out, setup.lead
     # what another run may have written before the lock was taken is looked at again
     check_out(cfg, out, resume=resume)
-    found = (
-        check_resume(cfg, out, setup.fingerprint, lead=lead, accept_lost=setup.accept_lost)
-        if resume
-        else None
-    )
+    found = _check_resume(setup) if resume else None
     # one writer per checkpoint root too (two runs may share a checkpoint.dir), from here on
     lock_checkpoint_root(setup.lock, checkpoint_root(cfg, out), out, lead=lead)
     if not resume:  # what another run wrote there before that lock was taken
@@ -253,6 +250,30 @@ def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
             purge_step=setup.purge_step,
         )
     barrier()  # the run files are ready before anyone opens them
+
+
+def _check_resume(setup: _Setup) -> Any:
+    """``check_resume`` on every rank; its reading of the run files (their recorded lengths,
+    which may be gigabytes on a shared filesystem) on rank 0 alone, whose verdict every rank
+    raises."""
+    failure: RunFileError | None = None
+    try:
+        found = check_resume(
+            setup.cfg,
+            setup.out,
+            setup.fingerprint,
+            lead=setup.lead,
+            accept_lost=setup.accept_lost,
+            files=setup.lead,
+        )
+    except RunFileError as exc:
+        failure, found = exc, None
+    reasons = [r for r in gather(None if failure is None else str(failure)) if r]
+    if failure is not None:
+        raise failure
+    if reasons:
+        raise RunFileError(reasons[0])
+    return found
 
 
 def _check_world(cfg: TrainConfig, world: int) -> None:
