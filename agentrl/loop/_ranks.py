@@ -46,6 +46,16 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
+def raise_on_every_rank(failure: Exception | None, kind: type[Exception]) -> None:
+    """Every rank learns whether some rank failed (one gather): a rank that failed raises its
+    own ``failure``, the others a ``kind`` with the first failing rank's message."""
+    reasons = [r for r in gather(None if failure is None else str(failure)) if r]
+    if failure is not None:
+        raise failure
+    if reasons:
+        raise kind(reasons[0])
+
+
 def check_shared_out(out: Path, config_text: str) -> None:
     """Every rank must run the same code and configuration as rank 0, and see the
     ``config.yaml`` rank 0 just wrote into ``out`` (call after a barrier). Nodes started from

@@ -30,7 +30,7 @@ from typing import TypeVar
 from agentrl._errors import ConfigError
 from agentrl._outfiles import write_error
 
-from ._ranks import gather
+from ._ranks import raise_on_every_rank
 
 T = TypeVar("T")
 LOCK_FILE = ".agentrl.lock"
@@ -142,9 +142,5 @@ def _everywhere(take: Callable[[], T], lead: bool) -> T | None:
             lock = take()
         except Exception as exc:  # every rank must hear of it, not only this one
             failure = exc
-    reasons = [r for r in gather(None if failure is None else str(failure)) if r]
-    if failure is not None:
-        raise failure
-    if reasons:
-        raise ConfigError(reasons[0])
+    raise_on_every_rank(failure, ConfigError)
     return lock

@@ -75,7 +75,7 @@ from ._files import RunFiles, check_dashboard
 from ._learner import LearnerRole, StopAgreed
 from ._publisher import EngineWeightSink, Publisher
 from ._rank_publish import wrap_for_ranks
-from ._ranks import barrier, check_shared_out, gather, rank_world
+from ._ranks import barrier, check_shared_out, gather, raise_on_every_rank, rank_world
 from ._records import (
     Clock,
     TrainingStalled,
@@ -268,11 +268,7 @@ def _check_resume(setup: _Setup) -> Any:
         )
     except RunFileError as exc:
         failure, found = exc, None
-    reasons = [r for r in gather(None if failure is None else str(failure)) if r]
-    if failure is not None:
-        raise failure
-    if reasons:
-        raise RunFileError(reasons[0])
+    raise_on_every_rank(failure, RunFileError)
     return found
 
 
