@@ -473,14 +473,17 @@ def test_two_ranks_stopped_by_sigterm_save_together_and_resume_like_one_process(
     run, steps, text = _stopped_two_ranks(tmp_path, lambda agent: agent)
     assert text.count("stopping (SIGTERM): every rank drops the step in progress") == 1, text
     assert steps < STEPS, "the stop came too late for this test"
+    assert (run / ".agentrl-stop").exists(), "the signalled ranks leave their mark"
     resumed = _torchrun("train", "--resume", str(run), "--max-steps", str(STEPS))
     assert f"resuming from checkpoint step {steps}" in resumed.stdout
+    assert not (run / ".agentrl-stop").exists(), "a resume starts without the earlier stop"
     _assert_like_one_process(straight, run)
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    """SIGTERM to rank 1 alone: rank 0, never signalled, learns of it at the next collection;
-    both drop that step and save the last complete one together, and rank 0 says why."""
+    """SIGTERM to rank 1 alone: rank 0, never signalled, stops sampling once rank 1's mark
+    is in the run folder, and learns who stopped at the collection; both drop that step and
+    save the last complete one together, and rank 0 says why."""
     _, _, text = _stopped_two_ranks(tmp_path, lambda agent: _rank_pid(agent, 1))
     assert "stopping: rank 1 received a stop signal; every rank drops the step in progress" in text
     assert "stopping (SIGTERM)" not in text, "rank 0 was not signalled; rank 1 does not speak"

@@ -114,25 +114,29 @@ class StopAgreed(Exception):
 
     def __init__(self, ranks: list[int]) -> None:
         names = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-        super().__init__(f"{names} received a stop signal")
+        super().__init__(f"{names} received a stop signal" if ranks else "a rank stopped")
         self.ranks = ranks
 
 
-def views_of(groups: list[Group], stopping: bool = False) -> tuple[list[GroupView], list[int]]:
-    """Every rank's groups (``groups`` are this rank's), in slot order, and the ranks that
-    are ``stopping`` (they send no groups)."""
+def views_of(
+    groups: list[Group], stopping: bool = False, signalled: bool = False
+) -> tuple[list[GroupView], list[int] | None]:
+    """Every rank's groups (``groups`` are this rank's), in slot order, and, when some rank
+    is ``stopping`` (it sends no groups), the ranks that were ``signalled`` (else None)."""
     mine = [
         GroupView(g.slot, str(g.task.id), g.version, g.timed_out, g.trajectories)
         for g in ([] if stopping else groups)
     ]
     rank = rank_world()[0]
-    everyone = gather((rank, mine, stopping))
+    everyone = gather((rank, mine, stopping, signalled))
     out = []
-    for owner, part, _ in everyone:
+    for owner, part, _, _ in everyone:
         for view in part:
             view.mine = owner == rank
             out.append(view)
-    return sorted(out, key=lambda v: v.slot), [r for r, _, stops in everyone if stops]
+    if not any(stops for _, _, stops, _ in everyone):
+        return sorted(out, key=lambda v: v.slot), None
+    return sorted(out, key=lambda v: v.slot), [r for r, _, _, told in everyone if told]
 
 
 async def wait_groups(groups: list[Group], timeout_s: float | None) -> None:
@@ -170,7 +174,10 @@ class LearnerRole:
         alg = learner.settings.algorithm
         self.refill = cfg.train.refill_rounds if alg.dynamic_sampling else 0
         self.stop: anyio.Event | None = None
-        """Several ranks: the signal event; each collection is where they agree to stop."""
+        """Several ranks: set once this rank or another was signalled (each collection is
+        where they agree to stop)."""
+        self.signalled: anyio.Event | None = None
+        """Several ranks: this rank's own stop signal."""
 
     def admit(self, step: int) -> None:
         """Start the groups of every step up to ``step + k`` not started yet."""
@@ -247,10 +254,11 @@ class LearnerRole:
                 await stop.wait()
                 tg.cancel_scope.cancel()
         stopping = stop.is_set()
+        signalled = self.signalled is not None and self.signalled.is_set()
         views, stopped = await anyio.to_thread.run_sync(
-            views_of, groups, stopping, abandon_on_cancel=True
+            views_of, groups, stopping, signalled, abandon_on_cancel=True
         )
-        if stopped:
+        if stopped is not None:
             raise StopAgreed(stopped)
         return views
 

@@ -178,6 +178,12 @@ async def atrain(
     return result
 
 
+STOP_FILE = ".agentrl-stop"
+"""Left in the run folder by a rank that received a stop signal (several ranks): the others
+poll for it every ``STOP_POLL_S`` seconds while they sample."""
+STOP_POLL_S = 0.5
+
+
 def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = False) -> _Setup:
     from agentrl._env_values import check_task_ids
     from agentrl._models import load_tokenizer, resolve_model, tokenizer_fingerprint
@@ -232,6 +238,7 @@ def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
             set_aside(found.broken)
     if lead:
         prepare_out(cfg, out, setup.model_path, fresh=not resume)
+        (out / STOP_FILE).unlink(missing_ok=True)  # an earlier stop's: seen by no rank now
     barrier()
     check_shared_out(out, dump_config(cfg))
     options = cfg.engine
@@ -511,7 +518,9 @@ class _Runtime:
                 if stop is not None and self.world == 1:
                     tg.start_soon(cancel_when_set, stop, steps)
                 elif stop is not None:
-                    self.role.stop = stop
+                    self.role.stop, self.role.signalled = anyio.Event(), stop
+                    tg.start_soon(self._share_stop, stop, self.role.stop)
+                    tg.start_soon(self._watch_for_stop, self.role.stop)
                 try:
                     await self._steps()
                 except StopAgreed as exc:
@@ -524,6 +533,25 @@ class _Runtime:
         if self.world > 1:  # a stop after the last step's collection: the run is complete
             return agreed
         return steps.cancelled_caught or (stop is not None and stop.is_set())
+
+    async def _share_stop(self, signalled: anyio.Event, stop: anyio.Event) -> None:
+        """Several ranks: once this rank is signalled, leave a mark in the run folder (which
+        every rank sees) so the others stop sampling too, instead of finishing their share of
+        the step before the collection tells them."""
+        await signalled.wait()
+        try:
+            (self.setup.out / STOP_FILE).touch()
+        except OSError:
+            pass  # the collection still tells them, once they have sampled
+        stop.set()
+
+    async def _watch_for_stop(self, stop: anyio.Event) -> None:
+        """Several ranks: stop sampling once another rank left its mark (``_share_stop``)."""
+        mark = self.setup.out / STOP_FILE
+        while not stop.is_set():
+            await anyio.sleep(STOP_POLL_S)
+            if mark.exists():
+                stop.set()
 
     async def _steps(self) -> None:
         if self.step == 0 and self.cfg.eval.at_start:
