@@ -10,6 +10,7 @@ import difflib
 import importlib
 import importlib.metadata
 import re
+import sys
 import threading
 import types
 from collections.abc import Callable, Mapping
@@ -21,7 +22,9 @@ from ._env import Env
 from ._errors import BadEnvSpec, DuplicateEnv, EnvError, NameNotFound, VersionNotFound
 
 ENTRY_POINT_GROUP = "agentrl.envs"
-_ID_RE = re.compile(r"(?:(?P<module>[\w.]+):)?(?P<name>[A-Za-z][\w./-]*?)-v(?P<version>\w+)")
+_ID_RE = re.compile(
+    r"(?:(?P<module>[A-Za-z_]\w*(?:\.\w+)*):)?(?P<name>[A-Za-z][\w./-]*?)-v(?P<version>\w+)"
+)
 _VERSION_RE = re.compile(r"0|[1-9][0-9]*")
 
 T = TypeVar("T")
@@ -107,6 +110,11 @@ def parse_env_id(env_id: str) -> tuple[str | None, str, int]:
         raise BadEnvSpec(
             f"malformed environment id {short_repr(env_id)}: the version has {len(version)} digits"
         ) from None
+    if any(part in ("", ".", "..") for part in m["name"].split("/")):
+        raise BadEnvSpec(
+            f"malformed environment id {short_repr(env_id)}: a name's '/'-separated parts are "
+            "names, never empty, '.' or '..' (an id names run folders)"
+        )
     return m["module"], m["name"], number
 
 
@@ -183,6 +191,11 @@ def register(
             )
         _registry[env_id] = spec
     return spec
+
+
+def _defined_in(found: EnvSpec, module: str | None) -> bool:
+    """Whether ``found``'s entry point is defined in ``module`` or a module under it."""
+    return module is None or found.module == module or found.module.startswith(module + ".")
 
 
 def _same_entry(a: Any, b: Any) -> bool:
@@ -284,6 +297,10 @@ def load_entry_points(*, force: bool = False) -> list[str]:
 def spec(env_id: str) -> EnvSpec:
     """Look an id up, importing ``module`` first for ``module:name-vN``."""
     module, name, version = parse_env_id(env_id)
+    key = f"{name}-v{version}"
+    fresh = module is not None and module not in sys.modules
+    with _lock:
+        before = _registry.get(key)
     if module is not None:
         try:
             importlib.import_module(module)
@@ -295,9 +312,20 @@ def spec(env_id: str) -> EnvSpec:
                     " path: run it from the folder that holds the module, or install its package)"
                 )
             raise EnvError(f"{env_id!r}: cannot import module {module!r}: {exc}{hint}") from exc
-    key = f"{name}-v{version}"
+        except Exception as exc:  # the module's own code failed (not a missing module)
+            raise EnvError(
+                f"{env_id!r}: importing module {module!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
     with _lock:
         found = _registry.get(key)
+    if found is not None and fresh and found is before and not _defined_in(found, module):
+        # the module was imported for this id and registered another one: a typo in its
+        # decorator, never another module's environment under its name
+        raise NameNotFound(
+            f"{env_id!r}: module {module!r} does not register {key!r} (it was already "
+            f"registered by {_describe_entry(found.entry_point)}); check the id in its "
+            "@agentrl.env decorator"
+        )
     if found is None:
         load_entry_points()
         with _lock:

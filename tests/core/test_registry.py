@@ -259,6 +259,26 @@ def test_module_prefix_imports_the_module_lazily(tmp_path, monkeypatch, temp_ids
     assert sys.modules[module].IMPORTS == [1]
 
 
+def test_a_module_that_registers_another_id_never_lends_its_prefix(tmp_path, monkeypatch):
+    """``mymod:calc-v0`` where mymod registers only ``mything-v1`` (a typo in its decorator)
+    ran the built-in calc-v0 under mymod's name. A module whose own code fails on import, and
+    ids whose module or name could not be one, are one-line errors."""
+    module = f"agentrl_test_other_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text("X = 1\n")
+    (tmp_path / f"{module}_boom.py").write_text("raise RuntimeError('boom on import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(agentrl.NameNotFound, match=rf"module '{module}' does not register "
+                       r"'calc-v0' \(it was already registered by "):  # fmt: skip
+        agentrl.spec(f"{module}:calc-v0")
+    with pytest.raises(agentrl.EnvError, match="raised RuntimeError: boom on import"):
+        agentrl.spec(f"{module}_boom:calc-v0")
+    for bad in (".rel:calc-v0", "..x:calc-v0", "a..b:calc-v0", "x:a/../../up-v0",
+                "x:a//b-v0", "x:./here-v0"):  # fmt: skip
+        with pytest.raises(agentrl.BadEnvSpec, match="malformed environment id"):
+            agentrl.spec(bad)
+
+
 def test_module_prefix_that_cannot_be_imported():
     with pytest.raises(agentrl.EnvError, match="cannot import module 'agentrl_no_such_mod'") as e:
         agentrl.spec("agentrl_no_such_mod:calc-v0")
