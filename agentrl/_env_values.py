@@ -110,6 +110,21 @@ def check_reward(value: Any, hook: str) -> tuple[float, dict[str, float]]:
     return total, breakdown
 
 
+def split_tasks(env: Any, env_id: str, split: str, seed: int) -> list[Any]:
+    """``env.tasks(split, seed=seed)`` as a list; ``EnvError`` naming the hook when it raises
+    or returns something that is not a list of tasks."""
+    where = f"{env_id}: tasks({split!r}, seed={seed})"
+    try:
+        tasks = env.tasks(split, seed=seed)
+        if tasks is None or isinstance(tasks, str | bytes | dict):
+            raise EnvError(f"{where} returned {short_repr(tasks)} (a list of Task expected)")
+        return list(tasks)
+    except EnvError:
+        raise
+    except Exception as exc:  # the env's own code
+        raise EnvError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+
+
 def check_task_ids(tasks: Sequence[Any], env_id: str, split: str) -> None:
     """Every task has a non-empty id and no two share one: trajectory and group ids are made
     from them, so a repeated id would merge different prompts into one group."""

@@ -78,7 +78,10 @@ TERMINAL = (State.DONE, State.TRUNCATED, State.ERROR)
 
 def derive_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (same in every process, unlike ``hash``)."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    # surrogatepass: a task id that is not valid text still gets its seed (and its trajectory
+    # its error), instead of an exception that stops the batch
+    text = "\x1f".join(str(p) for p in parts)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 

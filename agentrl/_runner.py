@@ -20,7 +20,7 @@ import anyio
 
 from ._config import ROLLOUT_LEGACY_VALUES, RolloutConfig
 from ._config_file import read_json_value
-from ._env_values import check_task_ids
+from ._env_values import check_task_ids, split_tasks
 from ._errors import ConfigError
 from ._outfiles import write_file
 from ._registry import spec as env_spec
@@ -357,7 +357,13 @@ async def arollout(
     spec = env_spec(env)
     resources = dict(env_resources or {})
     # the env's arguments are checked before a model is fetched or torch is imported
-    tasks = list(spec.make(**cfg.env_kwargs, **resources).tasks(split, seed=cfg.seed))
+    taken = sorted(set(cfg.env_kwargs) & set(resources))
+    if taken:
+        raise ConfigError(
+            f"env_kwargs {taken[0]!r}: the run gives the environment its {taken[0]} itself "
+            "(--sandbox / sandbox:); drop it from env_kwargs"
+        )
+    tasks = split_tasks(spec.make(**cfg.env_kwargs, **resources), spec.id, split, cfg.seed)
     check_task_ids(tasks, spec.id, split)
     if task_offset >= len(tasks):
         raise ConfigError(

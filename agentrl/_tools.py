@@ -377,6 +377,10 @@ async def invoke_tool(
             parsed = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             return fail("invalid_arguments", f"arguments are not valid JSON: {exc.msg}")
+        except (ValueError, RecursionError) as exc:  # too deep, or a number too long to read
+            from .formats._hermes import unreadable_json
+
+            return fail("invalid_arguments", f"arguments cannot be read: {unreadable_json(exc)}")
     else:
         parsed = arguments
     if not isinstance(parsed, dict):

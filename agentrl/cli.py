@@ -563,16 +563,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_envs(args: argparse.Namespace) -> int:
     from rich.table import Table
+    from rich.text import Text
 
+    from ._env_values import split_tasks
+    from ._errors import EnvError
     from ._registry import load_entry_points, registered, spec
 
     console = _console()
+    # an env's text (ids, descriptions, errors) is plain text: never rich markup, never an
+    # escape sequence for the terminal
     if args.envs_command == "list":
         for err in load_entry_points():
-            console.print(f"[yellow]warning[/] {err}")
+            console.print(Text.assemble(("warning", "yellow"), " ", _safe(err)))
         table = Table("id", "description", "max turns", "max new tokens", "module")
         for s in registered():
-            table.add_row(s.id, s.description, str(s.max_turns), str(s.max_new_tokens), s.module)
+            table.add_row(*(Text(_safe(str(v))) for v in (s.id, s.description, s.max_turns,
+                                                          s.max_new_tokens, s.module)))  # fmt: skip
         console.print(table)
         return 0
     if args.envs_command == "check":
@@ -581,21 +587,31 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
     s = spec(args.env_id)
     env = s.make()
-    console.print(f"[bold]{s.id}[/]  ({s.module}.{getattr(s.entry_point, '__qualname__', '')})")
+    where = f"{s.module}.{getattr(s.entry_point, '__qualname__', '')}"
+    console.print(Text.assemble((_safe(s.id), "bold"), f"  ({_safe(where)})"))
     if s.description:  # the description, else the class's docstring
-        console.print(s.description)
-    console.print(f"max_turns={s.max_turns} max_new_tokens={s.max_new_tokens} tags={s.tags}")
+        console.print(Text(_safe(s.description)))
+    console.print(Text(_safe(f"max_turns={s.max_turns} max_new_tokens={s.max_new_tokens} "
+                             f"tags={s.tags}")))  # fmt: skip
     for name, bound in collect_tools(env).items():
-        console.print(f"tool [cyan]{name}[/]: {json.dumps(bound.spec.parameters)}")
+        parameters = json.dumps(bound.spec.parameters)
+        console.print(Text.assemble("tool ", (_safe(name), "cyan"), ": ", _safe(parameters)))
     for split in ("train", "eval"):
-        tasks = env.tasks(split, seed=0)
-        console.print(f"{split}: {len(tasks)} tasks, e.g. {tasks[0]}")
+        try:
+            tasks = split_tasks(env, s.id, split, 0)
+        except EnvError as exc:
+            console.print(Text(_safe(f"{split}: {exc}"), style="red"))
+            continue
+        example = f", e.g. {tasks[0]}" if tasks else ""
+        console.print(Text(_safe(f"{split}: {len(tasks)} tasks{example}")))
     return 0
 
 
 def _check_envs(args: argparse.Namespace, console) -> int:
     """``agentrl envs check``: the contract checker on each id, one line per id; exit 1 if any
     fails (the others are still checked)."""
+    from rich.text import Text
+
     from ._checker import check_env
     from ._config import short_repr
     from ._config_file import load_json
@@ -616,7 +632,7 @@ def _check_envs(args: argparse.Namespace, console) -> int:
     if args.all:
         for err in load_entry_points():  # an env that cannot even load fails the check
             failed += 1
-            console.print(f"[red]FAIL[/] {err}")
+            console.print(Text.assemble(("FAIL", "red"), " ", _safe(err)))
         ids += [s.id for s in registered() if s.id not in ids]
     if not ids and not failed:
         raise ConfigError("agentrl envs check: give environment ids, or --all")
@@ -626,10 +642,10 @@ def _check_envs(args: argparse.Namespace, console) -> int:
         except Exception as exc:
             failed += 1
             message = str(exc) if isinstance(exc, AgentRLError) else f"{type(exc).__name__}: {exc}"
-            console.print(f"[red]FAIL[/] {env_id}: {message}")
+            console.print(Text.assemble(("FAIL", "red"), " ", _safe(f"{env_id}: {message}")))
         else:
             passed += 1
-            console.print(f"[green]ok[/]   {env_id}")
+            console.print(Text.assemble(("ok", "green"), "   ", _safe(env_id)))
     if failed:
         console.print(f"[red]{failed} failed[/], {passed} passed")
         return 1

@@ -117,3 +117,43 @@ def test_a_hook_that_hangs_fails_by_name_within_the_deadline(tmp_path):
         "not finish within 1 s (check_env timeout_s)" in out
     ), out
     assert "ok fine-v0" in out and "1 failed, 1 passed" in out
+
+
+HOSTILE = """
+import agentrl
+from agentrl import Message, Task
+
+
+@agentrl.env("hostile-text-v0", description="a [/] b [bold]x \\x1b]0;OWNED\\x07 title")
+class HostileText:
+    def tasks(self, split, *, seed=0):
+        if split == "eval":
+            raise ValueError("bad path [/data/x] \\x1b[2J")
+        return [Task(id="a", prompt="hi")]
+
+    async def reset(self, task):
+        raise ValueError("split must be one of [train, eval] \\x1b[2J")
+
+    async def reward(self, episode):
+        return 0.0
+
+    async def close(self):
+        return None
+"""
+
+
+def test_an_envs_text_is_shown_as_text(tmp_path):
+    """An env's description, errors and tasks were printed as rich markup (``[/]`` crashed the
+    command with a MarkupError, ``[train, eval]`` vanished) and reached the terminal with their
+    escape sequences; ``envs show`` raised on a split whose tasks() fails."""
+    (tmp_path / "hostile_text.py").write_text(HOSTILE)
+    show = agentrl_cli("envs", "show", "hostile_text:hostile-text-v0", cwd=tmp_path)
+    assert show.returncode == 0, show.stderr[-3000:]
+    assert "\x1b" not in show.stdout and "\x07" not in show.stdout
+    assert "a [/] b [bold]x \\x1b]0;OWNED\\x07 title" in show.stdout
+    assert "eval: hostile-text-v0: tasks('eval', seed=0) raised ValueError: bad path [/data/x]" \
+        in " ".join(show.stdout.split())  # fmt: skip
+    check = agentrl_cli("envs", "check", "hostile_text:hostile-text-v0", cwd=tmp_path)
+    assert check.returncode == 1 and "Traceback" not in check.stderr, check.stderr[-3000:]
+    out = " ".join(check.stdout.split())
+    assert "\x1b" not in check.stdout and "bad path [/data/x] \\x1b[2J" in out, out

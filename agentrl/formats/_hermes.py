@@ -31,6 +31,13 @@ def parse_hermes(text: str, *, max_calls: int = 8) -> ParsedTurn:
     return ParsedTurn(content=content, calls=calls)
 
 
+def unreadable_json(exc: BaseException) -> str:
+    """Why JSON that parses as text cannot become values: too deep, or a number too long."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return " ".join(str(exc).split(";")[0].split())
+
+
 def _parse_one(body: str) -> ParsedCall:
     if not body:
         return ParsedCall("", "", "empty <tool_call> block")
@@ -38,6 +45,8 @@ def _parse_one(body: str) -> ParsedCall:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
         return ParsedCall("", body, f"tool call is not valid JSON ({exc.msg} at char {exc.pos})")
+    except (ValueError, RecursionError) as exc:  # nested too deep, an integer of 5,000 digits
+        return ParsedCall("", body, f"tool call JSON cannot be read ({unreadable_json(exc)})")
     if not isinstance(obj, dict):
         return ParsedCall("", body, "tool call must be a JSON object with 'name' and 'arguments'")
     name = obj.get("name")
@@ -47,7 +56,10 @@ def _parse_one(body: str) -> ParsedCall:
     if isinstance(args, str):  # some models double-encode; accept a JSON string
         arguments = args
     else:
-        arguments = json.dumps(args, ensure_ascii=False)
+        try:
+            arguments = json.dumps(args, ensure_ascii=False)
+        except (ValueError, RecursionError) as exc:
+            return ParsedCall("", body, f"tool call JSON cannot be read ({unreadable_json(exc)})")
     extra = set(obj) - {"name", "arguments"}
     if extra:
         return ParsedCall(name, arguments, f"unexpected keys in tool call: {sorted(extra)}")

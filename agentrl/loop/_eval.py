@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from agentrl._env_values import check_task_ids
+from agentrl._env_values import check_task_ids, split_tasks
 from agentrl._errors import ConfigError
 from agentrl._outfiles import write_file
 from agentrl._rollout import RolloutContext
@@ -134,7 +134,7 @@ async def aevaluate(
     model_path, version, weights, source = await _policy(checkpoint, model)
     tokenizer = load_tokenizer(model_path)
     env = spec.make(**cfg.rollout.env_kwargs)
-    tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+    tasks = split_tasks(env, spec.id, cfg.eval.split, cfg.train.seed)[: cfg.eval.num_tasks]
     check_task_ids(tasks, spec.id, cfg.eval.split)
     rollout = eval_rollout(cfg)
     if out_dir is not None:

@@ -185,7 +185,7 @@ STOP_POLL_S = 0.5
 
 
 def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = False) -> _Setup:
-    from agentrl._env_values import check_task_ids
+    from agentrl._env_values import check_task_ids, split_tasks
     from agentrl._models import load_tokenizer, resolve_model, tokenizer_fingerprint
     from agentrl._registry import spec as env_spec
     from agentrl.envs import check_env_sandbox
@@ -198,8 +198,8 @@ def _prepare(cfg: TrainConfig, out: Path, resume: bool, accept_lost: bool = Fals
     check_dashboard(cfg.logging)
     check_env_sandbox(cfg.sandbox, cfg.env, spec.entry_point)  # before any model is loaded
     env = spec.make(**cfg.rollout.env_kwargs)  # the env's arguments, its splits
-    train_tasks = list(env.tasks("train", seed=cfg.train.seed))
-    eval_tasks = list(env.tasks(cfg.eval.split, seed=cfg.train.seed))[: cfg.eval.num_tasks]
+    train_tasks = split_tasks(env, spec.id, "train", cfg.train.seed)
+    eval_tasks = split_tasks(env, spec.id, cfg.eval.split, cfg.train.seed)[: cfg.eval.num_tasks]
     check_task_ids(train_tasks, spec.id, "train")  # ids name trajectories and GRPO groups
     check_task_ids(eval_tasks, spec.id, cfg.eval.split)
     model_path = str(resolve_model(cfg.model))

@@ -44,6 +44,10 @@ class HostileValues:
             ]
         if self.mode == "surrogate-id":
             return [Task(id="bad-\udcff", prompt="p")]
+        if self.mode == "tasks-raise":
+            raise KeyError("no such split")
+        if self.mode == "tasks-none":
+            return None  # type: ignore[return-value]
         return [Task(id=f"{split}-{i}", prompt=f"Say {i}.") for i in range(2)]
 
     async def reset(self, task: Task) -> list:
@@ -252,6 +256,32 @@ async def test_repeated_task_ids_and_an_offset_past_the_split_are_refused_before
         ConfigError, match=r"task_offset 2: hostile-values-v0's 'train' split has 2"
     ):
         await arollout("hostile-values-v0", engine=engine, tokenizer=tokenizer, task_offset=2)
+    assert engine.calls == []
+
+
+async def test_a_task_id_that_is_not_text_never_stops_the_batch(tokenizer):
+    """Through ``arollout``: the seed was derived from the id before the trajectory's own
+    error handling, and the UnicodeEncodeError ended the whole run."""
+    engine = ScriptedEngine(tokenizer, [ANSWER] * 4)
+    config = agentrl.RolloutConfig(env_kwargs={"mode": "surrogate-id"}, group_size=2)
+    result = await arollout("hostile-values-v0", engine=engine, tokenizer=tokenizer, config=config)
+    assert len(result.trajectories) == 2
+    assert all(t.status == "error" and "not valid Unicode" in t.error.message
+               for t in result.trajectories)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "words"),
+    [
+        ("tasks-raise", "tasks('train', seed=0) raised KeyError: 'no such split'"),
+        ("tasks-none", "tasks('train', seed=0) returned None (a list of Task expected)"),
+    ],
+)
+async def test_tasks_that_fail_are_named_before_a_run(tokenizer, mode, words):
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    config = agentrl.RolloutConfig(env_kwargs={"mode": mode})
+    with pytest.raises(EnvError, match=re.escape(f"hostile-values-v0: {words}")):
+        await arollout("hostile-values-v0", engine=engine, tokenizer=tokenizer, config=config)
     assert engine.calls == []
 
 

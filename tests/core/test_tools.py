@@ -403,6 +403,8 @@ async def test_a_tool_raising_timeout_error_is_a_tool_exception():
         ("add", '{"a": [1]}', "invalid_arguments", "(got [1])"),
         ("shout", '{"text": 5}', "invalid_arguments", "argument 'text': "),
         ("boom", '{"reason": "bad"}', "tool_exception", "ValueError: boom: bad"),
+        ("add", "[" * 1100 + "]" * 1100, "invalid_arguments", "cannot be read: nested too deeply"),
+        ("add", '{"a": ' + "9" * 4301 + "}", "invalid_arguments", "cannot be read: Exceeds the"),
     ],
 )
 async def test_failures_become_observations(name, arguments, kind, message):
@@ -740,3 +742,21 @@ def test_env_tool_timeout_must_be_positive(value):
         env_tool_timeout(env)
     assert env_tool_timeout(type("Env", (), {"tool_timeout_s": 2})()) == 2.0
     assert env_tool_timeout(object()) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "why"),
+    [
+        ("[" * 1100 + "]" * 1100, "nested too deeply"),
+        ('{"a": ' + "9" * 4301 + "}", "Exceeds the limit (4300 digits)"),
+    ],
+)
+def test_a_tool_call_whose_json_cannot_become_values_is_a_parse_error(arguments, why):
+    """JSON that parses as text but not into values (too deep; an integer too long to read)
+    raised RecursionError / ValueError out of the parser, failing the whole trajectory (and
+    blamed on the env) instead of being an observation the model learns from."""
+    from agentrl.formats._hermes import parse_hermes
+
+    turn = parse_hermes(f'<tool_call>\n{{"name": "add", "arguments": {arguments}}}\n</tool_call>')
+    (call,) = turn.calls
+    assert call.error and f"tool call JSON cannot be read ({why}" in call.error, call.error
