@@ -196,9 +196,15 @@ def _sampling_part(config: dict[str, Any]) -> dict[str, Any]:
     """What must match for an append: env, model, engine, split and what decides the samples
     (a run written before ``config.json`` named its engine ran the embedded one)."""
     rollout = {k: v for k, v in dict(config.get("rollout") or {}).items() if k not in _APPEND_FREE}
-    keys = ("env", "model", "split")
-    part = {k: config.get(k) for k in keys}
+    keys = ("env", "env_entry_point", "model", "split")
+    part = {k: config.get(k) for k in keys if k in config}
     return {**part, "engine": config.get("engine", "embedded"), "rollout": rollout}
+
+
+def entry_point_name(spec: Any) -> str:
+    """``module.qualname`` of an env's entry point (where its id came from)."""
+    entry = spec.entry_point
+    return f"{spec.module}.{getattr(entry, '__qualname__', type(entry).__name__)}"
 
 
 def _as_recorded(config: dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +300,10 @@ def prepare_run_dir(
         if not (out / "config.json").is_file():
             raise ConfigError(f"--append: {out} has no config.json (not an agentrl rollout)")
         old = read_config_json(out / "config.json", "--append")
-        differ = config_diff(_sampling_part(_as_recorded(old)), _sampling_part(resolved))
+        mine = _sampling_part(resolved)
+        if "env_entry_point" not in old:  # recorded before the field: the id alone
+            mine.pop("env_entry_point", None)
+        differ = config_diff(_sampling_part(_as_recorded(old)), mine)
         if differ:
             raise ConfigError(
                 f"--append: this rollout differs from the one in {out}: " + "; ".join(differ)
@@ -390,6 +399,8 @@ async def arollout(
         out_dir = Path(out)
         resolved = _resolved_config(spec.id, model, model_path, n, split, task_offset, cfg)
         resolved["engine"] = engine_label(engine)
+        # what the id named: two modules may register one id (an append must not mix them)
+        resolved["env_entry_point"] = entry_point_name(spec)
         first_sample, previous = prepare_run_dir(out_dir, resolved, if_exists)
     async with AsyncExitStack() as stack:
         if engine is None:

@@ -779,3 +779,41 @@ def test_a_misspelt_setting_of_a_rollout_config_file_is_named_as_the_file_spells
     assert proc.returncode == 2, proc.stderr + proc.stdout
     assert "rollout.tempreature: Extra inputs are not permitted" in proc.stderr, proc.stderr
     assert "did you mean 'temperature'?" in proc.stderr, proc.stderr
+
+
+_TWIN = '''
+import agentrl
+from agentrl.envs.calc import CalcEnv
+
+
+@agentrl.env("calc-twin-v0", max_turns=1)
+class {name}(CalcEnv):
+    """calc's tasks under another module's id: two modules may register one id."""
+'''
+
+
+def test_an_append_never_mixes_two_environments_of_one_id(tmp_path, tiny_model_path):
+    """Two modules that register the same id (in two processes): an append of the second to
+    the first's rollout merged their samples into the same groups; config.json names the
+    entry point now, and an append from another one is refused naming both. A rollout
+    recorded before the field still takes appends."""
+    for module, name in (("twin_a", "TwinA"), ("twin_b", "TwinB")):
+        (tmp_path / f"{module}.py").write_text(_TWIN.format(name=name))
+    out = tmp_path / "run"
+
+    def rollout(module: str, *extra: str) -> subprocess.CompletedProcess:
+        return agentrl("rollout", "--env", f"{module}:calc-twin-v0", "--model", "tiny-random",
+                       "-n", "1", "--max-new-tokens", "4", "--out", str(out), *extra,
+                       cwd=tmp_path)  # fmt: skip
+
+    first = rollout("twin_a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["env_entry_point"] == "twin_a.TwinA"
+    refused = rollout("twin_b", "--append")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert 'env_entry_point: "twin_a.TwinA" → "twin_b.TwinB"' in refused.stderr, refused.stderr
+    assert rollout("twin_a", "--append").returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["env_entry_point"]  # as an older agentrl wrote it
+    (out / "config.json").write_text(json.dumps(config))
+    assert rollout("twin_b", "--append").returncode == 0
