@@ -420,11 +420,12 @@ def _info(run: _Run) -> dict[str, str]:
 
 def own_exception(exc: BaseException) -> bool:
     """Did env, tool or engine code raise ``exc`` itself, so that it is the trajectory's
-    failure? Every ``Exception``; and an ``asyncio.CancelledError`` that such code raised
-    while nobody was cancelling this task. A real cancellation, a ``KeyboardInterrupt`` or
-    ``SystemExit`` in this thread, and ``GeneratorExit`` (this coroutine is being closed) are
-    the run's, not the trajectory's."""
-    if isinstance(exc, Exception):
+    failure? Every ``Exception``; a ``SystemExit`` (env code calling ``sys.exit``: as from a
+    tool or a sync hook, it ends the trajectory, not the run); and an
+    ``asyncio.CancelledError`` that such code raised while nobody was cancelling this task. A
+    real cancellation, a ``KeyboardInterrupt`` (a user's Ctrl-C lands in this thread), and
+    ``GeneratorExit`` (this coroutine is being closed) are the run's, not the trajectory's."""
+    if isinstance(exc, Exception | SystemExit):
         return True
     if isinstance(exc, asyncio.CancelledError):
         if _asyncio_running():

@@ -65,6 +65,8 @@ class HostileValues:
                 raise asyncio.CancelledError("the env's own")
             case "reset-message-surrogate":
                 raise ValueError("bad \udcff value")
+            case "reset-exit":
+                raise SystemExit(3)
         return prompt
 
     @agentrl.tool
@@ -166,6 +168,13 @@ async def test_a_bad_value_is_the_trajectorys_error_naming_the_hook_and_field(
     assert traj.error is not None and traj.error.where == where, traj.error
     assert "hostile-values-v0" in traj.error.message and words in traj.error.message
     assert traj.reward is None
+
+
+async def test_sys_exit_in_an_async_hook_is_the_trajectorys_failure(chatml, tokenizer):
+    """As from a tool or a sync hook; from an async hook it ended the whole batch."""
+    traj = await _run(chatml, tokenizer, "reset-exit")
+    assert traj.status == "error" and traj.error.where == "reset"
+    assert traj.error.type == "SystemExit" and traj.error.message == "3"
 
 
 async def test_a_bool_reward_is_a_number(chatml, tokenizer):
@@ -318,8 +327,11 @@ async def test_what_counts_as_the_trajectorys_own_exception():
     from agentrl._rollout import own_exception
 
     assert own_exception(ValueError("x")) and own_exception(SystemError("y"))
-    # the run's, never one trajectory's: Ctrl-C, an exit, and a coroutine being closed
-    for exc in (KeyboardInterrupt(), SystemExit(1), GeneratorExit()):
+    # env code calling sys.exit() in an async hook: the trajectory's, as from a tool or a
+    # sync hook (it ended the whole batch)
+    assert own_exception(SystemExit(3))
+    # the run's, never one trajectory's: Ctrl-C and a coroutine being closed
+    for exc in (KeyboardInterrupt(), GeneratorExit()):
         assert not own_exception(exc)
     # nobody is cancelling this task: a CancelledError here is code's own (and under trio it
     # is never a cancellation)
