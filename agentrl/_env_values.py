@@ -84,7 +84,10 @@ def finite(value: Any, what: str) -> float:
     """``value`` as a float when it is a finite real number (``bool`` counts as 0/1), else
     ``EnvError`` naming ``what``."""
     if isinstance(value, numbers.Real):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past a float's range
+            number = math.inf
         if math.isfinite(number):
             return number
     raise EnvError(f"{what} must be a finite number, got {short_repr(value)}")
@@ -96,8 +99,11 @@ def check_reward(value: Any, hook: str) -> tuple[float, dict[str, float]]:
     from ._env import Reward
 
     if not isinstance(value, Reward):
-        if isinstance(value, numbers.Real) and math.isfinite(float(value)):
-            return float(value), {}
+        if isinstance(value, numbers.Real):
+            try:
+                return finite(value, hook), {}
+            except EnvError:
+                pass
         raise EnvError(f"{hook} must return a float or Reward (finite), got {short_repr(value)}")
     total = finite(value.total, f"{hook}: Reward.total")
     if not isinstance(value.breakdown, dict):

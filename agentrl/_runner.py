@@ -257,7 +257,8 @@ def describe_run_dir(out: Path) -> tuple[list[str], list[str]]:
 
 def refuse_training_run(out: Path, writer: str) -> list[str]:
     """Refuse an ``--out`` that is a file or holds a training run (``writer``, e.g. "a
-    rollout", names what never writes into one); return the rollout files it holds."""
+    rollout", names what never writes into one), or a folder or link under a rollout file's
+    name; return the rollout files it holds."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     training, held = describe_run_dir(out)
@@ -266,6 +267,13 @@ def refuse_training_run(out: Path, writer: str) -> list[str]:
             f"--out {out} holds a training run ({', '.join(training)}); {writer} never writes "
             "into one: choose another directory"
         )
+    for name in held:
+        path = out / name
+        if path.is_symlink() or not path.is_file():
+            raise ConfigError(
+                f"--out {out}: {name} is not a regular file (a folder or a link): {writer} "
+                "neither replaces nor writes through it; move it away or choose another --out"
+            )
     return held
 
 

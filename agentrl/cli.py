@@ -180,6 +180,26 @@ def _section(loaded: dict[str, Any], name: str, args: argparse.Namespace) -> dic
     return dict(section)
 
 
+def _refuse_unknown_sections(loaded: dict[str, Any], path: str) -> None:
+    """A rollout reads a training config's ``rollout``, ``engine`` and ``sandbox``; a key that
+    no training config has either (``rolout:``) is a typo the rollout would otherwise run past
+    with the defaults."""
+    import difflib
+
+    from ._errors import ConfigError
+    from .loop._config import TrainConfig
+
+    known = sorted(TrainConfig.model_fields)
+    for key in loaded:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{path}: {str(key)[:80]!r} is not a section of a run config{hint}; the "
+                f"sections are {', '.join(known)}"
+            )
+
+
 def _refuse_moved_settings(loaded: dict[str, Any], path: str) -> None:
     """A setting written at its old place is refused naming its home, as ``train`` does (the
     rollout would otherwise ignore it)."""
@@ -219,6 +239,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     if args.config:
         loaded = _load_config_file(args.config)
         _refuse_moved_settings(loaded, args.config)
+        _refuse_unknown_sections(loaded, args.config)
         data, engine_data = _section(loaded, "rollout", args), _section(loaded, "engine", args)
         if args.sandbox is None and loaded.get("sandbox") is not None:
             args.sandbox, args.sandbox_where = loaded["sandbox"], f"{args.config}: sandbox"
@@ -239,6 +260,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     cfg = validate_config(RolloutConfig, data, where="rollout" if args.config else "")
     if args.num_tasks < 1:
         raise ConfigError(f"-n must be >= 1, got {args.num_tasks}")
+    if args.show < 0:
+        raise ConfigError(f"--show must be >= 0, got {args.show}")
     # the settings, the environment and the model are checked before torch is imported (an
     # error here takes a fraction of a second, not the engine's import)
     from ._models import check_model
@@ -537,6 +560,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from ._errors import ConfigError
     from ._models import resolve_model
 
+    if args.show < 0:
+        raise ConfigError(f"--show must be >= 0, got {args.show}")
     path = _trajectories_file(Path(args.path))
     trajectories = _read_for_inspect(path)
     model = args.model

@@ -153,6 +153,7 @@ def test_models_list_and_doctor(tiny_model_path):
         (["--model", "/does/not/exist"], "'/does/not/exist' is neither a registered model"),
         (["--env-kwargs", '{"levels": [9]}'], "levels must be a non-empty subset"),
         (["--task-offset", "-5"], "task_offset must be an integer >= 0, got -5"),
+        (["--show", "-1"], "--show must be >= 0, got -1"),
     ],
 )
 def test_bad_input_gets_a_clear_error(args, needle, tmp_path):
@@ -817,3 +818,28 @@ def test_an_append_never_mixes_two_environments_of_one_id(tmp_path, tiny_model_p
     del config["env_entry_point"]  # as an older agentrl wrote it
     (out / "config.json").write_text(json.dumps(config))
     assert rollout("twin_b", "--append").returncode == 0
+
+
+def test_a_rollout_config_with_a_section_no_run_config_has_is_refused(tmp_path):
+    """``rolout: {temperature: 0.1}`` (a typo) ran at the defaults without a word; a training
+    config's other sections (train, algorithm, …) stay allowed."""
+    config = tmp_path / "c.yaml"
+    config.write_text("env: calc-v0\nrolout:\n  temperature: 0.1\n")
+    proc = agentrl("rollout", "--env", "calc-v0", "--model", "tiny-random", "-n", "1",
+                   "--config", str(config), "--out", str(tmp_path / "out"))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{config}: 'rolout' is not a section of a run config (did you mean 'rollout'?)" in (
+        proc.stderr
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rollout_file_name_taken_by_a_folder_is_refused(tmp_path):
+    """``--overwrite`` with ``report.html`` a folder raised IsADirectoryError (a traceback)."""
+    out = tmp_path / "run"
+    (out / "report.html").mkdir(parents=True)
+    (out / "trajectories.jsonl").write_text("")
+    proc = _rollout(out, "--overwrite")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "report.html is not a regular file (a folder or a link)" in proc.stderr
+    assert (out / "report.html").is_dir()

@@ -106,6 +106,8 @@ class HostileValues:
                 return math.inf
             case "reward-str":
                 return "1e308"  # type: ignore[return-value]
+            case "reward-huge-int":
+                return 10**400  # type: ignore[return-value]
             case "reward-total-nan":
                 return Reward(total=float("nan"))
             case "reward-breakdown-inf":
@@ -151,6 +153,7 @@ async def _run(chatml, tokenizer, mode, replies=(ECHO, ANSWER), **cfg):
         ("reward-nan", "reward", "reward() must return a float or Reward (finite), got nan"),
         ("reward-inf", "reward", "got inf"),
         ("reward-str", "reward", "got '1e308'"),
+        ("reward-huge-int", "reward", "must return a float or Reward (finite), got 1000000"),
         ("reward-total-nan", "reward", "Reward.total must be a finite number, got nan"),
         ("reward-breakdown-inf", "reward", "Reward.breakdown['a'] must be a finite number"),
         ("turn-nan", "turn_reward", "turn_reward() must be a finite number, got nan"),
