@@ -51,7 +51,7 @@ from typing import Any
 import anyio
 
 from agentrl._errors import ConfigError, WriteError
-from agentrl._outfiles import is_disk_full
+from agentrl._outfiles import is_disk_full, write_file
 from agentrl._rollout import RolloutContext
 from agentrl._runner import cancel_when_set
 
@@ -236,9 +236,36 @@ def _prepare_locked(setup: _Setup, resume: bool, world: int) -> None:
         barrier()  # every rank has looked before any checkpoint is moved
         if lead:
             set_aside(found.broken)
+    recorded = _config_files(out) if lead and resume else {}
     if lead:
         prepare_out(cfg, out, setup.model_path, fresh=not resume)
         (out / STOP_FILE).unlink(missing_ok=True)  # an earlier stop's: seen by no rank now
+    try:
+        _start_locked(setup, found, resume, world)
+    except BaseException:
+        for name, text in recorded.items():  # a refused resume leaves the run's config as it was
+            try:
+                write_file(out / name, text)
+            except Exception:  # a full disk: the failure that stopped the start is the one to see
+                pass
+        raise
+
+
+def _config_files(out: Path) -> dict[str, bytes]:
+    """The run's configuration files as they are (``config.yaml``, ``config.json``)."""
+    found = {}
+    for name in ("config.yaml", "config.json"):
+        try:
+            found[name] = (out / name).read_bytes()
+        except OSError:
+            pass
+    return found
+
+
+def _start_locked(setup: _Setup, found: Any, resume: bool, world: int) -> None:
+    """The rest of ``_prepare_locked`` once the configuration files are written: the ranks
+    check each other, the learner is made and restored, the trackers open."""
+    cfg, out, lead = setup.cfg, setup.out, setup.lead
     barrier()
     check_shared_out(out, dump_config(cfg))
     options = cfg.engine

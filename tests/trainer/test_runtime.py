@@ -436,3 +436,24 @@ def test_a_resume_never_continues_from_another_runs_checkpoints(tmp_path):
     assert result.steps == 3
     assert json.loads((first / "config.json").read_text())["run_id"] == ids[0]
     assert read_state(first / "checkpoints" / "step-00000003").run_id == ids[0]
+
+
+def test_a_resume_refused_after_the_config_was_written_leaves_it_as_it_was(tmp_path, monkeypatch):
+    """A resume that fails once the run's config files are rewritten (the learner cannot be
+    made, a checkpoint does not load, a tracker does not start) left ``config.yaml`` with the
+    refused command's settings: the next plain ``--resume`` trained to its ``max_steps``."""
+    import agentrl.loop._runtime as runtime
+
+    cfg = load_train_config(_config(tmp_path, train={"max_steps": 2}))
+    out = tmp_path / "run"
+    train(cfg, out)
+    before = {n: (out / n).read_bytes() for n in ("config.yaml", "config.json")}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the learner cannot be made")
+
+    monkeypatch.setattr(runtime, "_make_learner", broken)
+    longer = load_train_config(out / "config.yaml", ["train.max_steps=7"])
+    with pytest.raises(RuntimeError, match="the learner cannot be made"):
+        train(longer, out, resume=True)
+    assert {n: (out / n).read_bytes() for n in before} == before
