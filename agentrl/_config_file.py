@@ -94,11 +94,18 @@ def load_json(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: {_unreadable(exc)}") from None
 
 
+def unreadable_json(exc: BaseException) -> str:
+    """Why JSON that parses as text cannot become values: nested too deep (``RecursionError``)
+    or a number too long to read (``ValueError``: its first clause)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return " ".join(str(exc).split(";")[0].split())
+
+
 def _unreadable(exc: ValueError) -> str:
-    text = str(exc)
-    if "integer string conversion" in text:
-        return f"an integer too long to read ({text.split(';')[0]})"
-    return f"a value that cannot be read ({text})"
+    if "integer string conversion" in str(exc):
+        return f"an integer too long to read ({unreadable_json(exc)})"
+    return f"a value that cannot be read ({exc})"
 
 
 def load_yaml(text: str, where: str) -> Any:

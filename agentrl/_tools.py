@@ -45,6 +45,7 @@ import anyio
 import pydantic
 
 from ._config import short_repr
+from ._config_file import unreadable_json
 from ._errors import ToolError
 from ._threads import ThreadTimeout, TooManyAbandonedThreads, run_in_daemon_thread
 from ._tool_process import (
@@ -378,8 +379,6 @@ async def invoke_tool(
         except json.JSONDecodeError as exc:
             return fail("invalid_arguments", f"arguments are not valid JSON: {exc.msg}")
         except (ValueError, RecursionError) as exc:  # too deep, or a number too long to read
-            from .formats._hermes import unreadable_json
-
             return fail("invalid_arguments", f"arguments cannot be read: {unreadable_json(exc)}")
     else:
         parsed = arguments

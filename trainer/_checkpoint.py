@@ -54,12 +54,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from agentrl._errors import AgentRLError
 
 from ._diskfull import save_failed
-from ._dist import barrier, on_rank_device, rank_world
+from ._dist import barrier, gather, rank_world
 from ._lookup import (
     CHECKPOINT_FORMAT,
     CheckpointWarning,
@@ -150,21 +148,15 @@ def _agreed(part: Any, root: Path, tmp: Path, final: Path, keep: int) -> None:
         part()
     except Exception as exc:  # every failure is reported below, on every rank
         error = exc
-    rank, world = rank_world()
-    failed: list[tuple[int, str]] = []
-    if world > 1:
-        on_rank_device()
-        outcomes: list[Any] = [None] * world
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        torch.distributed.all_gather_object(outcomes, mine)
-        failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    failed = [(r, text) for r, text in enumerate(gather(mine)) if text is not None]
     if error is not None:
         done = list_checkpoints(root)
         raise save_failed(
             error, root, tmp, final, keep=keep, previous=done[-1] if done else None
         ) from error
     if failed:
-        if rank == 0:
+        if rank_world()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         who = "; ".join(f"rank {r}: {text}" for r, text in failed)
         raise CheckpointError(

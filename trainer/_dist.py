@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -22,6 +23,17 @@ def on_rank_device() -> None:
     dist = torch.distributed
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` alone."""
+    world = rank_world()[1]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    on_rank_device()  # called from worker threads too
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 from agentrl._errors import OutputError
 from agentrl._outfiles import write_file
@@ -57,6 +58,19 @@ MODEL_FILES = (
 configuration and tokenizer); nothing else of that folder is copied, whatever it holds."""
 
 
+def recorded_model(path: str | os.PathLike[str], state: Any) -> Path:
+    """The model folder checkpoint ``path`` recorded (``state.json``'s ``model_path``), or a
+    ``CheckpointError`` saying it is not there and how to name the model instead."""
+    source = Path(state.model_path)
+    if not (source / "config.json").is_file():
+        raise CheckpointError(
+            f"checkpoint {path}: its model folder {str(source)!r} (state.json model_path) has no "
+            "config.json (a run copied from another machine?): pass --model with the folder or "
+            "registered name of the model the run trained from"
+        )
+    return source
+
+
 def export_checkpoint(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -74,13 +88,7 @@ def export_checkpoint(
     out = Path(os.path.abspath(out))
     check_export_out(out, path, run_dir=run_dir)
     state = verify_checkpoint(path)
-    source = Path(model_path or state.model_path)
-    if not (source / "config.json").is_file():
-        raise CheckpointError(
-            f"checkpoint {path}: its model folder {str(source)!r} (state.json model_path) has no "
-            "config.json (a run copied from another machine?): pass the folder or registered "
-            "name of the model the run trained from (--model)"
-        )
+    source = Path(model_path) if model_path else recorded_model(path, state)
     weights = consolidated_state_dict(path)
     config = json.loads((source / "config.json").read_text())
     if config.get("tie_word_embeddings", False):

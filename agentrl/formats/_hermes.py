@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .._config_file import unreadable_json
 from ._base import ParsedCall, ParsedTurn
 
 OPEN = "<tool_call>"
@@ -29,13 +30,6 @@ def parse_hermes(text: str, *, max_calls: int = 8) -> ParsedTurn:
         calls.append(_parse_one(body))
     content = _CALL_RE.sub("", text).strip()
     return ParsedTurn(content=content, calls=calls)
-
-
-def unreadable_json(exc: BaseException) -> str:
-    """Why JSON that parses as text cannot become values: too deep, or a number too long."""
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return " ".join(str(exc).split(";")[0].split())
 
 
 def _parse_one(body: str) -> ParsedCall:

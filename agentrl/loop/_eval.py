@@ -28,6 +28,7 @@ from agentrl.trainer import (
     step_dir,
     verify_checkpoint,
 )
+from agentrl.trainer._export import recorded_model
 
 from ._checkpointer import checkpoint_root
 from ._config import TrainConfig
@@ -73,13 +74,7 @@ def checkpoint_model(checkpoint: Path, state: Any, model: str | None) -> str:
     from agentrl._models import load_tokenizer, resolve_model, tokenizer_fingerprint
 
     if model is None:
-        if not (Path(state.model_path) / "config.json").is_file():
-            raise ConfigError(
-                f"checkpoint {checkpoint}: its model folder {state.model_path!r} (state.json "
-                "model_path) has no config.json (a run copied from another machine?): pass "
-                "--model with the folder or registered name of the model the run trained from"
-            )
-        return state.model_path
+        return str(recorded_model(checkpoint, state))
     folder = str(resolve_model(model))
     fingerprint = tokenizer_fingerprint(load_tokenizer(folder))
     if fingerprint != state.tokenizer_fingerprint:

@@ -26,24 +26,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import agentrl
 from agentrl._errors import ConfigError
 from agentrl.trainer import barrier as barrier
 from agentrl.trainer import rank_world as rank_world
-from agentrl.trainer._dist import on_rank_device
-
-
-def gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` alone."""
-    world = rank_world()[1]
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    on_rank_device()  # called from worker threads too
-    torch.distributed.all_gather_object(out, obj)
-    return out
+from agentrl.trainer._dist import gather as gather
 
 
 def raise_on_every_rank(failure: Exception | None, kind: type[Exception]) -> None:
