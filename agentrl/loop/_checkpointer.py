@@ -60,6 +60,8 @@ class Checkpointer:
         self.last_s = 0.0
         """Seconds of the newest write (reported on the next step's record)."""
         self.newest: Path | None = None
+        self.run_id = run_id(out)
+        """The run's id (written into ``config.json`` before the checkpointer is made)."""
 
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every_steps
@@ -93,7 +95,7 @@ class Checkpointer:
             file_lengths=self._lengths(),  # fsynced, whole lines
             tasks=tasks,
             steps_without_update=idle_steps,
-            run_id=run_id(self.out),
+            run_id=self.run_id,
         )
         self.newest = save_checkpoint(
             self.root, learner, state, keep=self.cfg.checkpoint.keep, rng=rng

@@ -134,9 +134,10 @@ def views_of(
         for view in part:
             view.mine = owner == rank
             out.append(view)
+    out.sort(key=lambda v: v.slot)
     if not any(stops for _, _, stops, _ in everyone):
-        return sorted(out, key=lambda v: v.slot), None
-    return sorted(out, key=lambda v: v.slot), [r for r, _, _, told in everyone if told]
+        return out, None
+    return out, [r for r, _, _, told in everyone if told]
 
 
 async def wait_groups(groups: list[Group], timeout_s: float | None) -> None:

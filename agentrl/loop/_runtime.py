@@ -459,7 +459,6 @@ class _Runtime:
         self.last: dict[str, Any] = {}
         self.idle_steps = setup.idle_steps
         self.ended: _Ended | None = None
-        self.saves_at_stop = cfg.checkpoint.at_stop
         self.world = rank_world()[1]
 
     async def run(self, stop: anyio.Event | None) -> TrainResult:
@@ -666,7 +665,7 @@ class _Runtime:
                 step, self.learner, self.tasks.state(), self.tasks.low, idle_steps=self.idle_steps
             )
             self.ended = None
-        elif self.saves_at_stop:  # what a save after a stop writes for this step
+        elif self.cfg.checkpoint.at_stop:  # what a save after a stop writes for this step
             from agentrl.trainer import rng_state
 
             self.ended = _Ended(
