@@ -2,7 +2,7 @@
 
 Run over every registered id in the tests. Checks what can be checked without a model: ids,
 construction, deterministic and unique tasks per split, ``reset`` messages, tool schemas, the
-verifier on an episode with no answer, ``respond`` when present, and ``close``.
+verifier on an episode with no answer, ``respond`` and ``close`` when present.
 
 Every call into the environment (the constructor, ``tasks`` and each hook) runs under a deadline,
 ``timeout_s`` (60 s by default, as ``rollout.env_timeout_s``): one that hangs fails the check by
@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 import anyio
 
 from ._env import Episode
-from ._env_values import REPLY_ROLES, check_messages, check_reward, check_task_ids
+from ._env_values import (
+    REPLY_ROLES,
+    REQUIRED_HOOKS,
+    check_messages,
+    check_reward,
+    check_task_ids,
+)
 from ._errors import AgentRLError, EnvError
 from ._registry import EnvSpec, spec
 from ._threads import ThreadTimeout, run_in_daemon_thread
@@ -81,7 +87,7 @@ async def acheck_env(
         return await call(f"tasks({split!r}, seed=0)", lambda: list(instance.tasks(split, seed=0)))
 
     env = await make()
-    for name in ("tasks", "reset", "reward", "close"):
+    for name in REQUIRED_HOOKS:
         if not callable(getattr(env, name, None)):
             raise fail(f"missing required method {name}()")
     for split in ("train", "eval"):
@@ -119,7 +125,8 @@ async def acheck_env(
         reply = await call("respond()", respond, Message("assistant", "I am not sure."))
         if reply is not None:
             check_messages(reply, f"{where}: respond()", REPLY_ROLES, none_ends=True)
-    await call("close()", env.close)
+    if getattr(env, "close", None) is not None:
+        await call("close()", env.close)
 
 
 def check_env(

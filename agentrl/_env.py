@@ -80,7 +80,8 @@ class Episode(msgspec.Struct):
 
 @runtime_checkable
 class Env(Protocol):
-    """Hooks an environment implements. ``respond`` and ``turn_reward`` are optional."""
+    """Hooks an environment implements. ``close`` is optional (nothing to release without
+    it), and so are ``respond`` and ``turn_reward``."""
 
     def tasks(self, split: Split, *, seed: int = 0) -> Sequence[Any]:
         """Deterministic tasks for ``split`` (each with a unique ``id: str``)."""

@@ -116,9 +116,27 @@ def check_reward(value: Any, hook: str) -> tuple[float, dict[str, float]]:
     return total, breakdown
 
 
+REQUIRED_HOOKS = ("tasks", "reset", "reward")
+"""What every environment implements; ``close``, ``respond`` and ``turn_reward`` are optional."""
+
+
+def check_hooks(env: Any, env_id: str) -> None:
+    """``EnvError`` naming the required hooks ``env`` lacks (checked once, on the first instance,
+    instead of failing every trajectory)."""
+    missing = [name for name in REQUIRED_HOOKS if not callable(getattr(env, name, None))]
+    if missing:
+        raise EnvError(
+            f"{env_id}: {type(env).__name__} has no {', '.join(f'{n}()' for n in missing)} "
+            "(an environment implements tasks(), reset() and reward(); close(), respond() "
+            "and turn_reward() are optional)"
+        )
+
+
 def split_tasks(env: Any, env_id: str, split: str, seed: int) -> list[Any]:
     """``env.tasks(split, seed=seed)`` as a list; ``EnvError`` naming the hook when it raises
-    or returns something that is not a list of tasks."""
+    or returns something that is not a list of tasks, or when ``env`` lacks a required hook
+    (every caller makes its first instance to list tasks)."""
+    check_hooks(env, env_id)
     where = f"{env_id}: tasks({split!r}, seed={seed})"
     try:
         tasks = env.tasks(split, seed=seed)

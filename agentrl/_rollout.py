@@ -185,6 +185,14 @@ class RolloutContext:
             limit = min(limit, self.config.max_context_tokens)
         return limit
 
+    @property
+    def context_source(self) -> str:
+        """What sets ``max_context``, as an error message names it."""
+        cap = self.config.max_context_tokens
+        if cap is not None and cap <= self.engine.max_context:
+            return "rollout.max_context_tokens"
+        return "the engine's context window"
+
 
 class _Run:
     """Mutable state of one trajectory while the machine runs."""
@@ -309,7 +317,8 @@ async def run_trajectory(
         # trajectory keeps its status)
         with anyio.CancelScope(shield=True):
             try:
-                await call_env(run, "close", env.close)
+                if getattr(env, "close", None) is not None:  # optional: nothing to release
+                    await call_env(run, "close", env.close)
             except Exception as exc:
                 if run.error is None:
                     run.error = trajectory_error(exc, "close", run.turn)
@@ -513,7 +522,15 @@ async def _step(run: _Run, env: Any, state: State) -> State:
             schemas = [b.spec.schema() for b in run.tools.values()]
             run.messages = ctx.fmt.prepare(messages, schemas)
             run.prompt_messages = len(run.messages)
-            run.buf.add(ctx.fmt.render_prompt(run.messages).token_ids, "prompt", 0)
+            prompt_ids = ctx.fmt.render_prompt(run.messages).token_ids
+            if len(prompt_ids) >= ctx.max_context:
+                run.hook = "reset"  # the prompt's size is reset()'s doing
+                raise EnvError(
+                    f"{ctx.spec.id}: reset() gave a prompt of {len(prompt_ids)} tokens, which "
+                    f"leaves no room to generate in a context of {ctx.max_context} "
+                    f"({ctx.context_source})"
+                )
+            run.buf.add(prompt_ids, "prompt", 0)
             if ctx.config.use_sessions:
                 run.session = await ctx.engine.open_session()
             return State.GENERATE

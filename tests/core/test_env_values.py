@@ -67,6 +67,8 @@ class HostileValues:
                 raise ValueError("bad \udcff value")
             case "reset-exit":
                 raise SystemExit(3)
+            case "reset-huge":
+                return [prompt[0], Message("user", "word " * 3000)]
         return prompt
 
     @agentrl.tool
@@ -243,6 +245,60 @@ async def test_an_observation_that_leaves_no_room_ends_the_episode_before_it(cha
     assert traj.messages[-1].role == "assistant"  # the observation is not in ids or messages
     assert traj.tool_calls[0].ok and traj.tool_calls[0].output.startswith("word word")
     assert check_boundary(chatml, traj).ok
+
+
+@pytest.mark.parametrize("room", [0, -1, 1])
+async def test_a_prompt_with_no_room_to_generate_is_resets_error(chatml, tokenizer, room):
+    """A prompt at or over the context used to give a 'truncated' trajectory holding the whole
+    prompt and no sampled token; one token of room still generates."""
+    probe = await _run(chatml, tokenizer, "reset-huge", replies=[ANSWER])
+    size = probe.prompt_len
+    traj = await _run(
+        chatml, tokenizer, "reset-huge", replies=[ANSWER], max_context_tokens=size + room
+    )
+    if room == 1:
+        assert traj.status == "truncated" and traj.termination_reason == "context_limit"
+        assert sum(traj.loss_mask) == 1
+        return
+    assert traj.status == "error" and traj.error.where == "reset" and traj.reward is None
+    assert traj.error.message == (
+        f"hostile-values-v0: reset() gave a prompt of {size} tokens, which leaves no room to "
+        f"generate in a context of {size + room} (rollout.max_context_tokens)"
+    )
+    assert traj.token_ids == [] and traj.num_turns == 0
+
+
+@agentrl.env("few-hooks-v0", max_turns=1, max_new_tokens=8)
+class FewHooks:
+    """No ``close`` (optional); ``mode="no-reward"`` also lacks the verifier (required)."""
+
+    def __init__(self, mode: str = "") -> None:
+        if mode == "no-reward":
+            self.reward = None
+
+    def tasks(self, split: str, *, seed: int = 0) -> list[Task]:
+        return [Task(id=f"{split}-{i}", prompt=f"Say {i}.") for i in range(2)]
+
+    async def reset(self, task: Task) -> list:
+        return [Message("user", task.prompt)]
+
+    def reward(self, episode) -> float:
+        return 1.0
+
+
+async def test_close_is_optional_and_a_missing_required_hook_is_named_before_a_run(tokenizer):
+    engine = ScriptedEngine(tokenizer, [ANSWER] * 2)
+    result = await arollout("few-hooks-v0", engine=engine, tokenizer=tokenizer)
+    assert [(t.status, t.reward, t.error) for t in result.trajectories] == [("done", 1.0, None)] * 2
+    config = agentrl.RolloutConfig(env_kwargs={"mode": "no-reward"})
+    engine = ScriptedEngine(tokenizer, [ANSWER])
+    with pytest.raises(EnvError, match=re.escape("few-hooks-v0: FewHooks has no reward() (")):
+        await arollout("few-hooks-v0", engine=engine, tokenizer=tokenizer, config=config)
+    assert engine.calls == []
+
+
+def test_check_env_passes_an_env_without_close():
+    agentrl.check_env("few-hooks-v0")
 
 
 async def test_the_batch_goes_on_beside_a_bad_trajectory(chatml, tokenizer):

@@ -552,15 +552,12 @@ class _RewardNaN(_MinimalEnv):
         return float("nan")
 
 
-class _NoClose:
+class _NoReward:
     def tasks(self, split, *, seed=0):
         return [Task(id=f"{split}-0", prompt="p")]
 
     async def reset(self, task):
         return [Message("user", "p")]
-
-    async def reward(self, episode):
-        return 0.0
 
 
 class _RespondReturnsStrings(_MinimalEnv):
@@ -632,7 +629,7 @@ class _TwoToolsOneName(_MinimalEnv):
         (_ResetReturnsNothing, r"reset\(\) must return a non-empty list of Message"),
         (_RewardNotANumber, r"reward\(\) must return a float or Reward"),
         (_RewardNaN, r"reward\(\) must return a float or Reward"),
-        (_NoClose, r"missing required method close\(\)"),
+        (_NoReward, r"missing required method reward\(\)"),
         (_RespondReturnsStrings, r"respond\(\) returned str, not Message"),
         (_ResetRaises, r"reset\(\) raised KeyError: 'prompt'"),
         (
