@@ -42,17 +42,20 @@ def tokenize(req: WireTokenizeReq, facts: ModelFacts) -> dict[str, Any]:
     if req.messages is not None:
         facts.check_text([str(m.get("content") or "") for m in req.messages], "messages", True)
         tools = None if req.tool_choice == "none" else req.tools
+        # every field the template may render counts (a role or a tool schema too), and so
+        # does what it renders: checked before the template runs, then before tokenizing
+        facts.check_text(_strings([req.messages, tools]), "messages and tools", batch=False)
         try:
-            ids = tokenizer.apply_chat_template(
-                req.messages, tools=tools, tokenize=True, add_generation_prompt=True
+            text = tokenizer.apply_chat_template(
+                req.messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # a template that cannot render these messages
             raise BadRequest(
                 f"messages cannot be rendered by the chat template: {exc}", "messages"
             ) from None
-        if isinstance(ids, Mapping):
-            ids = ids["input_ids"]
-        tokens: Any = list(ids)
+        facts.check_text([text], "the rendered messages", batch=False)
+        # as apply_chat_template(tokenize=True): the template writes the special tokens
+        tokens: Any = tokenizer.encode(text, add_special_tokens=False)
         count: Any = len(tokens)
     elif req.prompt is None:
         raise BadRequest("/tokenize needs 'prompt' or 'messages'", "prompt")
@@ -67,6 +70,22 @@ def tokenize(req: WireTokenizeReq, facts: ModelFacts) -> dict[str, Any]:
         ]
         count = [len(t) for t in tokens]
     return {"tokens": tokens, "count": count, "max_model_len": max_model_len}
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON value (keys included), without recursion (any depth)."""
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, Mapping):
+            found.extend(k for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return found
 
 
 def detokenize(req: WireDetokenizeReq, tokenizer: Any, vocab_size: int) -> dict[str, Any]:

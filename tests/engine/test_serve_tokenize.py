@@ -71,3 +71,35 @@ def test_lists_empty_prompts_and_messages(url, tokenizer):
 def test_bad_input_is_a_400_naming_the_field(url, path, body, field):
     error = post(url, path, 400, **body)
     assert (error["error"].get("field") or "").startswith(field), error
+
+
+def test_chat_with_tools_renders_as_the_template_does(url, tokenizer):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "weather", "description": "Look it up.", "parameters": city},
+        }
+    ]
+    chat = post(url, "/tokenize", messages=messages, tools=tools)["tokens"]
+    expected = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=True
+    )
+    assert chat == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+
+
+@pytest.mark.parametrize("where", ["role", "name", "tools"])
+def test_every_field_the_template_renders_counts_against_the_text_cap(url, where):
+    """Only ``content`` was measured: 3M characters in ``role`` took seconds of tokenizer time
+    and gigabytes for a 1.5M-token answer no context can hold."""
+    huge = "x" * 400_000  # over the tiny model's cap (its 2,048-token context)
+    message: dict[str, Any] = {"role": "user", "content": "hi"}
+    body: dict[str, Any] = {"messages": [message]}
+    if where == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": huge}}]
+    else:
+        message[where] = huge
+    error = post(url, "/tokenize", 400, **body)
+    assert error["error"]["field"] == "messages and tools", error
+    assert "exceed the maximum allowed length of text" in error["error"]["message"]
