@@ -10,7 +10,7 @@ filtering (temperature 0 = greedy, logprob at temperature 1).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from agentrl._types import GenerateResult, LogprobDetails, SamplingParams
 
@@ -56,9 +56,19 @@ class Engine(Protocol):
         ...
 
 
-Output = tuple[list[int], list[float], LogprobDetails | None]
-"""A running request's output so far: its ids, their logprobs and, for a request with a
-``LogprobQuery``, the lists it asked for (output lists as long as the ids), else None."""
+class Output(NamedTuple):
+    """A running request's output so far (what ``on_tokens`` is called with and what
+    ``PartialOutput.read`` gives): every list as long as ``ids``."""
+
+    ids: list[int]
+    logprobs: list[float]
+    """The sampled ids' logprobs."""
+    details: LogprobDetails | None = None
+    """For a request with a ``LogprobQuery``, the lists it asked for, else None."""
+    token_versions: tuple[int, ...] = ()
+    """The weight version that sampled each id (empty from an engine that cannot tell)."""
+    cached_tokens: int = 0
+    """Context tokens whose KV was reused when the request was admitted."""
 
 
 class PartialOutput:
@@ -75,4 +85,4 @@ class PartialOutput:
 
     def read(self) -> Output:
         """The output so far, of one run of the request (empty before it started)."""
-        return self._reader() if self._reader is not None else ([], [], None)
+        return self._reader() if self._reader is not None else Output([], [])

@@ -81,10 +81,9 @@ class Request:
     """Input-token, top-k and chosen-id logprobs asked for (``LogprobQuery``), if any."""
     result: GenerateResult | None = None
     error: EngineError | None = None
-    on_tokens: Callable[..., None] | None = None
-    """Called in the caller's event loop with the output ids and logprobs so far, after each
-    step that sampled a token for this request and did not finish it (streaming, aborts); with
-    ``logprobs`` set, also with the ``LogprobDetails`` so far (a third argument)."""
+    on_tokens: Callable[[Output], None] | None = None
+    """Called in the caller's event loop with the ``Output`` so far, after each step that
+    sampled a token for this request and did not finish it (streaming, aborts)."""
 
     stop_ids: frozenset[int] = frozenset()
     """``sampling.stop_token_ids`` as a set: looked up after every sampled token."""
@@ -109,21 +108,23 @@ class Request:
         return self.tokens[len(self.input_ids) :]
 
     def output_so_far(self) -> Output:
-        """Output ids, their logprobs and the ``LogprobDetails`` so far, all equally long, safe
-        to call from another thread while the worker runs this request (it collects a token's
-        details, then appends the id, then its logprob; each slice is taken whole under the
-        interpreter lock; a restart in between is seen and the read taken again, so all are of
-        one run)."""
+        """Output ids, their logprobs, the ``LogprobDetails``, the weight versions so far (all
+        equally long) and the cached tokens, safe to call from another thread while the worker
+        runs this request (it collects a token's details, then appends the id, its logprob and
+        its version; each slice is taken whole under the interpreter lock, the versions first;
+        a restart in between is seen and the read taken again, so all are of one run)."""
         while True:
             run = self.runs
+            versions = self.token_versions[:]
             logprobs = self.output_logprobs[:]
             ids = self.output_ids
-            n = min(len(ids), len(logprobs))
+            cached = self.cached_tokens
+            n = min(len(ids), len(logprobs), len(versions))
             collector = self.logprobs
             pending = collector is None or collector.input_pending  # its prefill has not ended
             details = None if pending else collector.details(n)
             if self.runs == run:
-                return ids[:n], logprobs[:n], details
+                return Output(ids[:n], logprobs[:n], details, tuple(versions[:n]), cached)
 
     @property
     def started(self) -> bool:

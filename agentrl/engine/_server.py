@@ -107,6 +107,7 @@ from ._server_stream import (
     LiveTable,
     ends_in_a_stop_prefix,
     incremental,
+    so_far,
     sse,
     stable_text,
     takes,
@@ -327,16 +328,7 @@ class _Server:
                     turn.node.cancel = scope.cancel
                 result = await self.engine.generate(context, sampling, session=session, **extra)
             if result is None:  # aborted: /abort_request, a disconnect, or a session replace
-                version = self.engine.weight_version
-                ids, logprobs, details = live.output()
-                result = GenerateResult(
-                    ids,
-                    logprobs,
-                    "abort",
-                    prompt_tokens=len(context),
-                    weight_version=version,
-                    details=details,
-                )
+                result = so_far(live.output(), len(context), self.engine.weight_version)
         finally:
             live.scope = None
             self.live.remove(live)
@@ -442,17 +434,11 @@ class _Server:
                 live.changed = anyio.Event()
                 if finished.is_set():
                     break
-                count = len(live.ids)
+                count = len(live.progress.ids)
                 # as SGLang: the first token at once, then a chunk per stream_interval tokens
                 due = count > sent and (not sent or count - sent >= interval)
                 if due and live.context is not None:
-                    partial = GenerateResult(
-                        list(live.ids),
-                        list(live.logprobs),
-                        "abort",
-                        prompt_tokens=0,
-                        details=live.details,
-                    )
+                    partial = so_far(live.progress, len(live.context), self.engine.weight_version)
                     resp = await self._render(item, live.context, partial, started, memo)
                     resp.text = stable_text(resp.text)
                     if ends_in_a_stop_prefix(resp.text, item.sampling.stop):

@@ -187,7 +187,9 @@ class SessionTable:
             context = base[: params.offset] + context if params.offset else base + context
         if not context:
             raise SessionError("input_ids: the request's context is empty", "input_ids")
-        node = _Node(rid, context, max_new_tokens, parent=parent)
+        # a streaming session keeps its last turn only: no link back to the turns before it
+        # (each holds its whole context: the chain would grow with the square of the turns)
+        node = _Node(rid, context, max_new_tokens, parent=None if session.streaming else parent)
         if not session.streaming:
             if parent is not None:
                 parent.children.append(node)

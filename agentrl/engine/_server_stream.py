@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from agentrl._types import LogprobDetails
+from agentrl._types import GenerateResult
 
 from . import _wire as w
 from ._protocol import Output, PartialOutput
@@ -47,15 +47,30 @@ def takes(generate: Callable[..., object], name: str) -> bool:
         return False
 
 
+def so_far(output: Output, prompt_tokens: int, version: int) -> GenerateResult:
+    """A running or aborted sample's output as a result (``finish_reason`` "abort"), with the
+    weight versions and cached tokens the engine reported (``version``, the engine's current
+    one, when it reported none)."""
+    versions = list(output.token_versions)
+    return GenerateResult(
+        list(output.ids),
+        list(output.logprobs),
+        "abort",
+        prompt_tokens=prompt_tokens,
+        cached_tokens=output.cached_tokens,
+        weight_version=versions[0] if versions else version,
+        token_versions=versions,
+        details=output.details,
+    )
+
+
 @dataclass(eq=False)
 class Live:
     """One running sample: its output so far and how to abort it."""
 
     rid: str
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    details: LogprobDetails | None = None
-    """The input, top-k and chosen-id lists so far (a sample with a ``LogprobQuery``)."""
+    progress: Output = field(default_factory=lambda: Output([], []))
+    """The latest ``on_tokens`` report."""
     changed: anyio.Event = field(default_factory=anyio.Event)
     scope: anyio.CancelScope | None = None
     aborted: bool = False
@@ -64,17 +79,15 @@ class Live:
     partial: PartialOutput = field(default_factory=PartialOutput)
     """Where a non-streaming sample's output is read when it is aborted (pulled, not sent)."""
 
-    def update(
-        self, ids: list[int], logprobs: list[float], details: LogprobDetails | None = None
-    ) -> None:
+    def update(self, output: Output) -> None:
         """The engine's ``on_tokens`` callback (runs in the server's event loop)."""
-        self.ids, self.logprobs, self.details = ids, logprobs, details
+        self.progress = output
         self.changed.set()
 
     def output(self) -> Output:
         """The output so far: the latest ``on_tokens`` report, or what ``partial`` reads."""
-        if self.ids:
-            return list(self.ids), list(self.logprobs), self.details
+        if self.progress.ids:
+            return self.progress
         return self.partial.read()
 
     def abort(self) -> None:

@@ -38,12 +38,13 @@ from anyio.lowlevel import EventLoopToken
 from transformers import PreTrainedTokenizerBase
 
 from agentrl._errors import EngineError, GenerationError
-from agentrl._types import FinishReason, GenerateResult, LogprobDetails, SamplingParams
+from agentrl._types import FinishReason, GenerateResult, SamplingParams
 
 from ._batch import take_rows
 from ._decode import AttentionKernelChooser
 from ._graphs import DecodeGraphs
 from ._model import CausalLM
+from ._protocol import Output
 from ._sampling import (
     check_logprob,
     draw_uniform,
@@ -144,9 +145,8 @@ def _call_soon(token: EventLoopToken, fn: Callable[[], None]) -> None:
         anyio.from_thread.run_sync(fn, token=token)
 
 
-Progress = tuple[Request, list[int], list[float], LogprobDetails | None]
-"""One request's output after a step: ids, their logprobs and (with a ``LogprobQuery``) the
-lists it asked for, as far as the ids go."""
+Progress = tuple[Request, Output]
+"""One request's output after a step."""
 
 
 class _Mailbox:
@@ -190,13 +190,10 @@ class _Mailbox:
         with self._lock:
             progress, done = list(self._progress.values()), self._done
             self._progress, self._done, self._scheduled = {}, [], False
-        for request, ids, logprobs, details in progress:
+        for request, output in progress:
             if request.on_tokens is not None and not request.aborted:
                 try:
-                    if details is None:
-                        request.on_tokens(ids, logprobs)
-                    else:  # a request with a LogprobQuery: its lists so far too
-                        request.on_tokens(ids, logprobs, details)
+                    request.on_tokens(output)
                 except Exception:  # a callback's own failure must not keep others waiting
                     pass
         for item in done:
@@ -375,7 +372,7 @@ class Worker:
         for request in progressed:
             if request.result is None and request.error is None and request.token is not None:
                 if not request.aborted:  # snapshots: this thread goes on appending
-                    snapshot = (request, *request.output_so_far())
+                    snapshot = (request, request.output_so_far())
                     progress.setdefault(request.token, []).append(snapshot)
         for item in outbox:
             if item.token is not None and item.done is not None and not item.aborted:

@@ -344,8 +344,8 @@ async def test_a_busy_event_loop_does_not_hold_up_the_worker(engine: EmbeddedEng
     clock: list[float] = []
     counts: list[int] = []
 
-    def on_tokens(ids: list[int], _: list[float]) -> None:
-        calls.append(ids)
+    def on_tokens(output: Output) -> None:
+        calls.append(output.ids)
         clock.append(anyio.current_time())  # raises outside an anyio-recognised event loop
         if len(calls) == 1:
             counts.append(engine.statistics().tokens_generated)
@@ -372,9 +372,10 @@ async def test_partial_output_is_read_while_running_and_after_an_abort(
     what was generated. With a ``LogprobQuery`` its top-k lists come with the ids, as long."""
     params = SamplingParams(max_new_tokens=64, temperature=0)
     done = PartialOutput()
-    assert done.read() == ([], [], None)  # not attached yet
+    assert done.read() == Output([], [])  # not attached yet
     result = await engine.generate(PROMPT, params, partial=done)
-    assert done.read() == (result.token_ids, result.logprobs, None)
+    versions = tuple(result.token_versions)
+    assert done.read() == Output(result.token_ids, result.logprobs, None, versions, 0)
 
     partial = PartialOutput()
     query = LogprobQuery(top_k=2)
@@ -393,10 +394,14 @@ async def test_partial_output_is_read_while_running_and_after_an_abort(
             await anyio.sleep(0.01)
     reads.append(partial.read())
     assert len(reads[-1][0]) >= 8
-    for (ids, logprobs, details), (later_ids, later_logprobs, later_details) in zip(
-        reads, reads[1:], strict=False
-    ):
-        assert len(ids) == len(logprobs) and len(later_ids) == len(later_logprobs)
+    for (ids, logprobs, details, versions, _), (
+        later_ids,
+        later_logprobs,
+        later_details,
+        *_,
+    ) in zip(reads, reads[1:], strict=False):
+        assert len(ids) == len(logprobs) == len(versions)
+        assert len(later_ids) == len(later_logprobs)
         assert later_ids[: len(ids)] == ids and later_logprobs[: len(ids)] == logprobs
         if ids:
             assert details is not None and later_details is not None

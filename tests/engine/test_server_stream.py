@@ -91,6 +91,56 @@ async def test_stream_is_sglang_sse_and_ends_like_the_plain_answer(url: str) -> 
     assert last["meta_info"]["completion_tokens"] == len(plain["output_ids"])
 
 
+async def test_every_chunk_and_an_aborted_answer_carry_the_version_and_cached_tokens(
+    url: str, tiny_dir: Path
+) -> None:
+    """As SGLang: each chunk's meta_info has the serving weight version and the prompt tokens
+    whose KV was reused (chunks before the last said version "0" and 0 cached tokens), and so
+    does a plain request's answer when it is aborted."""
+    import anyio
+
+    prompt = PROMPT * 5  # whole KV pages to reuse
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        update = {"model_path": str(tiny_dir), "weight_version": "7"}  # the same weights
+        assert (
+            await client.post(url + "/update_weights_from_disk", json=update)
+        ).status_code == 200
+        try:
+            await client.post(url + "/generate", json=body)  # the prompt's KV is cached now
+            resp = await client.post(url + "/generate", json={**body, "stream": True})
+            got = chunks(resp.content)
+            assert len(got) >= 2, got
+            metas = [c["meta_info"] for c in got]
+            assert {m["weight_version"] for m in metas} == {"7"}, metas
+            assert {m["cached_tokens"] for m in metas} == {metas[-1]["cached_tokens"]}, metas
+            assert metas[-1]["cached_tokens"] > 0
+            assert {m["prompt_tokens"] for m in metas} == {len(prompt)}, metas
+
+            answers: list[dict] = []
+
+            async def plain() -> None:
+                request = {"input_ids": prompt, "sampling_params": LONG, "rid": "versioned"}
+                answers.append((await client.post(url + "/generate", json=request)).json())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(plain)
+                deadline = time.monotonic() + 30
+                text = ""
+                while metric(text, "sglang:num_running_reqs") < 1 if text else True:
+                    assert time.monotonic() < deadline
+                    await anyio.sleep(0.02)
+                    text = (await client.get(url + "/metrics")).text
+                await anyio.sleep(0.05)  # a few tokens in
+                await client.post(url + "/abort_request", json={"rid": "versioned"})
+            meta = answers[0]["meta_info"]
+            assert meta["finish_reason"]["type"] == "abort" and meta["weight_version"] == "7"
+            assert meta["cached_tokens"] == metas[-1]["cached_tokens"], meta
+        finally:
+            update = {"model_path": str(tiny_dir), "weight_version": "0"}
+            await client.post(url + "/update_weights_from_disk", json=update)
+
+
 async def test_stream_interval_spaces_the_chunks(url: str) -> None:
     """As SGLang: the first token at once, then a chunk per ``stream_interval`` tokens."""
     params = {"max_new_tokens": 13, "temperature": 0.0, "ignore_eos": True, "stream_interval": 4}
@@ -529,3 +579,32 @@ def test_sglangs_launch_flags_set_the_engine_options() -> None:
     EngineOptions(**options)
     with pytest.raises(SystemExit):  # argparse names the flag and the choices
         parser.parse_args(["--prefill-attention-backend", "flashinfer"])
+
+
+async def test_a_streaming_session_keeps_only_its_last_turn() -> None:
+    """Each turn linked to the one before, so every past turn (each with its whole context)
+    stayed in memory: 200 turns of 20 tokens held 400k ids for a 4k context."""
+    import gc
+    import weakref
+
+    from agentrl.engine._server_sessions import SessionTable
+    from agentrl.engine._wire import WireSessionParams
+
+    class Engine:
+        async def open_session(self) -> str:
+            return "kv"
+
+        async def close_session(self, session: str) -> None:
+            return None
+
+    table = SessionTable(Engine(), bos_token_id=1, max_sessions=4)
+    sid = await table.open("s", None, True, None)
+    turns = []
+    for i in range(5):
+        turn = table.begin(WireSessionParams(id=sid), [5] * 10, f"r{i}", 10)
+        turns.append(weakref.ref(turn.node))
+        await table.finish(turn, [7] * 10)
+    assert len(turn.context) == 5 * 10 + 4 * 10  # each turn on top of the last one's output
+    del turn
+    gc.collect()
+    assert [ref() is not None for ref in turns] == [False] * 4 + [True]
