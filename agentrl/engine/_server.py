@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import errno
 import inspect
+import re
 import signal
 import sys
 import time
@@ -61,7 +62,7 @@ import msgspec
 import pydantic
 from aiohttp import web
 
-from agentrl._config import describe_errors
+from agentrl._config import describe_errors, short_repr
 from agentrl._errors import AgentRLError, GenerationError
 from agentrl._types import GenerateResult
 
@@ -80,6 +81,7 @@ from ._server_guard import install_request_guard, utf8_error
 from ._server_health import ModelHealth
 from ._server_info import load, server_info
 from ._server_limits import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_SAMPLES_PER_REQUEST,
     DEFAULT_MAX_SESSIONS,
@@ -518,11 +520,15 @@ class _Server:
             return _error(400, msg, "load_format")
         version = self.engine.weight_version
         if req.weight_version is not None:
-            try:
-                version = int(req.weight_version)
-            except ValueError:
-                msg = f"weight_version must be an integer string, got {req.weight_version!r}"
+            # ASCII digits that fit 64 bits: int() also takes " 7 ", "1_000", Arabic-Indic
+            # digits and 4,300-digit numbers (which /metrics would then print)
+            if not _VERSION.fullmatch(req.weight_version):
+                msg = (
+                    "weight_version must be an integer string of at most 18 digits, got "
+                    f"{short_repr(req.weight_version)}"
+                )
                 return _json(w.WireUpdateWeightsResp(False, msg), 400)
+            version = int(req.weight_version)
         # a received update runs to its end even if its client leaves (as SGLang's does), and
         # updates run one at a time (each holds a whole copy of the weights while it is checked)
         task = asyncio.ensure_future(self._update_weights(req, version))
@@ -634,6 +640,9 @@ class _Server:
         return web.Response(text=text, content_type="text/plain")
 
 
+_VERSION = re.compile(r"-?[0-9]{1,18}")
+"""A ``weight_version`` this server takes (it fits a signed 64-bit integer)."""
+
 SERVER_KEY: web.AppKey[_Server] = web.AppKey("agentrl_server", _Server)
 
 
@@ -658,7 +667,7 @@ def create_app(
         stream_interval,
     )
     app = web.Application(client_max_size=256 * 1024 * 1024)
-    install_request_guard(app)
+    install_request_guard(app, body_timeout_s=server.limits.body_timeout_s)
     routes = [
         ("POST", "/generate", server.generate),
         ("PUT", "/generate", server.generate),
@@ -883,6 +892,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="most characters of one stop string; a longer one is a 400 (default %(default)s)",
     )
     parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive after its headers; past them a 408 "
+        "that closes the connection (default %(default)s)",
+    )
+    parser.add_argument(
         "--incremental-streaming-output",
         action="store_true",
         help="stream: true sends only the new text/output_ids in each chunk (default: cumulative)",
@@ -934,6 +950,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             max_logprob_entries=args.max_logprob_entries,
             max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length,
+            body_timeout_s=args.body_timeout_s,
         )
     except pydantic.ValidationError as exc:
         print(f"agentrl serve: {describe_errors(exc)}", file=sys.stderr)

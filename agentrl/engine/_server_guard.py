@@ -10,6 +10,9 @@ An aiohttp middleware in front of every endpoint:
   endpoints check the bytes of a body msgspec refused (``utf8_error``) before naming a field.
   An endpoint that ignores its body (``/flush_cache``) ignores a bad one too, as SGLang's do.
 - A body nested deeper than the JSON decoder's recursion limit is a 400.
+- A body is read whole before the endpoint runs, within ``body_timeout_s`` of its headers; past
+  it a 408 that closes the connection (aiohttp never fails the payload of a chunked body whose
+  framing breaks after the headers arrived: the endpoint would wait for it forever).
 - aiohttp's own refusals (an unknown path, a method the endpoint does not take, a body over
   the size limit) are answered in the same JSON shape with their status (SGLang's FastAPI
   answers them in JSON too), not as aiohttp's plain-text pages.
@@ -26,6 +29,7 @@ Errors have the shape of ``/generate``'s: ``{"error": {"message": ..., "field": 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
@@ -59,8 +63,13 @@ async def _mark_started(request: web.Request, response: web.StreamResponse) -> N
     request[_STARTED] = True
 
 
-def install_request_guard(app: web.Application) -> None:
-    """Guard every endpoint of ``app`` (call before the app starts)."""
+_BODY_TIMEOUT_S: web.AppKey[float] = web.AppKey("agentrl_body_timeout_s", float)
+
+
+def install_request_guard(app: web.Application, *, body_timeout_s: float = 60.0) -> None:
+    """Guard every endpoint of ``app`` (call before the app starts); a body must arrive
+    within ``body_timeout_s`` of its headers."""
+    app[_BODY_TIMEOUT_S] = body_timeout_s
     app.middlewares.append(request_guard)
     app.on_response_prepare.append(_mark_started)
 
@@ -74,6 +83,19 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
         message = f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed"
         return error_response(415, f"{path}: {message}")
     try:
+        if request.body_exists:  # read whole under a deadline; handlers get it from memory
+            timeout_s = request.app[_BODY_TIMEOUT_S]
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await request.read()
+            except TimeoutError:
+                answer = error_response(
+                    408,
+                    f"{path}: the request body did not arrive within {timeout_s:g} s of its "
+                    "headers (--body-timeout-s), or its chunked framing is broken",
+                )
+                answer.force_close()  # the rest of the body is never read
+                return answer
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400 or request.get(_STARTED):

@@ -32,6 +32,7 @@ DEFAULT_MAX_SESSIONS = 4096
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 23
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_STRING_LENGTH = 256
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 class ServeLimits(pydantic.BaseModel):
@@ -52,6 +53,10 @@ class ServeLimits(pydantic.BaseModel):
     """Most strings in one ``sampling_params.stop``; more is a 400."""
     max_stop_string_length: int = pydantic.Field(DEFAULT_MAX_STOP_STRING_LENGTH, ge=1)
     """Most characters in one stop string; a longer one is a 400."""
+    body_timeout_s: float = pydantic.Field(DEFAULT_BODY_TIMEOUT_S, gt=0, le=86400)
+    """Seconds a request's body may take to arrive once its headers did; past them a 408 that
+    closes the connection (a stalled client, or chunked framing the HTTP parser could not
+    follow, would otherwise hold its handler for good)."""
 
 
 class RequestTooLarge(ValueError):

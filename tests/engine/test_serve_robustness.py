@@ -532,3 +532,47 @@ async def test_guard_answers_json_500_unless_an_answer_already_started() -> None
             error_of(await client.get("/fails"), 500)  # still serving
     finally:
         await server.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.anyio_backends("asyncio")
+async def test_a_body_that_never_arrives_whole_is_a_408_that_closes() -> None:
+    """A body stalled after its headers, or chunked framing broken after them (aiohttp queues
+    that parse error and never fails the payload), held its handler for good."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentrl.engine._server_guard import install_request_guard
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"bytes": len(await request.read())})
+
+    app = web.Application()
+    install_request_guard(app, body_timeout_s=0.5)
+    app.router.add_post("/echo", echo)
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    try:
+        for headers, late in [
+            (b"Transfer-Encoding: chunked\r\n\r\n", b"zz\r\n{}\r\n0\r\n\r\n"),  # bad size
+            (b"Content-Length: 10\r\n\r\n", b"{}"),  # 2 of 10 bytes, then nothing
+        ]:
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(head + headers)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(late)
+            await writer.drain()
+            with anyio.fail_after(10):  # answered, not left hanging
+                head_of_answer = await reader.readuntil(b"\r\n\r\n")
+                length = int(head_of_answer.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                answer = head_of_answer + await reader.readexactly(length)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"Connection: close" in head_of_answer, answer
+            assert b"did not arrive within 0.5 s" in answer, answer
+        async with httpx.AsyncClient(base_url=str(server.make_url("")), timeout=30) as client:
+            assert (await client.post("/echo", content=b'{"a": 1}')).json() == {"bytes": 8}
+    finally:
+        await server.close()
