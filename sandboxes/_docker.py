@@ -89,7 +89,7 @@ _PROGRAM_UIDS = 50_000  # programs run as uid program_uid_base + k, k unique per
 
 def _start_time(pid: int) -> str | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text("utf-8", "replace")
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks

@@ -45,8 +45,8 @@ def leftover_processes():
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in (1, me):
             continue
-        try:
-            with open(f"/proc/{name}/status") as f:
+        try:  # the name is bytes a program chose: never let them stop the probe
+            with open(f"/proc/{name}/status", encoding="utf-8", errors="replace") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue  # exited meanwhile
@@ -152,7 +152,7 @@ def sockets(unknown):
     received outlives its sender, and an abstract name lives as long as its socket. (A TCP or
     UDP socket ends with its last process; reading ``/proc/net/tcp`` costs milliseconds.)"""
     try:
-        with open("/proc/net/unix") as f:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
             return sum(1 for line in f.read().splitlines()[1:] if line.strip())
     except OSError as exc:
         unknown.append(f"/proc/net/unix: {exc.strerror or exc}")
@@ -161,19 +161,23 @@ def sockets(unknown):
 
 def probe(dirs, ipc):
     """Anomalies after a request; leftover processes are SIGKILLed (as root: everything but
-    init and this process)."""
-    procs = leftover_processes()
-    for _ in range(10):  # killed processes and zombies being reaped by init take a moment
-        if not procs:
-            break
-        time.sleep(0.01)
+    init and this process). A check that fails is named in ``unknown`` (fails closed)."""
+    unknown = []
+    try:
         procs = leftover_processes()
+        for _ in range(10):  # killed processes and zombies being reaped by init take a moment
+            if not procs:
+                break
+            time.sleep(0.01)
+            procs = leftover_processes()
+    except Exception as exc:
+        unknown.append(f"processes: {type(exc).__name__}: {exc}")
+        procs = ["?"]
     if procs:
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-    unknown = []
     files = leftover_files(dirs, unknown)
     return {
         "processes": procs[:20],

@@ -41,7 +41,7 @@ ETC_COPIES = ("ld.so.cache", "localtime", "mime.types")
 def start_time(pid: int) -> str | None:
     """The start time of ``pid`` (clock ticks since boot): with the pid, names one process."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return Path(f"/proc/{pid}/stat").read_text("utf-8", "replace").rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
 
@@ -170,7 +170,7 @@ def is_helper(pid: int, supervisor: int) -> bool:
     """Whether ``pid`` is one of the supervisor's helpers (its zygote): its child,
     still root (a program's processes run as the slot's uid from their first exec on)."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        status = Path(f"/proc/{pid}/status").read_text("utf-8", "replace")
     except OSError:
         return True  # gone meanwhile
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)

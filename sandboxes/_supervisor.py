@@ -152,10 +152,12 @@ def write_best_effort(path, text):
 
 
 def _read_text(path):
+    """A file's text, "" if it cannot be read. Undecodable bytes are replaced: /proc files hold
+    names a program chooses (``PR_SET_NAME`` takes any bytes) and must never stop a read."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             return f.read()
-    except OSError:
+    except (OSError, ValueError):
         return ""
 
 
@@ -173,8 +175,13 @@ def _split_path(path):
     if path.startswith("/"):
         raise Invalid(field + ": must be relative to the scratch dir")
     parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts) or len(path) > 255:
+    if any(p in ("", ".", "..") for p in parts):
         raise Invalid(field + ": must not contain '..', '.', or empty components")
+    # the limits of the request's own validation (sandboxes/_validate.py), in bytes
+    if len(path.encode("utf-8", "surrogatepass")) > 1024 or len(parts) > 16:
+        raise Invalid(field + ": is longer than 1024 bytes or 16 levels")
+    if any(len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts):
+        raise Invalid(field + ": has a component longer than 255 bytes")
     return parts
 
 
@@ -1744,12 +1751,17 @@ def run_job(job, wake_fd, zygote=None):
         return run.result()
     except Exception as exc:
         error = exc
-    try:  # the run failed half-way: leave nothing behind
-        if run.pid:
-            run.kill_everything(grace_s=1.0)
-        run.cleanup()
-    except Exception as exc:
-        error = error if isinstance(error, Invalid) else exc
+    # the run failed half-way: leave nothing behind (a failed kill must not skip the cleanup)
+    for step in ("kill", "cleanup"):
+        try:
+            if run is None:
+                break
+            if step == "kill" and run.pid:
+                run.kill_everything(grace_s=1.0)
+            elif step == "cleanup":
+                run.cleanup()
+        except Exception as exc:
+            error = error if isinstance(error, Invalid) else exc
     if isinstance(error, Invalid):
         return _error_result("invalid_request", str(error))
     return _error_result("sandbox_error", f"supervisor: {type(error).__name__}: {error}")

@@ -252,6 +252,50 @@ def test_daemons_are_killed_after_the_run(scratch):
     assert uid_processes() == []
 
 
+@pytest.mark.parametrize("timeout", [False, True])
+def test_a_process_named_with_bytes_that_are_not_utf8_is_swept(scratch, timeout):
+    """``PR_SET_NAME`` takes any bytes and /proc shows them raw: the sweep read them as strict
+    UTF-8 and the run ended as a sandbox_error, its output lost, its daemon and scratch dir
+    left behind."""
+    code = (
+        "import ctypes, os, time\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    ctypes.CDLL(None).prctl(15, b'\\xff\\xfeevil', 0, 0, 0)\n"  # PR_SET_NAME
+        "    os.write(w, str(os.getpid()).encode())\n"
+        "    time.sleep(600)\n"
+        "print(os.read(r, 32).decode(), flush=True)\n"
+    )
+    if timeout:
+        code += "time.sleep(600)\n"
+    r = supervise(code, scratch=scratch, timeout_s=2.0)
+    assert r["status"] == ("timeout" if timeout else "ok"), r
+    daemon = int(r["stdout"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(daemon, 0)
+    assert uid_processes() == [] and list(scratch.iterdir()) == []
+
+
+def test_file_names_up_to_the_validated_limits_are_written(scratch):
+    """The request's validation allows 1024 bytes and 255 per component; the supervisor
+    refused any name over 255 characters in all, calling it a '..' component."""
+    deep = "/".join(["d" * 60] * 16)[:1000]
+    files = {"a" * 255 + "/" + "b" * 200: "long", deep: "deep"}
+    r = supervise("import os; print(sum(len(f) for _, _, f in os.walk('.')))", scratch=scratch,
+                  files=files)  # fmt: skip
+    assert r["status"] == "ok" and r["stdout"] == "2\n", r
+    for name, why in [
+        ("a" * 256, "longer than 255 bytes"),
+        ("é" * 128, "longer than 255 bytes"),
+        ("/".join(["a"] * 17), "16 levels"),
+        ("/".join(["a" * 200] * 6), "1024 bytes"),
+    ]:
+        r = supervise("print('ran')", scratch=scratch, files={name: "x"})
+        assert r["status"] == "invalid_request" and why in r["error"], r
+        assert r["stdout"] == "" and list(scratch.iterdir()) == []
+
+
 def test_zombies_are_reaped(scratch):
     code = "import os\nfor _ in range(50):\n    if os.fork() == 0:\n        os._exit(0)\n"
     r = supervise(code, scratch=scratch)
