@@ -35,6 +35,7 @@ from ._connections import MAX_LINGERING, ConnectionGuard
 from ._errors import BackendUnavailable, SandboxError
 from ._pool import open_sandbox_pool
 from ._service import make_app
+from ._service_state import STATE, ServiceState
 
 DEFAULT_PORT = 8090
 TOKEN_ENV = "AGENTRL_SANDBOX_TOKEN"
@@ -259,7 +260,10 @@ async def serve(
                 access_log=None,
                 auto_decompress=False,  # a compressed body is refused (415), never inflated
                 keepalive_timeout=service.idle_timeout_s,
-                shutdown_timeout=service.shutdown_timeout_s,
+                # the stop waits for running requests itself (_finish_requests): aiohttp's
+                # own wait takes twice its timeout (a graceful wait, then one after a cancel
+                # that does not reach the handler)
+                shutdown_timeout=STOP_GRACE_S,
             )
             await runner.setup()
             assert runner.server is not None
@@ -285,11 +289,29 @@ async def serve(
             finally:
                 listener.close()  # stop accepting
                 guard.close_all()  # connections with no request running
-                await runner.cleanup()  # running requests get shutdown_timeout_s
+                await _finish_requests(app[STATE], service.shutdown_timeout_s)
+                await runner.cleanup()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     print("agentrl sandbox service: pool closed", flush=True)
+
+
+STOP_GRACE_S = 2.0
+"""How long cancelled requests get to end (their sandbox runs killed) at a stop."""
+
+
+async def _finish_requests(state: ServiceState, timeout_s: float) -> None:
+    """Let the requests running at a stop finish within ``timeout_s``; cancel the rest (their
+    runs are killed, their clients get no answer) and give them ``STOP_GRACE_S`` to end."""
+    running = set(state.handlers)
+    if not running:
+        return
+    _, late = await asyncio.wait(running, timeout=timeout_s)
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late, timeout=STOP_GRACE_S)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

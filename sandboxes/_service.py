@@ -194,6 +194,9 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     conn = state.guard.connection_of(request.transport) if state.guard is not None else None
     if conn is not None:
         conn.begin()
+    task = asyncio.current_task()
+    assert task is not None
+    state.handlers.add(task)
     started = time.perf_counter()
     route = _route_name(request)
     reservation = state.reservations[id(request)] = Reservation(state.budget)
@@ -203,6 +206,7 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         state.http_requests[(route, response.status)] += 1
         await _send(request, response, state)
     finally:
+        state.handlers.discard(task)
         reservation.close()
         del state.reservations[id(request)]
         if conn is not None:

@@ -3,8 +3,10 @@ connection guard and the service's own counters (``STATE`` on the aiohttp app)."
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
+from typing import Any
 
 from aiohttp import web
 
@@ -40,6 +42,8 @@ class ServiceState:
         self.started = time.time()
         self.reservations: dict[int, Reservation] = {}
         """What each request being handled holds of the budget (by ``id(request)``)."""
+        self.handlers: set[asyncio.Task[Any]] = set()
+        """The tasks handling a request now (a stop waits for them, then cancels them)."""
 
     def reservation(self, request: web.Request) -> Reservation:
         return self.reservations[id(request)]

@@ -10,6 +10,9 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
+import time
+from typing import Any
 
 import anyio
 import httpx
@@ -466,3 +469,42 @@ def test_an_answer_is_charged_what_its_results_take():
     assert budget.held == 300_000 and late.grow(1)
     with pytest.raises(ValueError, match="settling"):
         other.settle(300_001, 0)  # more than it holds
+
+
+def test_a_stop_waits_shutdown_timeout_s_for_running_requests_then_ends_them(tmp_path):
+    """aiohttp's own shutdown waited twice its timeout (its cancel does not reach a handler):
+    a 30 s grace under an orchestrator's 30 s became 60 s and a SIGKILL. A request that ends
+    within the timeout is answered; one that does not is ended, its run killed."""
+    with scratch_root() as scratch:
+        config = tmp_path / "pool.json"
+        pool = {"backend": {"type": "local", "scratch_root": str(scratch)}, "size": 2}
+        config.write_text(json.dumps({**pool, "service": {"shutdown_timeout_s": 5}}))
+        with running_service("--config", str(config)) as svc:
+            answers: dict[str, Any] = {}
+
+            def run(name: str, seconds: float) -> None:
+                body = {"language": "bash", "code": f"sleep {seconds}; echo done"}
+                try:
+                    reply = httpx.post(svc.url + "/v1/run", json={**body, "timeout_s": 60},
+                                       timeout=60)  # fmt: skip
+                    answers[name] = reply.json()["stdout"]
+                except httpx.HTTPError as exc:
+                    answers[name] = type(exc).__name__
+
+            threads = [threading.Thread(target=run, args=a) for a in (("short", 1), ("long", 50))]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 30
+            while httpx.get(svc.url + "/health", timeout=10).json()["statistics"]["in_use"] < 2:
+                assert time.monotonic() < deadline, svc.output
+                time.sleep(0.05)
+            started = time.monotonic()
+            assert svc.stop(signal.SIGTERM) == 0, svc.output
+            took = time.monotonic() - started
+            for thread in threads:
+                thread.join(timeout=30)
+        assert answers["short"] == "done\n", answers
+        assert answers["long"] != "done\n", answers
+        # the timeout, then the cancelled run's end and the pool's close (aiohttp alone: >= 10)
+        assert 5 <= took < 9, took
+        assert not list(scratch.iterdir()), "the pool left temp dirs behind"
