@@ -18,7 +18,9 @@ front of aiohttp's own) that knows which phase it is in:
 At most ``max_connections`` are open. A new connection over the cap evicts the connection that
 has been waiting longest for a request head (``idle`` or ``head``), or when there is none, the
 one that has been receiving its body longest: slow, idle and trickling clients make room, and a
-client that sends its request at once (``/health``) is always served. When every connection is
+client that sends its request at once (``/health``) is always served. An evicted connection
+whose request was on its way is answered ``503 overloaded`` (nothing ran: the client may send
+it again); one with no request is closed. When every connection is
 busy, the new one is answered ``503 overloaded`` and closed after a short linger (its request
 is read and dropped so the client sees the answer rather than a reset).
 """
@@ -92,7 +94,7 @@ class _GuardedConnection(asyncio.Protocol):
         self._wait_for_head()
 
     def data_received(self, data: bytes) -> None:
-        if self.refused:
+        if self.refused or self.inner is None:
             return  # dropped: the 503 is on its way
         if self.state == "idle":
             self.state = "head"
@@ -115,15 +117,21 @@ class _GuardedConnection(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        if self.refused:
+        if self.refused or self.inner is None:
             return True  # keep the write side open for the 503
         return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self.guard._forget(self)
-        if self.inner is not None:
-            self.inner.connection_lost(exc)
+        self._detach(exc)
+
+    def _detach(self, exc: Exception | None) -> None:
+        """aiohttp's side of the connection ends (once): its handler's body read fails, and
+        it writes nothing more on this transport."""
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
         if self.inner is not None:
@@ -195,6 +203,21 @@ class _GuardedConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def evict(self, message: str) -> None:
+        """Make room at the cap. A connection with a request on its way (its head or body
+        arriving) is answered ``503 overloaded`` first: nothing of it ran, so the client may
+        send it again (a bare close reads as "may have run"). One with none is closed."""
+        if self.state not in ("head", "body") or self.transport is None:
+            self.close()
+            return
+        self._disarm()
+        self.state = "closed"
+        self.refused = True  # what the client still sends is dropped
+        self.guard._linger(self.transport, message)
+        if self.inner is not None:  # aiohttp would close the transport at once: no linger
+            self.inner.transport = None
+        self._detach(ConnectionResetError("evicted at the connection cap"))
+
 
 class ConnectionGuard:
     """Counts, times and caps the connections of one listening service (see the module doc)."""
@@ -240,10 +263,15 @@ class ConnectionGuard:
         )
 
     def close_all(self) -> None:
-        """Close every connection still waiting for a request, and the ones being refused."""
+        """At a stop: close every connection still waiting for a request, and the ones being
+        refused; answer the ones whose body is still arriving ``503 overloaded`` (nothing of
+        theirs ran)."""
         for conn in list(self._open):
             if conn.waiting:
                 conn.close()
+            elif conn.state == "body":
+                conn.evict("the service is stopping; this request's body had not arrived, so "
+                           "nothing ran: send it again elsewhere")  # fmt: skip
         for transport in list(self._lingering):
             transport.abort()
 
@@ -257,8 +285,11 @@ class ConnectionGuard:
                 return False
             oldest = min(waiting, key=lambda c: c.since)
             self.evicted += 1
-            oldest.close()
             self._forget(oldest)  # its connection_lost comes later; the slot is free now
+            oldest.evict(
+                f"closed to make room at max_connections={self.max_connections} before its "
+                "request was read; nothing ran, retry later"
+            )
         self._open[conn] = None
         self._by_transport[conn.transport] = conn
         self.accepted += 1
@@ -271,17 +302,20 @@ class ConnectionGuard:
 
     def _refuse(self, conn: _GuardedConnection) -> None:
         self.refused += 1
-        transport = conn.transport
-        assert transport is not None
+        assert conn.transport is not None
+        self._linger(
+            conn.transport,
+            f"{len(self._open)} connections open, all busy (max_connections="
+            f"{self.max_connections}); nothing ran, retry later",
+        )
+
+    def _linger(self, transport: asyncio.Transport, message: str) -> None:
+        """Answer ``503 overloaded`` with ``message`` and close after a short linger (what the
+        client still sends is dropped, so it reads the answer rather than a reset)."""
         if len(self._lingering) >= MAX_LINGERING:
             transport.abort()
             return
-        transport.write(
-            overloaded_answer(
-                f"{len(self._open)} connections open, all busy (max_connections="
-                f"{self.max_connections}); nothing ran, retry later"
-            )
-        )
+        transport.write(overloaded_answer(message))
         if transport.can_write_eof():
             transport.write_eof()
         self._lingering.add(transport)

@@ -8,6 +8,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -498,11 +499,21 @@ def test_a_stop_waits_shutdown_timeout_s_for_running_requests_then_ends_them(tmp
             while httpx.get(svc.url + "/health", timeout=10).json()["statistics"]["in_use"] < 2:
                 assert time.monotonic() < deadline, svc.output
                 time.sleep(0.05)
+            # and one still sending its body: told at once that nothing ran
+            port = int(svc.url.rsplit(":", 1)[1])
+            upload = socket.create_connection(("127.0.0.1", port))
+            upload.sendall(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+            time.sleep(0.5)
             started = time.monotonic()
+            svc.proc.send_signal(signal.SIGTERM)
+            upload.settimeout(3)
+            told = upload.recv(65536)
+            upload.close()
             assert svc.stop(signal.SIGTERM) == 0, svc.output
             took = time.monotonic() - started
             for thread in threads:
                 thread.join(timeout=30)
+        assert told.startswith(b"HTTP/1.1 503 ") and b"nothing ran" in told, told
         assert answers["short"] == "done\n", answers
         assert answers["long"] != "done\n", answers
         # the timeout, then the cancelled run's end and the pool's close (aiohttp alone: >= 10)

@@ -126,6 +126,23 @@ def closed_within(sock: socket.socket, seconds: float) -> float | None:
     return None
 
 
+def answer_then_close(sock: socket.socket, seconds: float) -> bytes:
+    """What the peer sends on ``sock`` until it closes it (within ``seconds``)."""
+    start, got = time.monotonic(), b""
+    sock.settimeout(0.1)
+    while time.monotonic() - start < seconds:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        if not data:
+            return got
+        got += data
+    raise AssertionError(f"not closed within {seconds} s; got {got[:300]!r}")
+
+
 def health(svc: ServiceProcess, timeout: float = 5.0, **kw: Any) -> dict[str, Any]:
     response = httpx.get(f"{svc.url}/health", timeout=timeout, **kw)
     assert response.status_code == 200, response.text
@@ -617,7 +634,12 @@ def test_bodies_that_hold_without_sending_or_expand_are_refused():
             time.sleep(1.0)
             connections = health(svc)["service"]["connections"]  # /health is served
             assert connections["evicted"] == 1, connections
-            assert closed_within(trickles[0], 5) is not None  # the longest in its body
+            # the longest in its body, told that nothing ran (a bare close reads as "may have
+            # run": the client gives up on the request and takes the replica for down)
+            answer = answer_then_close(trickles[0], 5)
+            assert answer.startswith(b"HTTP/1.1 503 "), answer
+            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert error["type"] == "overloaded" and "nothing ran" in error["message"], error
             assert all(closed_within(sock, 0.2) is None for sock in trickles[1:])
         for bad in (
             b'{"language":"\\ud800","code":"1"}',
