@@ -14,7 +14,7 @@ def host_processes(uid_lo: int, uid_hi: int) -> list[str]:
         if not name.isdigit():
             continue
         try:
-            status = Path(f"/proc/{name}/status").read_text()
+            status = Path(f"/proc/{name}/status").read_text("utf-8", "replace")  # any name
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
