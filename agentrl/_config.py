@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import difflib
 import reprlib
+import types
 import typing
 from typing import Any
 
 import pydantic
+import pydantic_core
 
 from ._errors import ConfigError
 
@@ -16,7 +18,47 @@ ROLLOUT_LEGACY_VALUES: dict[str, Any] = {"max_tool_output_chars": None}
 the value that reproduces them (a recorded configuration that lacks one ran with that value)."""
 
 
-class RolloutConfig(pydantic.BaseModel):
+class NumbersNotBools(pydantic.BaseModel):
+    """A base for settings people write: ``true`` where a number is due is refused, naming the
+    field (pydantic reads it as 1, so ``tasks_per_step: yes`` trained one task a step)."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for name, field in cls.model_fields.items():
+            key = field.alias or name
+            value = data.get(key)
+            if isinstance(value, bool) and _numeric(field.annotation):
+                errors.append(
+                    {
+                        "type": pydantic_core.PydanticCustomError(
+                            "bool_not_number", "a number is due here, not a boolean"
+                        ),
+                        "loc": (key,),
+                        "input": value,
+                    }
+                )
+        if errors:
+            raise pydantic_core.ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers only (``int``, ``float``, either or None)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in _UNIONS else ()
+    options = options or (annotation,)
+    return all(o in (int, float, type(None)) for o in options) and any(
+        o in (int, float) for o in options
+    )
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+class RolloutConfig(NumbersNotBools):
     """How trajectories are generated. ``None`` means "the environment's default"."""
 
     model_config = pydantic.ConfigDict(

@@ -13,6 +13,9 @@ from typing import Any
 
 from ._errors import AgentRLError
 
+ROLLOUT_MODEL = "smollm2-135m"
+"""The model ``agentrl rollout`` runs when neither ``--model`` nor ``--config`` names one."""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -21,11 +24,16 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("rollout", help="run real rollouts and write trajectories")
-    r.add_argument("--env", required=True, help="environment id, e.g. calc-v0 or mod:name-v0")
+    r.add_argument(
+        "--env",
+        default=None,
+        help="environment id, e.g. calc-v0 or mod:name-v0 (default: --config's env)",
+    )
     r.add_argument(
         "--model",
-        default="smollm2-135m",
-        help="registered model name or HF folder (default %(default)s; agentrl models list)",
+        default=None,
+        help="registered model name or HF folder (default: --config's model, else "
+        f"{ROLLOUT_MODEL}; agentrl models list)",
     )
     r.add_argument(
         "-n", "--num-tasks", type=int, default=8, help="tasks to roll out (default %(default)s)"
@@ -200,6 +208,40 @@ def _refuse_unknown_sections(loaded: dict[str, Any], path: str) -> None:
             )
 
 
+def _as_trained(
+    loaded: dict[str, Any], rollout: dict[str, Any], args: argparse.Namespace, console: Any
+) -> dict[str, Any]:
+    """What a run config's ``model`` and ``env`` say (unless ``--model``/``--env`` do: a flag that
+    differs is said), and, for a training config (one with a ``train`` or ``algorithm``
+    section), ``rollout`` with the defaults training derives (``group_size`` for algorithms
+    that compare groups, ``max_context_tokens`` from ``train.micro_batch_tokens``): a dry run
+    shows the masks training would see."""
+    from ._config import short_repr
+    from ._errors import ConfigError
+    from .loop._config import TrainConfig, _default_context, _default_group_size
+
+    training = "train" in loaded or "algorithm" in loaded
+    for name in ("env", "model"):
+        value = loaded.get(name)
+        if value is None and training:
+            value = TrainConfig.model_fields[name].default
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ConfigError(f"{args.config}: {name}: expected a string, got {short_repr(value)}")
+        flag = getattr(args, name)
+        if flag is None:
+            setattr(args, name, value)
+        elif flag != value:
+            console.print(
+                _safe(f"  --{name} {flag} overrides {args.config}'s {name}: {value}"), markup=False
+            )
+    if not training:
+        return rollout
+    rollout = _default_group_size(rollout, loaded.get("algorithm"))
+    return _default_context(rollout, loaded.get("train"))
+
+
 def _refuse_moved_settings(loaded: dict[str, Any], path: str) -> None:
     """A setting written at its old place is refused naming its home, as ``train`` does (the
     rollout would otherwise ignore it)."""
@@ -229,9 +271,6 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     from ._runner import check_run_dir
     from ._types import read_trajectories
 
-    out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
-    check_run_dir(out, if_exists)  # refused before anything heavy is imported or loaded
     console = _console()
     data: dict[str, Any] = {}
     engine_data: dict[str, Any] = {}
@@ -243,6 +282,13 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         data, engine_data = _section(loaded, "rollout", args), _section(loaded, "engine", args)
         if args.sandbox is None and loaded.get("sandbox") is not None:
             args.sandbox, args.sandbox_where = loaded["sandbox"], f"{args.config}: sandbox"
+        data = _as_trained(loaded, data, args, console)
+    if args.env is None:
+        raise ConfigError("--env is required (or a --config that names an env)")
+    args.model = args.model or ROLLOUT_MODEL
+    out = Path(args.out or f"runs/{args.env.split(':')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
+    check_run_dir(out, if_exists)  # refused before anything heavy is imported or loaded
     overrides = {
         "group_size": args.group,
         "max_turns": args.max_turns,

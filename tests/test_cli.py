@@ -843,3 +843,35 @@ def test_a_rollout_file_name_taken_by_a_folder_is_refused(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "report.html is not a regular file (a folder or a link)" in proc.stderr
     assert (out / "report.html").is_dir()
+
+
+def test_a_dry_run_of_a_training_config_rolls_out_as_training_would(tmp_path, tiny_model_path):
+    """``rollout --config TRAIN.yaml`` took only the rollout section: it ran smollm2-135m where
+    the config said tiny-random, and without the context cap and group size training derives
+    (a dry run showed 8 trained tokens where training cut the episode at 4)."""
+    from agentrl.loop._config import TRAIN_GROUP_SIZE
+
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        "model: tiny-random\nenv: calc-v0\nalgorithm: {name: grpo}\n"
+        "train: {micro_batch_tokens: 512}\nrollout: {max_turns: 1, max_new_tokens: 4}\n"
+    )
+    out = tmp_path / "run"
+    proc = agentrl("rollout", "-n", "1", "--config", str(config), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recorded = json.loads((out / "config.json").read_text())
+    assert (recorded["env"], recorded["model"]) == ("calc-v0", "tiny-random")
+    rollout = recorded["rollout"]
+    assert rollout["group_size"] == TRAIN_GROUP_SIZE and rollout["max_context_tokens"] == 512
+    assert len(read_trajectories(str(out / "trajectories.jsonl"))) == TRAIN_GROUP_SIZE
+    # a flag still wins, and says so
+    flags = ["--env", "calc-v0", "--model", str(tiny_model_path), "--group", "1"]
+    again = agentrl("rollout", "-n", "1", "--config", str(config), "--out", str(tmp_path / "b"),
+                    *flags)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    said = " ".join(again.stdout.split())  # the console wraps long lines
+    assert f"--model {tiny_model_path} overrides {config}'s model: tiny-random" in said
+    nothing = tmp_path / "empty.yaml"
+    nothing.write_text("rollout: {max_turns: 1}\n")
+    refused = agentrl("rollout", "--config", str(nothing), "--out", str(tmp_path / "c"))
+    assert refused.returncode == 2 and "--env is required" in refused.stderr, refused.stderr

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import pydantic
 
+from agentrl._config import NumbersNotBools
+
 from ._algorithms import AlgorithmSpec, algorithm_spec
 from ._names import Aggregation, KLEstimator, Surrogate
 
@@ -23,7 +25,7 @@ _Beta = Annotated[float, pydantic.Field(ge=0, lt=1)]
 """An Adam moment decay: torch's AdamW refuses anything outside [0, 1)."""
 
 
-class AlgorithmConfig(pydantic.BaseModel):
+class AlgorithmConfig(NumbersNotBools):
     """The RL algorithm: advantage estimator, surrogate, KL, entropy and aggregation."""
 
     model_config = _DOCS
@@ -127,7 +129,7 @@ class AlgorithmConfig(pydantic.BaseModel):
         )
 
 
-class OptimizerConfig(pydantic.BaseModel):
+class OptimizerConfig(NumbersNotBools):
     """AdamW (torch's, through DeepSpeed: no JIT build), gradient clipping and the LR schedule."""
 
     model_config = _DOCS

@@ -37,6 +37,8 @@ OWNED_KEYS: dict[str, str] = {
     "scheduler": "the LR schedule is optimizer.schedule, optimizer.warmup_steps and "
     "optimizer.min_lr_ratio",
     "gradient_clipping": "the gradient clip is optimizer.grad_clip",
+    "steps_per_print": "agentrl reports every step itself (the console and ledger.jsonl); "
+    "DeepSpeed's own periodic log stays off",
 }
 """DeepSpeed keys whose value agentrl sets from another section: each maps to that home."""
 

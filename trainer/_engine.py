@@ -425,21 +425,55 @@ def open_policy(
     config = deepspeed_config(
         optimizer=optimizer, bf16=torch.cuda.is_available(), overrides=overrides
     )
-    return _trained_engine(scorer, optimizer, config, total_updates)
+    return _trained_engine(scorer, optimizer, config, total_updates, overrides)
 
 
 def _trained_engine(
-    scorer: TokenScorer, optimizer: OptimizerConfig, config: dict[str, Any], total_updates: int
+    scorer: TokenScorer,
+    optimizer: OptimizerConfig,
+    config: dict[str, Any],
+    total_updates: int,
+    overrides: dict[str, Any] | None,
 ) -> ModelEngine:
     """DeepSpeed around a trained ``scorer``: its trainable parameters, the LR schedule."""
     scorer.train()
-    engine, *_ = initialize(
+    engine, *_ = _initialize(
+        overrides,
         model=scorer,
         model_parameters=[p for p in scorer.parameters() if p.requires_grad],
         config=config,
         lr_scheduler=lambda opt: LRSchedule(opt, optimizer, total_updates),
     )
     return ModelEngine(engine, scorer, trainable=True)
+
+
+def _initialize(overrides: dict[str, Any] | None, **kwargs: Any) -> tuple[Any, ...]:
+    """``initialize``; a failure while the config's ``deepspeed`` section sets keys of its own
+    is a ``ConfigError`` naming them (DeepSpeed's parser accepts some settings this machine
+    cannot run: ``fp16`` on a CPU fails only here)."""
+    try:
+        return initialize(**kwargs)
+    except Exception as exc:
+        keys = _user_deepspeed_keys(overrides)
+        if not keys:
+            raise
+        from agentrl._errors import ConfigError
+
+        raise ConfigError(
+            f"deepspeed: DeepSpeed could not start the learner with {', '.join(keys)} set "
+            f"here: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _user_deepspeed_keys(overrides: dict[str, Any] | None) -> list[str]:
+    """The dotted DeepSpeed keys a config's ``deepspeed`` section sets beyond ZeRO-3's stage."""
+    keys = []
+    for key, value in (overrides or {}).items():
+        if key == "zero_optimization" and isinstance(value, dict):
+            keys += [f"deepspeed.{key}.{k}" for k in value if k != "stage"]
+        else:
+            keys.append(f"deepspeed.{key}")
+    return keys
 
 
 def open_reference(
@@ -462,7 +496,7 @@ def open_reference(
     scorer.eval()
     overrides = {k: v for k, v in (overrides or {}).items() if k not in ("optimizer", "scheduler")}
     config = deepspeed_config(optimizer=None, bf16=torch.cuda.is_available(), overrides=overrides)
-    engine, *_ = initialize(model=scorer, config=config)
+    engine, *_ = _initialize(overrides, model=scorer, config=config)
     engine.eval()
     return ModelEngine(engine, scorer, trainable=False)
 
@@ -487,4 +521,4 @@ def open_critic(
     config = deepspeed_config(
         optimizer=optimizer, lr=lr, bf16=torch.cuda.is_available(), overrides=overrides
     )
-    return _trained_engine(scorer, optimizer, config, total_updates)
+    return _trained_engine(scorer, optimizer, config, total_updates, overrides)

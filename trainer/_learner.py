@@ -82,11 +82,31 @@ def _all_reduce(value: float, op: str = "sum") -> float:
     return float(t.item())
 
 
+def _check_kernels(kernels: str) -> None:
+    """``kernels="triton"`` where Triton cannot run is a ``ConfigError`` before any model loads
+    (it failed at the first update, after the first rollout)."""
+    if kernels != "triton":
+        return
+    from agentrl._errors import ConfigError
+    from agentrl.kernels import use_triton
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
+    )
+    try:
+        use_triton("triton", device, "train.kernels")
+    except RuntimeError as exc:
+        raise ConfigError(f"{exc} (train.kernels: auto picks what runs)") from None
+
+
 class Learner:
     """The policy (and reference, critic) engines and the step that trains them. ``version``
     counts published policy versions: 0 is the initial weights, each ``train_step`` adds 1."""
 
     def __init__(self, settings: LearnerSettings) -> None:
+        _check_kernels(settings.kernels)
         alg = settings.algorithm.resolved()
         self.settings = dataclasses.replace(settings, algorithm=alg)
         self.version = 0

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import msgspec
 import pydantic
 
-from agentrl._config import describe_errors, short_repr, validate_config
+from agentrl._config import NumbersNotBools, describe_errors, short_repr, validate_config
 from agentrl._errors import ConfigError, EngineError
 
 from ._radix import RadixStatistics
@@ -25,7 +25,7 @@ STEP_TOKENS = {"cpu": 512, "cuda": 8192}
 """``EngineOptions.max_step_tokens``' default per device type."""
 
 
-class EngineOptions(pydantic.BaseModel):
+class EngineOptions(NumbersNotBools):
     """How an ``EmbeddedEngine`` sizes and schedules itself (the config's ``engine`` section;
     unknown fields are refused by name). Where the device and dtype exist on this machine is
     checked when the engine starts."""

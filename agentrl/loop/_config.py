@@ -20,7 +20,13 @@ from typing import Any, Literal
 import pydantic
 import pydantic_core
 
-from agentrl._config import ROLLOUT_LEGACY_VALUES, RolloutConfig, short_repr, validate_config
+from agentrl._config import (
+    ROLLOUT_LEGACY_VALUES,
+    NumbersNotBools,
+    RolloutConfig,
+    short_repr,
+    validate_config,
+)
 from agentrl._config_file import ConfigSyntaxError, load_yaml
 from agentrl._config_file import read_config_file as read_any_config_file
 from agentrl._env import Split
@@ -48,7 +54,7 @@ _YEAR_S = 365 * 24 * 3600
 years; a year is already no limit)."""
 
 
-class _Section(pydantic.BaseModel):
+class _Section(NumbersNotBools):
     model_config = pydantic.ConfigDict(
         extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False
     )
@@ -367,6 +373,18 @@ class TrainConfig(_Section):
         if self.algorithm.spec.needs_groups and rollout.group_size < 2:
             raise ValueError(
                 f"algorithm {self.algorithm.name} needs groups: set rollout.group_size >= 2"
+            )
+        dynamic = self.algorithm.resolved().dynamic_sampling
+        if dynamic and rollout.group_size < 2:  # a group of one has equal rewards: all dropped
+            raise ValueError(
+                "algorithm.dynamic_sampling drops groups whose rewards are all equal: with "
+                f"rollout.group_size={rollout.group_size} that is every group (set it >= 2)"
+            )
+        if self.train.refill_rounds and not dynamic:
+            raise ValueError(
+                f"train.refill_rounds={self.train.refill_rounds} refills the groups dynamic "
+                f"sampling drops, and algorithm {self.algorithm.name} has "
+                "algorithm.dynamic_sampling off: set it, or leave refill_rounds at 0"
             )
         lag = self.train.max_version_lag if self.train.mode == "async" else 0
         try:

@@ -115,6 +115,13 @@ def test_every_float_field_refuses_non_finite_numbers(model, name, tupled, bad):
         (["server.urls=[http://a:1,http://b:2/,http://a:1/]"],
          "server.urls: server URL 'http://a:1/' is given twice (as 'http://a:1')"),
         (["server.urls=[http://a:99999]"], "server.urls: server URL 'http://a:99999'"),
+        # YAML's true/yes where a number is due was read as 1
+        (["train.tasks_per_step=true"],
+         "train.tasks_per_step: a number is due here, not a boolean (got True)"),
+        (["rollout.group_size=yes"], "rollout.group_size: a number is due here, not a boolean"),
+        (["algorithm.clip_low=false"], "algorithm.clip_low: a number is due here, not a boolean"),
+        (["optimizer.lr=true"], "optimizer.lr: a number is due here, not a boolean"),
+        (["engine.max_batch_size=true"], "engine.max_batch_size: a number is due here"),
     ],
 )  # fmt: skip
 def test_values_that_could_only_fail_later_are_refused_at_load(sets, needle):

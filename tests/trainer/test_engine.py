@@ -403,3 +403,38 @@ def test_a_broken_model_folder_is_a_model_error_naming_it(tmp_path, tiny_model_p
         weights.write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
     with pytest.raises(ModelError, match=f"the learner cannot load the model in {folder}"):
         _load_lm(str(folder), gradient_checkpointing=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 and CPU-only Triton: a CPU learner")
+def test_settings_this_machine_cannot_run_are_named_before_the_first_rollout(
+    tmp_path, tiny_model_path
+):
+    """``deepspeed.fp16.enabled`` passes DeepSpeed's parser and failed in its ``initialize`` with
+    a traceback; ``train.kernels: triton`` on a CPU failed at the first update, after a whole
+    rollout. Both are one ConfigError now, raised while the learner is built."""
+    worker = tmp_path / "cannot.py"
+    worker.write_text(
+        "import os, sys, torch\n"
+        "os.environ.pop('TRITON_INTERPRET', None)  # the interpreter would run it on a CPU\n"
+        "from agentrl import ConfigError\n"
+        "from agentrl.trainer import init_distributed, open_reference\n"
+        "from agentrl.trainer._learner import _check_kernels\n"
+        "init_distributed(num_threads=1)\n"
+        "said = []\n"
+        "try:\n"
+        "    fp16 = {'fp16': {'enabled': True}, 'zero_optimization': {'stage': 3}}\n"
+        "    open_reference(sys.argv[2], temperature=1.0, overrides=fp16)\n"
+        "except ConfigError as exc:\n"
+        "    said.append(str(exc))\n"
+        "try:\n"
+        "    _check_kernels('triton')\n"
+        "except ConfigError as exc:\n"
+        "    said.append(str(exc))\n"
+        "_check_kernels('auto')\n"
+        "torch.save(said, sys.argv[1])\n"
+    )
+    said = run_worker(worker, 1, tmp_path / "out.pt", str(tiny_model_path), timeout=300)
+    assert len(said) == 2, said
+    assert said[0].startswith("deepspeed: DeepSpeed could not start the learner with "
+                              "deepspeed.fp16 set here: "), said  # fmt: skip
+    assert said[1].startswith("train.kernels: backend='triton' cannot run here: "), said

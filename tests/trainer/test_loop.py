@@ -69,11 +69,15 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
         (["algorithm.name=reinforce"], "algorithm.name"),
         (["rollout.temperature=0"], "rollout.temperature"),
         (["rollout.group_size=1"], "algorithm grpo needs groups: set rollout.group_size >= 2"),
+        # settings that would do nothing, or drop every group, without a word
+        (["algorithm.name=ppo", "algorithm.dynamic_sampling=true", "rollout.group_size=1"],
+         "with rollout.group_size=1 that is every group"),
+        (["train.refill_rounds=3"], "algorithm grpo has algorithm.dynamic_sampling off"),
         (["rollout.max_context_tokens=8192"], "a trajectory must fit one micro-batch"),
         (["algorithm.tis_cap=2"], "old_logprobs: recompute"),
         (["optimizer=3"], "optimizer"),
     ],
-)
+)  # fmt: skip
 def test_config_errors_name_the_field(sets, names):
     with pytest.raises(ConfigError, match="invalid config") as info:
         load_train_config(None, ["rollout.group_size=4", *sets])
