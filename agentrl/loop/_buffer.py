@@ -92,12 +92,14 @@ class BufferStats:
             "sample_age_s_mean": sum(self.ages) / len(self.ages) if self.ages else None,
         }
 
-    def consumed(self, group: Group, fate: str, lag: int) -> None:
+    def consumed(self, group: Group, fate: str, lag: int, tokens: int) -> None:
+        """``tokens``: the group's sampled tokens the learner trains on (those of trajectories
+        the algorithm's overlong filter masks are not)."""
         self.consumed_groups += 1
         self.fates[fate] += 1
         if fate == "trained":
             self.lags[lag] += 1
-            self.trained_tokens += group.tokens
+            self.trained_tokens += tokens
             if group.finished is not None:
                 self.ages.append(time.perf_counter() - group.finished)
 
@@ -133,11 +135,11 @@ class TrajectoryBuffer:
         them with ``consumed``)."""
         return self.blocks.pop(step, Block(step))
 
-    def consumed(self, group: Group, fate: str, lag: int) -> None:
+    def consumed(self, group: Group, fate: str, lag: int, *, tokens: int) -> None:
         if not group.timed_out:
             self.backlog -= 1
         for stats in self.windows.values():
-            stats.consumed(group, fate, lag)
+            stats.consumed(group, fate, lag, tokens)
 
     def take_window(self, name: str) -> BufferStats:
         """The counters of window ``interval`` or ``step`` since its previous take."""

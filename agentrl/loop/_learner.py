@@ -11,8 +11,9 @@ Step ``s`` (the learner holds version ``v``; the engines hold ``v`` too once it 
    each group gets a *fate*: ``trained``; ``stale`` (sampled more than ``k`` versions ago, or
    by a version newer than the learner's — weights this run never published, e.g. a server
    another run updated: never trained on); ``dropped`` (a failed member, under drop/fill);
-   ``timed_out``; ``filtered``/``surplus`` (DAPO refill: no reward signal, or beyond
-   ``tasks_per_step``). With several ranks each collection gathers every rank's groups; it is
+   ``timed_out``; ``filtered`` (dynamic sampling: no reward signal); ``surplus`` (DAPO
+   refill: beyond ``tasks_per_step``); a trained group's trajectory the overlong filter masks
+   is written as ``overlong``. With several ranks each collection gathers every rank's groups; it is
    also where a stop signal one rank received reaches all of them (``StopAgreed``).
    ``fill`` samples as many fresh tasks once in place of the dropped and timed-out groups;
    ``train.refill_rounds`` samples fresh tasks until enough groups carry a reward signal.
@@ -84,10 +85,19 @@ class StepData:
 
 
 def assign_fates(
-    views: list[GroupView], version: int, max_lag: int, rule: str, *, keep_informative: int | None
+    views: list[GroupView],
+    version: int,
+    max_lag: int,
+    rule: str,
+    *,
+    keep_informative: int | None,
+    dynamic_sampling: bool = False,
 ) -> None:
-    """Give every undecided group its fate (see the module docs). ``keep_informative``: DAPO
-    refill — only groups with a reward signal are trained, at most this many in all."""
+    """Give every undecided group its fate (see the module docs). ``dynamic_sampling``: a
+    group without a reward signal is ``filtered`` (the learner's dynamic sampling would train
+    nothing of it); ``keep_informative``: DAPO refill — only groups with a reward signal are
+    trained, at most this many in all."""
+    dynamic_sampling = dynamic_sampling or keep_informative is not None
     kept = sum(1 for v in views if v.fate == "trained")
     for view in views:
         if view.fate:
@@ -99,7 +109,7 @@ def assign_fates(
             view.fate = "stale"
         elif view.failed and rule != "wait":
             view.fate = "dropped"
-        elif keep_informative is not None and not view.informative:
+        elif dynamic_sampling and not view.informative:
             view.fate = "filtered"
         elif keep_informative is not None and kept >= keep_informative:
             view.fate = "surplus"
@@ -231,12 +241,31 @@ class LearnerRole:
         else:
             views = await self._agreed_round(groups, timeout_s, self.stop)
         keep = self.cfg.train.tasks_per_step if self.refill else None
-        assign_fates(views, self.learner.version, self.max_lag, rule, keep_informative=keep)
+        alg = self.learner.settings.algorithm
+        assign_fates(
+            views,
+            self.learner.version,
+            self.max_lag,
+            rule,
+            keep_informative=keep,
+            dynamic_sampling=bool(alg.dynamic_sampling),
+        )
         data.views += views
         by_slot = {g.slot: g for g in groups}
         for view in views:
             if view.mine:
-                self.buffer.consumed(by_slot[view.slot], view.fate, view.lag)
+                group = by_slot[view.slot]
+                kept = [t for t in group.trajectories if not self._overlong(t)]
+                tokens = sum(sum(t.loss_mask) for t in kept)
+                self.buffer.consumed(group, view.fate, view.lag, tokens=tokens)
+
+    def _overlong(self, traj: Trajectory) -> bool:
+        """Whether the algorithm's overlong filter masks ``traj`` out of training."""
+        from agentrl.trainer import overlong_filter
+
+        return bool(self.learner.settings.algorithm.overlong_filter) and (
+            overlong_filter([traj]) == [0.0]
+        )
 
     async def _agreed_round(
         self, groups: list[Group], timeout_s: float | None, stop: anyio.Event
@@ -277,6 +306,7 @@ class LearnerRole:
         out = []
         for view in data.views:
             for traj in view.trajectories:
-                traj.info = {**traj.info, "fate": view.fate, "step": str(step)}
+                fate = "overlong" if view.fate == "trained" and self._overlong(traj) else view.fate
+                traj.info = {**traj.info, "fate": fate, "step": str(step)}
                 out.append(traj)
         return out

@@ -62,7 +62,8 @@ def stall_reason(steps: int, record: dict[str, Any]) -> str:
         why += (
             f"; the learner kept {record.get('trajectories_used', 0)} of "
             f"{record.get('trajectories_in', total)} (groups dropped by dynamic sampling: "
-            f"{record.get('groups_filtered', 0)}; terminations: {record.get('termination', {})}"
+            f"{record.get('groups_filtered', 0) + record.get('groups_surplus', 0)}; "
+            f"terminations: {record.get('termination', {})}"
             f"; groups not trained: stale {record.get('groups_stale', 0)}, dropped "
             f"{record.get('groups_dropped', 0)}, timed out {record.get('groups_timed_out', 0)})"
         )

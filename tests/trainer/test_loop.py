@@ -364,6 +364,37 @@ def test_dapo_refill_replaces_groups_without_signal(tmp_path):
     assert refilled > 0, "no step needed a refill: the test proves nothing"
 
 
+def test_the_fates_say_what_dynamic_sampling_and_the_overlong_filter_left_out(tmp_path):
+    """DAPO without refill: a group without a reward signal is ``filtered`` and a trajectory
+    cut by a length limit ``overlong`` (both were recorded as ``trained``, their tokens counted
+    in ``trained_tokens``, though the learner trained on none of them)."""
+    from agentrl import read_trajectories
+
+    cfg = load_train_config(
+        tiny_config(
+            tmp_path,
+            # tiny-random never stops within 8 tokens: every trajectory is cut (max_tokens)
+            algorithm={"name": "dapo", "kl_coef": 0.0},
+            rollout={"env_kwargs": {"constant_every": 2}},
+            train={"max_steps": 1, "tasks_per_step": 4},  # the seeded order draws both kinds
+            eval={"every_steps": 0},
+        )
+    )
+    train(cfg, tmp_path / "run")
+    trajs = read_trajectories(str(tmp_path / "run" / "trajectories.jsonl"))
+    by_task: dict[str, set[str]] = {}
+    for traj in trajs:
+        assert traj.termination_reason == "max_tokens", traj.termination_reason
+        by_task.setdefault(traj.task_id, set()).add(traj.info["fate"])
+    constant = {t for t in by_task if int(t.rsplit("-", 1)[1]) % 2 == 0}
+    assert constant and constant != set(by_task), by_task  # both kinds in the step
+    assert all(by_task[t] == {"filtered"} for t in constant), by_task
+    assert all(by_task[t] == {"overlong"} for t in set(by_task) - constant), by_task
+    (record,) = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert record["trained_tokens"] == 0 and record["trajectories_used"] == 0, record
+    assert record["groups_surplus"] == len(constant), record
+
+
 def test_reward_breakdown_and_first_error_reach_the_ledger_and_tensorboard(tmp_path, make_groups):
     """Each key of the env's reward breakdown is logged as ``reward/<key>`` (its mean over the
     trajectories that report it), in ledger.jsonl and under the same TensorBoard tag; a step

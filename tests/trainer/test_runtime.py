@@ -109,6 +109,14 @@ def test_a_group_sampled_by_a_version_newer_than_the_learner_is_never_trained():
     assert [(v.fate, v.lag) for v in views] == [("trained", 0), ("stale", -2)]
 
 
+def test_dynamic_sampling_filters_groups_without_a_signal_even_without_refill():
+    """The learner's dynamic sampling trains nothing of such a group: its fate says so (it was
+    'trained', counted in groups_trained and trained_tokens)."""
+    views = [_view(0, 0, rewards=(1.0, 1.0)), _view(1, 0), _view(2, 0)]
+    assign_fates(views, 0, 0, "wait", keep_informative=None, dynamic_sampling=True)
+    assert [v.fate for v in views] == ["filtered", "trained", "trained"]
+
+
 def test_refill_keeps_only_informative_groups_up_to_the_step_size():
     views = [_view(0, 0, rewards=(1.0, 1.0)), _view(1, 0), _view(2, 0), _view(3, 0)]
     assign_fates(views, 0, 0, "wait", keep_informative=2)
