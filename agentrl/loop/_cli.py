@@ -104,6 +104,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg, out = _train_config(args)  # before torch loads: a bad config is refused at once
     from ._checkpointer import check_out
+    from ._config import training_notes
 
     check_out(cfg, out, resume=bool(args.resume))  # and an --out a run must not write into
 
@@ -118,6 +119,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                else ""),
             flush=True,
         )  # fmt: skip
+        for note in training_notes(cfg):
+            print(f"note: {note}", flush=True)
 
     alone = os.environ.get("WORLD_SIZE", "1") == "1"
 

@@ -419,6 +419,28 @@ class TrainConfig(_Section):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def training_notes(cfg: TrainConfig) -> list[str]:
+    """Settings a run may use that make its update something else than what it looks like:
+    said once when training starts (not refused: other trainers allow them too)."""
+    rollout, notes = cfg.rollout, []
+    filters = [
+        f"rollout.{name}={value:g}"
+        for name, value, off in (
+            ("top_p", rollout.top_p, 1.0),
+            ("top_k", rollout.top_k, -1),
+            ("min_p", rollout.min_p, 0.0),
+        )
+        if value != off
+    ]
+    if filters:
+        notes.append(
+            f"{', '.join(filters)}: tokens are sampled from the filtered distribution while "
+            "their logprobs, the learner's included, are of the unfiltered one: the update is "
+            "off-policy by the filter"
+        )
+    return notes
+
+
 def _sandbox_option_errors(value: Any) -> list[Any]:
     """The errors of a ``sandbox:`` mapping as ``PoolConfig`` options, located under
     ``sandbox`` (``sandbox.backend.type``, ``sandbox.size``)."""

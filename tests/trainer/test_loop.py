@@ -459,3 +459,12 @@ def test_a_run_whose_masks_leave_nothing_to_train_stops(tmp_path):
     ledger = read_ledger(tmp_path / "run" / "ledger.jsonl")
     assert [r["steps_without_update"] for r in ledger] == [1, 2]
     assert ledger[-1]["stop_reason"] in str(info.value)
+
+
+def test_sampling_filters_in_training_are_said_once_at_the_start():
+    from agentrl.loop._config import training_notes
+
+    assert training_notes(load_train_config(None, [])) == []
+    (note,) = training_notes(load_train_config(None, ["rollout.top_p=0.9", "rollout.top_k=50"]))
+    assert note.startswith("rollout.top_p=0.9, rollout.top_k=50: tokens are sampled from the")
+    assert "off-policy by the filter" in note
