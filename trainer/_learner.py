@@ -26,6 +26,7 @@ with fewer pads with an empty one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -372,7 +373,11 @@ class Learner:
                 )  # fmt: skip
                 self.critic.backward(vl.loss)
                 stats.value_loss += float(vl.loss.detach())
-        stats.grad_norm = self.policy.step()
+        norm = self.policy.step()  # the step reports its updates' largest pre-clip norm
+        if stats.updates == 0 or not math.isfinite(norm):
+            stats.grad_norm = norm
+        elif math.isfinite(stats.grad_norm):
+            stats.grad_norm = max(stats.grad_norm, norm)
         stats.updates += 1
         if self.critic is not None:
             self.critic.step()

@@ -95,6 +95,8 @@ class StepStats:
     kl_loss: float = 0.0
     value_loss: float = 0.0
     grad_norm: float = float("nan")
+    """The largest pre-clip gradient norm of the step's updates (a non-finite one wins: it is
+    the one to see)."""
     lr: float = 0.0
     ratio_min: float = math.inf
     ratio_max: float = -math.inf

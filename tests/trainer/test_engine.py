@@ -438,3 +438,28 @@ def test_settings_this_machine_cannot_run_are_named_before_the_first_rollout(
     assert said[0].startswith("deepspeed: DeepSpeed could not start the learner with "
                               "deepspeed.fp16 set here: "), said  # fmt: skip
     assert said[1].startswith("train.kernels: backend='triton' cannot run here: "), said
+
+
+def test_a_steps_grad_norm_is_the_largest_of_its_updates(make_learner, make_groups, rng):
+    """With several updates a step reported its last update's norm; a spike in an earlier one
+    was invisible. The real updates run; their norms are recorded as they return."""
+    seed = rng.randrange(2**31)
+    learner = make_learner(mini_batches=2)
+    norms: list[float] = []
+    step = learner.policy.step
+
+    def recorded() -> float:
+        norms.append(step())
+        return norms[-1]
+
+    learner.policy.step = recorded  # type: ignore[method-assign]
+    earlier_larger = 0
+    for k in range(6):  # until a step whose first update has the larger norm (last != max)
+        norms.clear()
+        stats = learner.train_step(make_groups(seed + k, groups=2, size=2))
+        assert stats.updates == len(norms) == 2, f"seed={seed}"
+        assert stats.grad_norm == max(norms), (norms, f"seed={seed}")
+        earlier_larger += norms[0] > norms[1]
+        if earlier_larger:
+            break
+    assert earlier_larger, f"no step's first update had the larger norm; seed={seed}"
