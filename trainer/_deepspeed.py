@@ -17,6 +17,7 @@ keys:
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any, Literal
 
 import pydantic
@@ -78,6 +79,11 @@ class DeepSpeedSection(pydantic.BaseModel):
                 for key, home in OWNED_KEYS.items()
                 if key in data
             ]
+            # DeepSpeed reads its config as JSON, where inf and nan are null: say what was set
+            errors += [
+                _line(path, "a finite number is due here", value)
+                for path, value in _non_finite(data)
+            ]
             if errors:
                 raise pydantic_core.ValidationError.from_exception_data(cls.__name__, errors)
         return data
@@ -94,6 +100,21 @@ class DeepSpeedSection(pydantic.BaseModel):
     def overrides(self) -> dict[str, Any]:
         """The section as a plain mapping, to merge over the generated config."""
         return self.model_dump(mode="json")
+
+
+def _non_finite(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], float]]:
+    """Every infinite or NaN number in ``data`` with its key path (iteratively: any depth)."""
+    found = []
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append((path, value))
+        elif isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            stack.extend(((*path, i), v) for i, v in enumerate(value))
+    return sorted(found, key=lambda item: [str(p) for p in item[0]])
 
 
 def _line(key: str | tuple[Any, ...], message: str, value: Any) -> Any:

@@ -221,6 +221,11 @@ def test_a_misspelled_deepspeed_key_fails_with_its_name():
             ["deepspeed.bf16.enabled=true", "deepspeed.fp16.enabled=true"],
             "deepspeed: DeepSpeed refuses these keys together: bfloat16 and fp16 modes",
         ),
+        (  # DeepSpeed reads JSON, where inf is null: the error said "(got None)"
+            ["deepspeed.zero_optimization.reduce_bucket_size=.inf"],
+            "deepspeed.zero_optimization.reduce_bucket_size: a finite number is due here "
+            "(got inf)",
+        ),
     ],
 )
 def test_deepspeed_sections_are_checked_by_deepspeed(sets, needle):
