@@ -42,6 +42,7 @@ table.calls td,table.calls th{padding:.1em .6em .1em 0;vertical-align:top;text-a
 pre{white-space:pre-wrap;word-break:break-word;margin:0;max-width:60em}
 .stream{font:13px/1.6 ui-monospace,Menlo,Consolas,monospace;white-space:pre-wrap;
 word-break:break-all;border:1px solid #ddd;background:#fafafa;padding:.6em;margin-top:.6em}
+.tok{unicode-bidi:isolate}
 .tok:hover{outline:1px solid #000;cursor:default}
 .src-prompt,.chip-prompt{color:#8a8a8a}
 .src-template,.chip-template{color:#a04aa8;font-style:italic;opacity:.8}

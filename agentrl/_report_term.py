@@ -38,13 +38,27 @@ SOURCE_STYLES = {
 # C0 and C1 control characters but newline and tab, and DEL: a trajectory's text (a sampled
 # ESC byte, a hostile id) must not reach the terminal as an escape sequence
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)}
+# and the bidirectional controls and line separators, which reorder or break what follows them
+# on screen (an id ending in U+202E shows the rest of its line reversed)
+_CONTROLS |= {
+    c: f"\\u{c:04x}"
+    for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x2028)
+}
+_CONTROLS[0x2029] = "\\u2029"
+_ONE_LINE = {**_CONTROLS, 10: "\\n", 9: "\\t"}
 
 
 def terminal_safe(text: str) -> str:
-    """``text`` with control characters written as visible escapes (``\\x1b``), and lone
-    surrogates (a folder name's bytes that are not UTF-8) as U+FFFD: whatever a run folder
-    holds, printing it neither drives the terminal nor fails to encode."""
+    """``text`` with control characters written as visible escapes (``\\x1b``, ``\\u202e``),
+    and lone surrogates (a folder name's bytes that are not UTF-8) as U+FFFD: whatever a run
+    folder holds, printing it neither drives the terminal nor fails to encode."""
     return display_text(text.translate(_CONTROLS))
+
+
+def one_line(text: str) -> str:
+    """``terminal_safe`` for a field shown on one line (an id, an error message in a progress
+    line): its newlines and tabs are escaped too, so it cannot print a line of its own."""
+    return display_text(text.translate(_ONE_LINE))
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str:

@@ -162,7 +162,7 @@ def _safe(text: str) -> str:
 def _console():
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, emoji=False)  # ":x:" in a task id stays text
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
@@ -342,12 +342,15 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             )
 
     def progress(traj) -> None:
+        from ._report_term import one_line
+
         done[0] += 1
+        error = traj.error
         console.print(
-            _safe(
+            one_line(
                 f"  [{done[0]}/{total[0]}] {traj.id}: {traj.status}/{traj.termination_reason} "
                 f"reward={traj.reward} turns={traj.num_turns} tokens={len(traj.token_ids)}"
-                + (f" error={traj.error.type}: {traj.error.message[:80]}" if traj.error else "")
+                + (f" error={error.type}: {error.message[:80]}" if error else "")
             ),
             markup=False,
         )
@@ -391,12 +394,16 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             markup=False,
         )
         return 128 + (signum or signal.SIGINT)  # 130 after Ctrl-C, 143 after SIGTERM
+    from ._report_term import one_line
+
     failed = [t for t in result.trajectories if t.status == "error"]
     if result.trajectories and len(failed) == len(result.trajectories):
         first = failed[0].error
         where = f"{first.where} {first.type}: {first.message}" if first else "unknown"
         console.print(
-            _safe(f"every trajectory failed ({len(failed)}); first: {failed[0].id}: {where}"),
+            _safe(
+                f"every trajectory failed ({len(failed)}); first: {one_line(failed[0].id)}: {where}"
+            ),  # fmt: skip
             style="red",
             markup=False,
         )
@@ -504,6 +511,7 @@ def _check(trajectories, tokenizer, console) -> int:
     and is counted as not checked. Exit 1 when any fails."""
     from rich.text import Text
 
+    from ._report_term import one_line
     from .formats import check_boundary, get_format
 
     def failed(label: str, message: str) -> None:
@@ -525,11 +533,11 @@ def _check(trajectories, tokenizer, console) -> int:
             report = check_boundary(fmt, traj)
         except AgentRLError as exc:  # the template refuses this conversation
             bad += 1
-            failed("boundary", f"trajectory {traj.id}: cannot re-render: {exc}")
+            failed("boundary", f"trajectory {one_line(traj.id)}: cannot re-render: {exc}")
             continue
         if not report.ok:
             bad += 1
-            failed("boundary", report.message)
+            failed("boundary", f"trajectory {one_line(traj.id)}: {report.message}")
     checked = len(trajectories) - unchecked
     if unchecked:
         plural = "trajectory" if unchecked == 1 else "trajectories"

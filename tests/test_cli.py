@@ -875,3 +875,32 @@ def test_a_dry_run_of_a_training_config_rolls_out_as_training_would(tmp_path, ti
     nothing.write_text("rollout: {max_turns: 1}\n")
     refused = agentrl("rollout", "--config", str(nothing), "--out", str(tmp_path / "c"))
     assert refused.returncode == 2 and "--env is required" in refused.stderr, refused.stderr
+
+
+def test_inspect_shows_ids_as_written_and_checks_ids_outside_the_vocabulary(
+    tmp_path, tiny_model_path, capsys, monkeypatch
+):
+    """Rich turned ``:x:`` in an id into an emoji, U+202E reversed the rest of the line, a
+    newline in an id printed a line of its own; ``--check`` of an id past the tokenizer's
+    vocabulary (or negative) ended in an OverflowError traceback."""
+    from trajectories import trajectory_from_pieces
+
+    from agentrl.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    spoof = "t:x:0\u202e/0\n  [9/9] forged: done/stop reward=1.0"
+    trajectories = []
+    from agentrl import Message
+
+    messages = [Message("user", "hi"), Message("assistant", "x")]
+    for id_, token in ((spoof, 3), ("huge", 2**40), ("negative", -1)):
+        pieces = [("prompt", [1, 2], 0), ("model", [token], 0)]
+        trajectory = trajectory_from_pieces(pieces, id=id_, messages=messages, prompt_messages=1)
+        trajectories.append(trajectory)
+    path = _written(tmp_path / "trajectories.jsonl", trajectories)
+    assert main(["inspect", str(path), "--model", "tiny-random", "--check", "--show", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "\u202e" not in out and "\u274c" not in out, out  # ❌
+    assert "t:x:0\\u202e/0\\n  [9/9] forged" in out, out
+    assert "trajectory huge: token id 1099511627776 at position 2 is not in the tokenizer's" in out
+    assert "trajectory negative: token id -1 at position 2 is not in the tokenizer's" in out

@@ -55,7 +55,17 @@ def _model_turns(traj: Trajectory) -> list[tuple[int, int]]:
 
 def check_boundary(fmt: TemplateFormat, traj: Trajectory) -> BoundaryReport:
     """Compare ``traj.token_ids`` with a re-render of ``traj.messages``; report the first
-    divergence (position, both token strings)."""
+    divergence (position, both token strings). An id the tokenizer does not have (a file
+    someone else wrote) is reported as such: decoding it would raise."""
+    vocab = len(fmt.tokenizer)
+    for i, token in enumerate(traj.token_ids):
+        if not 0 <= token < vocab:
+            return BoundaryReport(
+                False,
+                position=i,
+                message=f"token id {token} at position {i} is not in the tokenizer's "
+                f"vocabulary [0, {vocab})",
+            )
     messages = traj.messages
     # assistant messages inside the prompt (few-shot examples) are prompt text, not model turns
     assistant_idx = [

@@ -211,7 +211,7 @@ class StepProgress:
     def __init__(self, total: int, start: int, *, enabled: bool = True) -> None:
         from rich.console import Console
 
-        self.console = Console(highlight=False, stderr=False)
+        self.console = Console(highlight=False, stderr=False, emoji=False)
         self.enabled = enabled
         self._last_traceback: tuple[int, str | None] | None = None
         self._progress = None
