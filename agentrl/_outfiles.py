@@ -110,12 +110,21 @@ def _unreadable(path: str | os.PathLike[str], exc: OSError) -> RunFileError:
     return RunFileError(f"{display_text(path)}: not a readable run file ({why})")
 
 
-def run_file_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+OVERSIZE_LINE = b"\x00"
+"""What ``run_file_lines(..., max_line=N)`` yields for a line longer than ``N`` bytes: never
+valid JSON, so a reader counts it with the lines it could not read."""
+
+
+def run_file_lines(
+    path: str | os.PathLike[str], *, max_line: int | None = None
+) -> Iterator[tuple[int, bytes]]:
     """``(line number, line)`` of the run file ``path`` (``open_run_file``), read unbuffered
     so that a read that would block (``EAGAIN`` from a procfs file) or fails (``EIO``) is a
-    ``RunFileError`` rather than a silent end of file."""
+    ``RunFileError`` rather than a silent end of file. A line longer than ``max_line`` bytes
+    is not held: ``OVERSIZE_LINE`` stands for it."""
     with open_run_file(path) as fh:
-        fd, lineno, parts = fh.fileno(), 0, []
+        fd, lineno, held = fh.fileno(), 0, 0
+        parts: list[bytes] | None = []  # None: the line is past max_line
         while True:
             try:
                 data = os.read(fd, _CHUNK)
@@ -125,13 +134,21 @@ def run_file_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
                 break
             start = 0
             while (end := data.find(b"\n", start)) >= 0:
-                parts.append(data[start : end + 1])
                 lineno += 1
-                yield lineno, b"".join(parts)
-                parts, start = [], end + 1
-            if start < len(data):
+                if parts is None or (max_line is not None and held + end + 1 - start > max_line):
+                    yield lineno, OVERSIZE_LINE
+                else:
+                    parts.append(data[start : end + 1])
+                    yield lineno, b"".join(parts)
+                parts, held, start = [], 0, end + 1
+            if start < len(data) and parts is not None:
                 parts.append(data[start:])
-        if parts:
+                held += len(data) - start
+                if max_line is not None and held > max_line:
+                    parts = None  # the rest of this line is dropped as it arrives
+        if parts is None:
+            yield lineno + 1, OVERSIZE_LINE
+        elif parts:
             yield lineno + 1, b"".join(parts)
 
 

@@ -130,15 +130,47 @@ def _reward(run: RunData) -> list[Trace]:
     return out
 
 
+MAX_KEYED_TRACES = 40
+"""The most lines a panel draws for keys a run names itself (reward breakdown keys, termination
+reasons): the ones with the most points (a key per task would make thousands)."""
+
+
+def _keyed(rows: list[dict[str, Any]], prefix: str) -> dict[str, tuple[list[float], list[float]]]:
+    """Per field starting with ``prefix``, its (step, value) points, in one pass over the rows
+    (a pass per key was quadratic in a ledger whose keys differ by step); at most
+    ``MAX_KEYED_TRACES`` keys, those with the most points."""
+    points: dict[str, tuple[list[float], list[float]]] = {}
+    for row in rows:
+        step = _number(row.get("step"))
+        if step is None:
+            continue
+        for key, value in row.items():
+            if key.startswith(prefix):
+                y = _number(value)
+                if y is not None:
+                    xs, ys = points.setdefault(key, ([], []))
+                    xs.append(step)
+                    ys.append(y)
+    kept = sorted(points, key=lambda k: (-len(points[k][0]), k))[:MAX_KEYED_TRACES]
+    return {k: points[k] for k in sorted(kept)}
+
+
+def _traces(points: dict[str, tuple[list[float], list[float]]], strip: str, **kw: Any):
+    return [
+        {"type": "scatter", "mode": "lines+markers", "name": k.removeprefix(strip), "x": xs,
+         "y": ys, **kw}
+        for k, (xs, ys) in points.items()
+    ]  # fmt: skip
+
+
 def _breakdown(run: RunData) -> list[Trace]:
-    keys = sorted({k for row in run.ledger for k in row if k.startswith("reward/")})
-    return [t for k in keys for t in _line(run.ledger, "step", k, k.removeprefix("reward/"))]
+    return _traces(_keyed(run.ledger, "reward/"), "reward/")
 
 
 def _eval(run: RunData) -> list[Trace]:
-    keys = ["eval_reward_mean", "eval_pass_rate"]
-    keys += sorted({k for row in run.ledger for k in row if k.startswith("eval_reward/")})
-    return [t for k in keys for t in _line(run.ledger, "step", k, k.removeprefix("eval_"))]
+    out = [t for k in ("eval_reward_mean", "eval_pass_rate")
+           for t in _line(run.ledger, "step", k, k.removeprefix("eval_"))]  # fmt: skip
+    return out + _traces(_keyed(run.ledger, "eval_reward/"), "eval_")
 
 
 def _runtime(*keys: str, names: dict[str, str] | None = None):
@@ -231,14 +263,23 @@ def _step_time(run: RunData) -> list[Trace]:
 
 
 def _termination(run: RunData) -> list[Trace]:
-    reasons = sorted(
-        {k for r in run.ledger if isinstance(r.get("termination"), dict) for k in r["termination"]}
-    )
-    out: list[Trace] = []
+    """Stacked counts per reason; a reason a step did not report counts 0 there (each trace
+    has every step: a stack needs them), for at most ``MAX_KEYED_TRACES`` reasons."""
     rows = [r for r in run.ledger if isinstance(r.get("termination"), dict)]
-    for reason in reasons:
-        flat = [{"step": r.get("step"), "n": r["termination"].get(reason, 0)} for r in rows]
-        out += _line(flat, "step", "n", reason, mode="lines", stackgroup="{run}")
+    flat = [{"step": r.get("step"), **{f"n/{k}": v for k, v in r["termination"].items()}}
+            for r in rows]  # fmt: skip
+    reasons = _keyed(flat, "n/")
+    steps = [x for x in (_number(r.get("step")) for r in rows) if x is not None]
+    out: list[Trace] = []
+    for key in reasons:
+        counts = {}
+        for row in flat:
+            x = _number(row.get("step"))
+            if x is not None:
+                counts[x] = _number(row.get(key)) or 0.0
+        ys = [counts.get(x, 0.0) for x in steps]
+        out.append({"type": "scatter", "mode": "lines", "name": key.removeprefix("n/"),
+                    "x": steps, "y": ys, "stackgroup": "{run}"})  # fmt: skip
     return out
 
 

@@ -98,16 +98,25 @@ def finite(value: Any) -> Any:
     return root[0]
 
 
+MAX_RECORD_BYTES = 16 << 20
+"""The longest ledger, runtime or trajectory line the dashboard reads (a longer one is counted
+with the unreadable lines: the parsed form of a line holds many times its bytes)."""
+
+MAX_MAPPING_FIELDS = 10_000
+"""The most entries a record's mapping field (``termination``, ``version_lag_hist``) keeps."""
+
+
 def _lines(path: Path) -> Iterable[tuple[int, bytes]]:
     """The lines of the run file ``path``; none when nothing has its name."""
     try:
-        yield from run_file_lines(path)
+        yield from run_file_lines(path, max_line=MAX_RECORD_BYTES)
     except FileNotFoundError:
         return
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a JSONL file, and how many non-blank lines were not one."""
+    """The JSON objects of a JSONL file (the fields a plot can use: numbers, text and mappings
+    of them), and how many non-blank lines were not one."""
     rows: list[dict[str, Any]] = []
     bad = 0
     for _, raw in _lines(path):
@@ -117,8 +126,21 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
         if row is None:  # torn or corrupted (bad UTF-8 and too deep included), or not an object
             bad += 1
             continue
-        rows.append(finite(row))
+        rows.append(finite(_plottable_fields(row)))
     return rows, bad
+
+
+def _plottable_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` without lists and nested structures (task ids, tracebacks' frames: nothing the
+    dashboard draws, and a line of them held many times its size once parsed)."""
+    kept: dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            scalars = [(k, v) for k, v in value.items() if not isinstance(v, dict | list)]
+            kept[key] = dict(scalars[:MAX_MAPPING_FIELDS])
+        elif not isinstance(value, list):
+            kept[key] = value
+    return kept
 
 
 def read_step_rewards(path: Path) -> tuple[dict[int, StepRewards], int]:

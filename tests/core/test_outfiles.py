@@ -228,3 +228,18 @@ def test_write_file_on_a_full_disk_is_a_write_error_and_keeps_the_old_file(tmp_p
         write_file(path, "new")
     assert str(info.value).startswith(f"no space left on device (ENOSPC) writing {path} (")
     assert path.read_text() == "old" and sorted(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 64 << 10])
+def test_a_line_past_max_line_is_not_held(tmp_path, monkeypatch, chunk):
+    """Over read chunks of any size: lines up to ``max_line`` bytes (newline included) come
+    whole, a longer one as ``OVERSIZE_LINE``, and the lines after it are intact."""
+    import agentrl._outfiles as outfiles
+
+    monkeypatch.setattr(outfiles, "_CHUNK", chunk)
+    path = tmp_path / "ledger.jsonl"
+    path.write_bytes(b"a" * 9 + b"\n" + b"b" * 10 + b"\n" + b"c\n" + b"d" * 30)
+    got = list(outfiles.run_file_lines(path, max_line=10))
+    assert got == [(1, b"a" * 9 + b"\n"), (2, outfiles.OVERSIZE_LINE), (3, b"c\n"),
+                   (4, outfiles.OVERSIZE_LINE)]  # fmt: skip
+    assert [line for _, line in outfiles.run_file_lines(path)][1] == b"b" * 10 + b"\n"

@@ -381,3 +381,35 @@ def test_steps_past_what_a_browser_holds_are_left_out(tmp_path):
     page = render([loaded])
     assert "9" * 40 not in page and str(2**70) not in page
     assert "1 steps" in page
+
+
+def test_keys_a_run_names_itself_are_read_in_one_pass_and_capped(tmp_path, monkeypatch):
+    """A reward-breakdown key (or termination reason) per task: a scan of the ledger per key
+    was quadratic (8,000 rows: 25 s; a 47 MB page for 2,000 reasons). The keys with the most
+    points are drawn, at most MAX_KEYED_TRACES; a line past MAX_RECORD_BYTES is skipped and
+    counted, and lists in a record are not kept."""
+    import agentrl.dashboard._read as read
+    from agentrl.dashboard._panels import MAX_KEYED_TRACES
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        json.dumps({"step": s, "step_s": 1, "reward/common": 0.5, f"reward/task{s}": 1.0,
+                    "termination": {"stop": 1, f"cut{s}": 2}, "task_ids": ["t"] * 50})
+        for s in range(1, 101)
+    ]  # fmt: skip
+    monkeypatch.setattr(read, "MAX_RECORD_BYTES", 2000)
+    rows.append(json.dumps({"step": 101, "step_s": 1, "junk": "x" * 3000}))
+    _write(run / "ledger.jsonl", rows)
+    data = load_run(run)
+    assert data.skipped == {"ledger.jsonl": 1} and len(data.ledger) == 100
+    assert "task_ids" not in data.ledger[0]
+    panels = {p.id: p for p in build_panels([data])}
+    names = [t["name"] for t in panels["reward_breakdown"].traces]
+    assert len(names) == MAX_KEYED_TRACES and "common" in names
+    common = next(t for t in panels["reward_breakdown"].traces if t["name"] == "common")
+    assert common["x"] == list(range(1, 101))
+    reasons = {t["name"]: t for t in panels["termination"].traces}
+    assert len(reasons) == MAX_KEYED_TRACES and reasons["stop"]["y"] == [1] * 100
+    cut = next(t for name, t in reasons.items() if name.startswith("cut"))
+    assert cut["x"] == list(range(1, 101)) and sorted(cut["y"]) == [0] * 99 + [2]
