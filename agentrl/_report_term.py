@@ -111,9 +111,26 @@ def token_sources(trajectory: Trajectory) -> list[tuple[str, int]]:
     """``(source, turn)`` of each token from the spans, ``("none", -1)`` where no span covers it."""
     n = len(trajectory.token_ids)
     out: list[tuple[str, int]] = [("none", -1)] * n
-    for span in trajectory.spans:
-        for i in range(max(span.start, 0), min(span.end, n)):
+    # a later span wins where spans overlap (a malformed file): painted from the last span
+    # back, each position once (``after[i]``: the first unpainted position >= i), so that
+    # overlapping spans cost O(tokens + spans), not O(tokens x spans)
+    after = list(range(n + 1))
+
+    def unpainted(i: int) -> int:
+        root = i
+        while after[root] != root:
+            root = after[root]
+        while after[i] != root:
+            after[i], i = root, after[i]
+        return root
+
+    for span in reversed(trajectory.spans):
+        end = min(span.end, n)
+        i = unpainted(min(max(span.start, 0), n))
+        while i < end:
             out[i] = (span.source, span.turn)
+            after[i] = i + 1
+            i = unpainted(i + 1)
     return out
 
 

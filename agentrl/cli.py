@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -416,11 +417,20 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 def _previous_elapsed(out: Path, elapsed_s: float) -> float | None:
     """This call's time plus the time the earlier calls' summary recorded (None if unknown:
     the summary's rate then falls back to the trajectories' own generate times)."""
-    try:
-        before = json.loads((out / "summary.json").read_text()).get("elapsed_s")
-    except (OSError, ValueError):
+    from ._outfiles import json_record, read_run_file
+
+    try:  # a run file: bounded in size, any JSON (too deep, not an object) is "unknown"
+        record = json_record(read_run_file(out / "summary.json"))
+    except (OSError, AgentRLError):
         return None
-    return before + elapsed_s if isinstance(before, int | float) else None
+    before = record.get("elapsed_s") if record is not None else None
+    if isinstance(before, bool) or not isinstance(before, int | float):
+        return None
+    try:
+        total = float(before) + elapsed_s
+    except OverflowError:  # an integer past a float's range
+        return None
+    return total if math.isfinite(total) else None
 
 
 async def _rollout_with_resources(

@@ -904,3 +904,17 @@ def test_inspect_shows_ids_as_written_and_checks_ids_outside_the_vocabulary(
     assert "t:x:0\\u202e/0\\n  [9/9] forged" in out, out
     assert "trajectory huge: token id 1099511627776 at position 2 is not in the tokenizer's" in out
     assert "trajectory negative: token id -1 at position 2 is not in the tokenizer's" in out
+
+
+@pytest.mark.parametrize(
+    "summary", [b"[" * 200_000, b'{"elapsed_s": 1' + b"0" * 400 + b"}", b'{"elapsed_s": true}']
+)
+def test_previous_elapsed_time_of_any_summary_is_a_number_or_unknown(tmp_path, summary):
+    """``--append`` reads the earlier summary's elapsed time: a summary nested 200,000 deep
+    ended the append in a RecursionError traceback after the new trajectories were written."""
+    from agentrl.cli import _previous_elapsed
+
+    (tmp_path / "summary.json").write_bytes(summary)
+    assert _previous_elapsed(tmp_path, 2.0) is None
+    (tmp_path / "summary.json").write_text('{"elapsed_s": 1.5}')
+    assert _previous_elapsed(tmp_path, 2.0) == 3.5

@@ -109,12 +109,18 @@ def _mapping(config: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
     return value
 
 
+MAX_SETTING = 10**9
+"""The largest run setting (group size, tasks per step, ...) read from a run's config."""
+
+
 def _setting(section: dict[str, Any], name: str, key: str, default: int, path: Path) -> int:
     value = section.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{display_text(path)}: {name}.{key}", value, "an integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SETTING:
+        raise _bad(
+            f"{display_text(path)}: {name}.{key}", value, f"an integer from 1 to {MAX_SETTING}"
+        )
     return value
 
 

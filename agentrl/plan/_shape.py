@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._config import short_repr
 from .._config_file import read_config_file
 from .._errors import ConfigError
 
@@ -82,7 +83,7 @@ def _dim(raw: dict[str, Any], key: str, name: str, default: int | None = None) -
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: config.json {key} {value!r}: expected a whole number")
+        raise ConfigError(f"{name}: config.json {key} {short_repr(value)}: expected a whole number")
     if not 1 <= value <= MAX_DIM:
         raise ConfigError(f"{name}: config.json {key} {value}: expected 1 to {MAX_DIM}")
     return value
@@ -91,8 +92,10 @@ def _dim(raw: dict[str, Any], key: str, name: str, default: int | None = None) -
 def shape_from_config(raw: dict[str, Any], name: str) -> ModelShape:
     """The shape of a Llama-family ``config.json``; ``ConfigError`` naming what is missing."""
     kind = raw.get("model_type")
-    if kind not in _FAMILIES:
-        raise ConfigError(f"{name}: model_type {kind!r} is not sized (supported: {_FAMILIES})")
+    if not isinstance(kind, str) or kind not in _FAMILIES:
+        raise ConfigError(
+            f"{name}: model_type {short_repr(kind)} is not sized (supported: {_FAMILIES})"
+        )
     hidden, layers = _dim(raw, "hidden_size", name), _dim(raw, "num_hidden_layers", name)
     heads, inter = _dim(raw, "num_attention_heads", name), _dim(raw, "intermediate_size", name)
     vocab = _dim(raw, "vocab_size", name)
@@ -108,6 +111,9 @@ def shape_from_config(raw: dict[str, Any], name: str) -> ModelShape:
     embed = vocab * hidden
     params = embed * (1 if tied else 2) + layers * (attn + mlp + 2 * hidden) + hidden
     largest = max(embed, hidden * inter + inter * mlp_bias, hidden * hd * heads)
+    if params > MAX_PARAMS:  # each dimension may be in range and their product not
+        raise ConfigError(f"{name}: config.json describes {params:.3e} parameters: at most "
+                          f"{MAX_PARAMS:.0e}")  # fmt: skip
     return ModelShape(name, params, largest, layers, hidden, inter, heads, kv, hd, vocab, tied)
 
 

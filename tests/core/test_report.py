@@ -11,6 +11,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.color import ColorSystem
 from rich.console import Console
 from rich.style import Style
@@ -441,3 +443,27 @@ def test_html_report_in_headless_chromium(tokenizer, tmp_path):
         assert int(attrs["data-dom-tokens"]) == len(trajectory.token_ids)
     assert int(dom.stats["data-trajectories"]) == len(trajectories)
     assert int(dom.stats["data-model-tokens"]) == sum(sum(t.loss_mask) for t in trajectories)
+
+
+@given(
+    n=st.integers(0, 40),
+    spans=st.lists(
+        st.tuples(st.integers(-5, 50), st.integers(-5, 50), st.sampled_from(["prompt", "model"])),
+        max_size=12,
+    ),
+)
+def test_token_sources_paint_as_the_last_covering_span_says(n, spans):
+    """Overlapping spans (a malformed file): a later span wins, as painting each span over
+    its range in order gives (the reference here), at a cost linear in tokens and spans."""
+    from types import SimpleNamespace
+
+    from agentrl._report_term import token_sources
+    from agentrl._types import Span
+
+    made = [Span(a, b, source, k) for k, (a, b, source) in enumerate(spans)]
+    trajectory = SimpleNamespace(token_ids=[0] * n, spans=made)
+    want: list[tuple[str, int]] = [("none", -1)] * n
+    for span in made:
+        for i in range(max(span.start, 0), min(span.end, n)):
+            want[i] = (span.source, span.turn)
+    assert token_sources(trajectory) == want  # type: ignore[arg-type]

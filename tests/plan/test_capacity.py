@@ -254,6 +254,18 @@ def test_a_well_formed_run_calibrates(tmp_path, capsys):
         (None, None, [{"step": 2, "buffer_backlog": []}], "runtime.jsonl: line 1: buffer_backlog"),
         ("rollout:\n  group_size: eight\n", None, None, "config.yaml: rollout.group_size: 'eight'"),
         ("rollout:\n  group_size: true\n", None, None, "rollout.group_size: True: expected an"),
+        # 4,000 digits each: their product overflowed the 4,300-digit text limit (a traceback)
+        (
+            "rollout:\n  group_size: "
+            + "9" * 4000
+            + "\ntrain:\n  tasks_per_step: "
+            + "9" * 4000
+            + "\n",
+            None,
+            None,
+            "rollout.group_size: 9999",
+        ),
+        ("rollout:\n  group_size: 0\n", None, None, "expected an integer from 1 to 1000000000"),
         ("train: [1]\n", None, None, "config.yaml: train: [1]: expected a mapping"),
         ("server:\n  urls: http://x\n", None, None, "server.urls: 'http://x': expected a list"),
     ],

@@ -258,6 +258,23 @@ def test_a_config_that_is_not_a_llama_family_model_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
     assert main(["plan", "memory", "--model", str(tmp_path)]) == 2
     assert "model_type 'gpt2' is not sized" in capsys.readouterr().err
+    # a model_type that is not text is named briefly (a 300 KB list was printed whole)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": ["x" * 100] * 3000}))
+    assert main(["plan", "memory", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not sized" in err and len(err) < 600, len(err)
+
+
+def test_dimensions_each_in_range_whose_model_is_too_large_are_refused(tmp_path, capsys):
+    """Every dimension at 2^31 passed each check; the parameter count (past 10^16) was not
+    checked and the table's columns ran together."""
+    big = 2**31
+    config = {"model_type": "llama", "hidden_size": big, "num_hidden_layers": big,
+              "num_attention_heads": big, "intermediate_size": big, "vocab_size": big}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "memory", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "parameters: at most 1e+16" in err and err.count("\n") == 1, err
 
 
 def test_ppo_counts_a_critic_with_its_own_states():
