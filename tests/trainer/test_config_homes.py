@@ -223,8 +223,7 @@ def test_a_misspelled_deepspeed_key_fails_with_its_name():
         ),
         (  # DeepSpeed reads JSON, where inf is null: the error said "(got None)"
             ["deepspeed.zero_optimization.reduce_bucket_size=.inf"],
-            "deepspeed.zero_optimization.reduce_bucket_size: a finite number is due here "
-            "(got inf)",
+            "deepspeed.zero_optimization.reduce_bucket_size: a finite number is due here (got inf)",
         ),
     ],
 )
