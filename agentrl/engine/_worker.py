@@ -397,6 +397,8 @@ class Worker:
                 self.scheduler.drop(request)
                 self.counters.requests_aborted += 1
         self._updates = collections.deque(u for u in self._updates if not u.aborted)
+        if not self._updates:  # a cancelled update holds new requests no more
+            self.scheduler.hold_new = False
 
     def _handle_updates(self) -> None:
         """Apply pending updates now, or hold new requests until in-flight ones finish (while
@@ -480,9 +482,11 @@ class Worker:
                 if request.on_tokens is not None:
                     self._progressed.append(request)
                 continue
-            if request.session is not None and request.result is not None:
+            unfed = request.kv is not None and request.kv.length < len(request.tokens)
+            if request.session is not None and request.result is not None and unfed:
                 # SGLang keeps a finished turn's KV through its last sampled token: feed that
                 # token once more (next step, no sampling) so the next turn reuses all of it
+                # (a prefill-only turn sampled none: its KV covers its context already)
                 request.closing = True
                 continue
             self.scheduler.finish(request)

@@ -468,3 +468,49 @@ async def test_requests_started_together_are_admitted_in_one_step(tiny_dir: Path
     assert after.prefill_steps - during.prefill_steps == 1
     assert all(len(r.token_ids) == 2 for i, r in results.items() if i >= 0)
     assert len(results[-1].token_ids) == 300
+
+
+async def test_a_prefill_only_session_turn_ends_and_the_engine_goes_on(
+    engine: EmbeddedEngine, tiny_dir: Path
+) -> None:
+    """``max_new_tokens=0`` with input logprobs inside a session samples nothing, so there is
+    no last token to feed before pinning its KV: the turn waited for that feed forever, the
+    worker spun, and a "finish" weight update never ran. It ends like the same request outside
+    a session, and the session's next turn reuses its KV."""
+    context = list(range(100, 120))
+    query = LogprobQuery(input_start=0)
+    alone = await engine.generate(context, SamplingParams(max_new_tokens=0), logprobs=query)
+    session = await engine.open_session()
+    with anyio.fail_after(60):
+        turn = await engine.generate(
+            context, SamplingParams(max_new_tokens=0), session=session, logprobs=query
+        )
+        assert (turn.finish_reason, turn.token_ids) == ("length", [])
+        assert turn.details is not None and alone.details is not None
+        assert len(turn.details.input_logprobs) == len(alone.details.input_logprobs)
+        more = await engine.generate([*context, 5, 6], SamplingParams(max_new_tokens=2),
+                                     session=session)  # fmt: skip
+        assert more.cached_tokens >= len(context) - 1, more.cached_tokens
+        await engine.update_weights(1, tiny_dir)
+    assert engine.weight_version == 1 and engine.statistics().running == 0
+    await engine.close_session(session)
+
+
+async def test_an_update_its_caller_cancelled_holds_no_request_back(
+    engine: EmbeddedEngine, tiny_dir: Path
+) -> None:
+    """Under ``in_flight="finish"`` an update waits for the running requests and holds new
+    ones back meanwhile; cancelled by its caller (a timeout), it used to hold them forever."""
+    params = SamplingParams(max_new_tokens=1500, temperature=0)  # no stop ids: all of them
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.generate, list(range(100, 120)), params)
+        with anyio.fail_after(60):
+            while engine.statistics().running == 0:
+                await anyio.sleep(0.01)
+        with anyio.move_on_after(0.3) as waited:
+            await engine.update_weights(1, tiny_dir)
+        assert waited.cancelled_caught, "the update did not wait for the running request"
+    assert engine.weight_version == 0
+    with anyio.fail_after(60):
+        result = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
+    assert len(result.token_ids) == 2
