@@ -41,6 +41,11 @@ class Message(msgspec.Struct, omit_defaults=True):
     """For ``tool`` messages: the tool that produced the content."""
 
 
+GREEDY_BELOW = 1e-6
+"""A temperature below it samples greedily, as in SGLang (``_SAMPLING_EPS``): dividing logits
+by a smaller one overflows float32 (1e-39 gave NaN logprobs mid-generation)."""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=False):
     """Per-request sampling settings (SGLang ``sampling_params`` names).
 
@@ -52,7 +57,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=False):
     max_new_tokens: int = 256
     """Most tokens to sample."""
     temperature: float = 1.0
-    """Softmax temperature (0: greedy; the logprob is then at temperature 1)."""
+    """Softmax temperature (0, or below ``GREEDY_BELOW``: greedy; the logprob is then at
+    temperature 1)."""
     top_p: float = 1.0
     """Nucleus filter (1: off)."""
     top_k: int = -1

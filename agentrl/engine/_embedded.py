@@ -83,7 +83,7 @@ from ._model import CausalLM, ModelConfig, read_safetensors
 from ._options import STEP_TOKENS, EngineOptions, EngineStatistics
 from ._protocol import PartialOutput
 from ._radix import RadixCache
-from ._sampling import check_sampling
+from ._sampling import check_sampling, effective_sampling
 from ._scheduler import Request, Scheduler
 from ._seq import KVManager
 from ._session import SessionTable
@@ -434,6 +434,7 @@ class EmbeddedEngine:
         if len(ids) >= limit:
             raise EngineError(f"context of {len(ids)} tokens leaves no room under limit {limit}")
         check_sampling(sampling)
+        sampling = effective_sampling(sampling)
         if logprobs is not None:
             self._check_query(logprobs, len(ids))
         prefill_only = logprobs is not None and logprobs.input_start is not None

@@ -2,8 +2,9 @@
 
 The logprob recorded for a sampled token is ``log_softmax(logits / temperature)`` over the full
 vocabulary, taken *before* top-k / top-p / min-p filtering (what SGLang returns and what the
-trainer recomputes). ``temperature == 0`` means greedy (argmax, lowest id on ties); its logprob is
-then ``log_softmax(logits)``, i.e. temperature 1 for the logprob only.
+trainer recomputes). ``temperature == 0`` means greedy (argmax, lowest id on ties), and so
+does one below ``GREEDY_BELOW`` (as in SGLang); its logprob is then ``log_softmax(logits)``,
+i.e. temperature 1 for the logprob only.
 
 A sampled token is drawn by inverse CDF from one uniform number of the request's own
 ``torch.Generator`` (``draw_uniform``), so a seed gives the same tokens whatever other requests
@@ -19,10 +20,18 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from agentrl._errors import EngineError, GenerationError
-from agentrl._types import SamplingParams
+from agentrl._types import GREEDY_BELOW, SamplingParams
+
+
+def effective_sampling(sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` as the engine runs it: a temperature in ``(0, GREEDY_BELOW)`` is 0."""
+    if 0 < sampling.temperature < GREEDY_BELOW:
+        return msgspec.structs.replace(sampling, temperature=0.0)
+    return sampling
 
 
 def check_sampling(sampling: SamplingParams) -> None:
@@ -132,9 +141,8 @@ def sampled_picks(
     whole vocabulary sorted when it has no top-k), keeps its ``top_k``, then the tokens whose
     kept mass above them is below ``top_p`` of the kept total, then those of at least ``min_p``
     times the first kept one, and sums in that order. Which of the two a row takes depends on
-    its own parameters only, so a row draws the same token in any batch (ties straddling the
-    k-th probability aside, where ``topk`` may keep either). A token of zero weight is never
-    drawn.
+    its own parameters only, so a row draws the same token in any batch. A token of zero
+    weight is never drawn.
     """
     rows, vocab = logits.shape
     device = logits.device
@@ -194,12 +202,23 @@ def _ordered(weights: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     candidates then put in that order, so either way a row gets the same order."""
     if k < weights.shape[1]:
         values, ids = torch.topk(weights, k, dim=-1, sorted=False)
+        # ``topk`` keeps any of the members of a tie at the k-th value: take them all (a tie
+        # of positive weights; zero weights are never drawn, their order does not matter), so
+        # that the lower ids come first below, whatever ``topk`` kept
+        kth = values.min(dim=-1, keepdim=True).values
+        tied = (weights == kth) & (kth > 0)
+        left_out = tied.sum(dim=-1) - (values == kth).sum(dim=-1)
+        more = int(left_out.max())
+        if more > 0:
+            values, ids = torch.topk(weights, min(k + more, weights.shape[1]), sorted=False)
         ids, by_id = torch.sort(ids, dim=-1)
         values = values.gather(1, by_id)
     else:
         values, ids = weights, None
     values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    return values, order if ids is None else ids.gather(1, order)
+    if ids is None:
+        return values, order
+    return values[:, :k], ids.gather(1, order)[:, :k]
 
 
 def match_stop_string(tokenizer: Any, output: Sequence[int], stop: Sequence[str]) -> str | None:

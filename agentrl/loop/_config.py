@@ -31,6 +31,7 @@ from agentrl._config_file import ConfigSyntaxError, load_yaml
 from agentrl._config_file import read_config_file as read_any_config_file
 from agentrl._env import Split
 from agentrl._errors import ConfigError, EngineError
+from agentrl._types import GREEDY_BELOW
 from agentrl.engine import EngineOptions
 from agentrl.envs import SandboxSpec, sandbox_spec
 from agentrl.sandboxes import PoolConfig
@@ -368,8 +369,11 @@ class TrainConfig(_Section):
                 f"rollout.max_context_tokens={rollout.max_context_tokens} is above "
                 f"train.micro_batch_tokens={limit}: a trajectory must fit one micro-batch"
             )
-        if rollout.temperature <= 0:
-            raise ValueError("rollout.temperature must be > 0 for training (logprobs at τ)")
+        if rollout.temperature < GREEDY_BELOW:  # engines sample greedily below it
+            raise ValueError(
+                f"rollout.temperature must be >= {GREEDY_BELOW:g} for training (logprobs at τ; "
+                "engines sample greedily below it, as SGLang does)"
+            )
         if self.algorithm.spec.needs_groups and rollout.group_size < 2:
             raise ValueError(
                 f"algorithm {self.algorithm.name} needs groups: set rollout.group_size >= 2"

@@ -176,3 +176,25 @@ def test_take_rows_slices_consecutive_rows_and_gathers_others() -> None:
         assert torch.equal(_batch.take_rows(logits, rows), logits[rows])
     view = _batch.take_rows(logits, [2, 3, 4])
     assert view.data_ptr() == logits[2].data_ptr()  # a view, no index copy
+
+
+def test_top_k_ties_keep_the_lower_ids_in_any_batch() -> None:
+    """Coarse logits (bf16 on a GPU) tie often. ``topk`` kept any member of a tie at the k-th
+    value, so ``top_k=1`` drew id 47 where greedy took 7, and a row's pick depended on the other
+    rows' ``top_k`` (the batch's k is their largest): 486 of 2,000 rows here."""
+    generator = torch.Generator().manual_seed(0)
+    one, many = SamplingParams(top_k=1), SamplingParams(top_k=3)
+    ties = 0
+    for _ in range(500):
+        logits = torch.round(torch.randn(50, generator=generator) * 2)
+        top = torch.nonzero(logits == logits.max()).view(-1).tolist()
+        ties += len(top) > 1
+        alone = sample_rows(logits.view(1, -1), [one], [0.5])[0][0]
+        beside = sample_rows(torch.stack([logits, logits]), [one, many], [0.5, 0.5])[0][0]
+        assert alone == beside == top[0], (top, alone, beside)
+        # top_k=3 keeps the three best, ties at the third by lower id: draw each with u
+        order = sorted(range(50), key=lambda i: (-float(logits[i]), i))[:3]
+        weights = torch.softmax(logits.double(), -1)[order]
+        u = float(weights[0] / weights.sum()) / 2  # inside the first kept token's share
+        assert sample_rows(logits.view(1, -1), [many], [u])[0][0] == order[0]
+    assert ties > 50, "the logits tie too rarely to test anything"

@@ -514,3 +514,13 @@ async def test_an_update_its_caller_cancelled_holds_no_request_back(
     with anyio.fail_after(60):
         result = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
     assert len(result.token_ids) == 2
+
+
+async def test_a_temperature_below_sglangs_epsilon_samples_greedily(engine: EmbeddedEngine) -> None:
+    """1e-39 was accepted, then the logits divided by its float32 value overflowed and the
+    request failed mid-generation (a NaN logprob). Below 1e-6 it is greedy, as in SGLang, with
+    greedy's logprobs (temperature 1)."""
+    greedy = await engine.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0))
+    for tiny in (1e-39, 1e-7):
+        got = await engine.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=tiny))
+        assert (got.token_ids, got.logprobs) == (greedy.token_ids, greedy.logprobs), tiny

@@ -68,6 +68,7 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
         (["train.max_step=3"], "train.max_step"),
         (["algorithm.name=reinforce"], "algorithm.name"),
         (["rollout.temperature=0"], "rollout.temperature"),
+        (["rollout.temperature=1e-7"], "rollout.temperature must be >= 1e-06 for training"),
         (["rollout.group_size=1"], "algorithm grpo needs groups: set rollout.group_size >= 2"),
         # settings that would do nothing, or drop every group, without a word
         (["algorithm.name=ppo", "algorithm.dynamic_sampling=true", "rollout.group_size=1"],
