@@ -135,6 +135,14 @@ def use_fused_ops(
     return True
 
 
+def _current_task_id() -> int | None:
+    """The running async task's id (None outside one)."""
+    try:
+        return anyio.get_current_task().id
+    except RuntimeError:
+        return None
+
+
 class EmbeddedEngine:
     """A Llama/Qwen2-family causal LM (fp32 on CPU by default, or on a CUDA device) with paged KV,
     a radix prefix cache, sessions and continuous batching. See the module docs.
@@ -248,6 +256,8 @@ class EmbeddedEngine:
         self._max_context = min(context, pool.capacity_tokens)
         self._sessions: dict[str, int | None] = {}
         self._closed = False
+        self._holders: list[int | None] = []
+        """The tasks inside ``admitted_together`` blocks now."""
         self.max_step_tokens = opts.max_step_tokens or STEP_TOKENS[device.type]
         """The step budget in force (``EngineOptions.max_step_tokens`` or its device default)."""
         scheduler = Scheduler(
@@ -419,6 +429,11 @@ class EmbeddedEngine:
         request) at no cost per step.
         """
         self._check_open()
+        if self._holders and _current_task_id() in self._holders:
+            raise EngineError(
+                "generate() awaited inside admitted_together() in the same task would wait for "
+                "the block's end: start it as a task inside the block instead"
+            )
         limit = self._max_context
         if session is not None:
             if session not in self._sessions:
@@ -559,12 +574,16 @@ class EmbeddedEngine:
         tasks that run before it ends) are admitted together: the worker takes none of them
         until the block ends, then all at once, so one step prefills them all (as far as
         ``max_step_tokens`` allows) wherever the worker thread was. Requests already running
-        are not held up."""
+        are not held up. Awaiting ``generate`` in the block's own task would wait for the
+        block's end forever: that is an ``EngineError`` (start it as a task instead)."""
+        holder = _current_task_id()
+        self._holders.append(holder)
         self._worker.hold()
         try:
             yield
         finally:
             self._worker.release()
+            self._holders.remove(holder)
 
     async def _submit_and_wait(
         self, item: Request | WeightUpdate | CloseSession | FlushCache | PauseGeneration

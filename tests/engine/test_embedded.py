@@ -470,6 +470,25 @@ async def test_requests_started_together_are_admitted_in_one_step(tiny_dir: Path
     assert len(results[-1].token_ids) == 300
 
 
+async def test_generate_awaited_in_the_task_holding_admission_is_refused(
+    engine: EmbeddedEngine,
+) -> None:
+    """The block holds admission until it ends: awaited in its own task, ``generate`` waited
+    for that end forever. It is refused; a task started in the block still runs."""
+    got: list[GenerateResult] = []
+
+    async def one() -> None:
+        got.append(await engine.generate(PROMPT, SamplingParams(max_new_tokens=2)))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            with engine.admitted_together():
+                with pytest.raises(EngineError, match="start it as a task inside the block"):
+                    await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
+                tg.start_soon(one)
+    assert len(got) == 1 and len(got[0].token_ids) == 2
+
+
 async def test_a_prefill_only_session_turn_ends_and_the_engine_goes_on(
     engine: EmbeddedEngine, tiny_dir: Path
 ) -> None:
