@@ -163,6 +163,12 @@ class _GuardedConnection(asyncio.Protocol):
         lingering time) so the client reads the answer rather than a reset."""
         if self.state == "closed":
             return
+        if self.guard.stopping:  # the service stops: no next request on this connection
+            self.state = "closing"
+            self._disarm()
+            if self.transport is not None:
+                self.transport.close()  # after what is written: the answer goes out first
+            return
         if closing:
             self.state = "closing"
             self._arm(self.guard.idle_timeout_s + LINGER_S, "closing")
@@ -237,6 +243,8 @@ class ConnectionGuard:
         self._open: dict[_GuardedConnection, None] = {}
         self._by_transport: dict[Any, _GuardedConnection] = {}
         self._lingering: set[asyncio.Transport] = set()
+        self.stopping = False
+        """Set at a stop (``close_all``): no connection is kept for another request."""
         self.accepted = 0
         self.evicted = 0
         self.refused = 0
@@ -265,14 +273,17 @@ class ConnectionGuard:
     def close_all(self) -> None:
         """At a stop: close every connection still waiting for a request, and the ones being
         refused; answer the ones whose body is still arriving ``503 overloaded`` (nothing of
-        theirs ran)."""
+        theirs ran: they linger so that their clients read it). From now on a connection whose
+        request ends is closed, never kept for another request."""
+        self.stopping = True
+        refused = list(self._lingering)
         for conn in list(self._open):
             if conn.waiting:
                 conn.close()
             elif conn.state == "body":
                 conn.evict("the service is stopping; this request's body had not arrived, so "
                            "nothing ran: send it again elsewhere")  # fmt: skip
-        for transport in list(self._lingering):
+        for transport in refused:
             transport.abort()
 
     # -- for _GuardedConnection --------------------------------------------------------------------

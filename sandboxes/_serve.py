@@ -302,12 +302,16 @@ STOP_GRACE_S = 2.0
 
 
 async def _finish_requests(state: ServiceState, timeout_s: float) -> None:
-    """Let the requests running at a stop finish within ``timeout_s``; cancel the rest (their
-    runs are killed, their clients get no answer) and give them ``STOP_GRACE_S`` to end."""
-    running = set(state.handlers)
-    if not running:
-        return
-    _, late = await asyncio.wait(running, timeout=timeout_s)
+    """Let the requests running at a stop (and any whose head had arrived) finish within
+    ``timeout_s``; cancel the rest (their runs are killed, their clients get no answer) and
+    give them ``STOP_GRACE_S`` to end."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while state.handlers:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        await asyncio.wait(set(state.handlers), timeout=left)
+    late = set(state.handlers)
     for task in late:
         task.cancel()
     if late:

@@ -204,6 +204,8 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         response = await _answer(request, handler, state, reservation)
         state.http_requests[(route, response.status)] += 1
+        if state.guard is not None and state.guard.stopping:
+            response.force_close()  # "Connection: close": the service takes no next request
         await _send(request, response, state)
     finally:
         state.handlers.discard(task)

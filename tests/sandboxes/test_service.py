@@ -506,6 +506,8 @@ def test_a_stop_waits_shutdown_timeout_s_for_running_requests_then_ends_them(tmp
             time.sleep(0.5)
             started = time.monotonic()
             svc.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            upload.sendall(b'"language"')  # still sending: it reads the answer, not a reset
             upload.settimeout(3)
             told = upload.recv(65536)
             upload.close()
@@ -519,3 +521,27 @@ def test_a_stop_waits_shutdown_timeout_s_for_running_requests_then_ends_them(tmp
         # the timeout, then the cancelled run's end and the pool's close (aiohttp alone: >= 10)
         assert 5 <= took < 9, took
         assert not list(scratch.iterdir()), "the pool left temp dirs behind"
+
+
+def test_a_stopping_service_takes_no_next_request_on_a_kept_connection(tmp_path):
+    """A request that ends during a stop is answered ``Connection: close``: its connection was
+    kept for the next request, which started a run the stop then cut off unanswered."""
+    with scratch_root() as scratch:
+        config = tmp_path / "pool.json"
+        pool = {"backend": {"type": "local", "scratch_root": str(scratch)}, "size": 1}
+        config.write_text(json.dumps({**pool, "service": {"shutdown_timeout_s": 20}}))
+        with running_service("--config", str(config)) as svc, httpx.Client(timeout=60) as kept:
+            body = {"language": "bash", "code": "sleep 1.5; echo first"}
+            answers: list[httpx.Response] = []
+            thread = threading.Thread(
+                target=lambda: answers.append(kept.post(svc.url + "/v1/run", json=body))
+            )
+            thread.start()
+            time.sleep(0.7)
+            svc.proc.send_signal(signal.SIGTERM)
+            thread.join(timeout=30)
+            (first,) = answers
+            assert first.json()["stdout"] == "first\n" and first.headers["connection"] == "close"
+            with pytest.raises(httpx.ConnectError):  # nothing ran: a client may send it again
+                kept.post(svc.url + "/v1/run", json={"language": "bash", "code": "echo next"})
+            assert svc.stop(signal.SIGTERM) == 0, svc.output
