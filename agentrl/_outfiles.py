@@ -121,7 +121,7 @@ def run_file_lines(
     """``(line number, line)`` of the run file ``path`` (``open_run_file``), read unbuffered
     so that a read that would block (``EAGAIN`` from a procfs file) or fails (``EIO``) is a
     ``RunFileError`` rather than a silent end of file. A line longer than ``max_line`` bytes
-    is not held: ``OVERSIZE_LINE`` stands for it."""
+    (its newline not counted) is not held: ``OVERSIZE_LINE`` stands for it."""
     with open_run_file(path) as fh:
         fd, lineno, held = fh.fileno(), 0, 0
         parts: list[bytes] | None = []  # None: the line is past max_line
@@ -135,7 +135,7 @@ def run_file_lines(
             start = 0
             while (end := data.find(b"\n", start)) >= 0:
                 lineno += 1
-                if parts is None or (max_line is not None and held + end + 1 - start > max_line):
+                if parts is None or (max_line is not None and held + end - start > max_line):
                     yield lineno, OVERSIZE_LINE
                 else:
                     parts.append(data[start : end + 1])

@@ -43,7 +43,7 @@ class Message(msgspec.Struct, omit_defaults=True):
 
 GREEDY_BELOW = 1e-6
 """A temperature below it samples greedily, as in SGLang (``_SAMPLING_EPS``): dividing logits
-by a smaller one overflows float32 (1e-39 gave NaN logprobs mid-generation)."""
+by a smaller one can overflow float32 (a subnormal one makes every logprob NaN)."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=False):

@@ -402,9 +402,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         first = failed[0].error
         where = f"{first.where} {first.type}: {first.message}" if first else "unknown"
         console.print(
-            _safe(
-                f"every trajectory failed ({len(failed)}); first: {one_line(failed[0].id)}: {where}"
-            ),  # fmt: skip
+            one_line(f"every trajectory failed ({len(failed)}); first: {failed[0].id}: {where}"),
             style="red",
             markup=False,
         )

@@ -274,11 +274,12 @@ class ModelEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self) -> float:
-        """One optimizer update over the accumulated gradients; returns the pre-clip norm."""
+    def step(self) -> float | None:
+        """One optimizer update over the accumulated gradients; returns the pre-clip norm
+        (None when DeepSpeed reports none)."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return float(norm) if norm is not None else None
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
@@ -453,7 +454,9 @@ def _initialize(overrides: dict[str, Any] | None, **kwargs: Any) -> tuple[Any, .
     cannot run: ``fp16`` on a CPU fails only here)."""
     try:
         return initialize(**kwargs)
-    except Exception as exc:
+    except (ValueError, AssertionError, TypeError, KeyError, NotImplementedError) as exc:
+        # what DeepSpeed raises for a setting it cannot honour; an out-of-memory or a
+        # collective's failure (RuntimeError) is not a config error and goes up as it is
         keys = _user_deepspeed_keys(overrides)
         if not keys:
             raise

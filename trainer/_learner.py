@@ -85,7 +85,7 @@ def _all_reduce(value: float, op: str = "sum") -> float:
 
 def _check_kernels(kernels: str) -> None:
     """``kernels="triton"`` where Triton cannot run is a ``ConfigError`` before any model loads
-    (it failed at the first update, after the first rollout)."""
+    (not at the first update, after a whole rollout)."""
     if kernels != "triton":
         return
     from agentrl._errors import ConfigError
@@ -373,11 +373,12 @@ class Learner:
                 )  # fmt: skip
                 self.critic.backward(vl.loss)
                 stats.value_loss += float(vl.loss.detach())
-        norm = self.policy.step()  # the step reports its updates' largest pre-clip norm
-        if stats.updates == 0 or not math.isfinite(norm):
-            stats.grad_norm = norm
-        elif math.isfinite(stats.grad_norm):
-            stats.grad_norm = max(stats.grad_norm, norm)
+        norm = self.policy.step()
+        if norm is not None:  # None: DeepSpeed reported no norm for this update
+            stats.norms.append(norm)
+            overflow = [n for n in stats.norms if not math.isfinite(n)]
+            # the step's largest pre-clip norm; an overflowed one is the one to see
+            stats.grad_norm = overflow[0] if overflow else max(stats.norms)
         stats.updates += 1
         if self.critic is not None:
             self.critic.step()

@@ -95,8 +95,10 @@ class StepStats:
     kl_loss: float = 0.0
     value_loss: float = 0.0
     grad_norm: float = float("nan")
-    """The largest pre-clip gradient norm of the step's updates (a non-finite one wins: it is
-    the one to see)."""
+    """The largest pre-clip gradient norm of the step's updates (an overflowed one, inf or
+    NaN, wins: it is the one to see); NaN when no update reported one."""
+    norms: list[float] = field(default_factory=list)
+    """Each update's pre-clip norm, as DeepSpeed reported it."""
     lr: float = 0.0
     ratio_min: float = math.inf
     ratio_max: float = -math.inf
@@ -142,7 +144,8 @@ class StepStats:
         out = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if not f.name.startswith("_") and f.name not in ("token_means", "tokens", "mismatch")
+            if not f.name.startswith("_")
+            and f.name not in ("token_means", "tokens", "mismatch", "norms")
         }
         out.update(self.token_means)
         t = self.tokens

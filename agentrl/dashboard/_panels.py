@@ -137,7 +137,7 @@ reasons): the ones with the most points (a key per task would make thousands).""
 
 def _keyed(rows: list[dict[str, Any]], prefix: str) -> dict[str, tuple[list[float], list[float]]]:
     """Per field starting with ``prefix``, its (step, value) points, in one pass over the rows
-    (a pass per key was quadratic in a ledger whose keys differ by step); at most
+    (not one per key: a ledger whose keys differ by step has as many keys as rows); at most
     ``MAX_KEYED_TRACES`` keys, those with the most points."""
     points: dict[str, tuple[list[float], list[float]]] = {}
     for row in rows:
@@ -268,18 +268,16 @@ def _termination(run: RunData) -> list[Trace]:
     rows = [r for r in run.ledger if isinstance(r.get("termination"), dict)]
     flat = [{"step": r.get("step"), **{f"n/{k}": v for k, v in r["termination"].items()}}
             for r in rows]  # fmt: skip
-    reasons = _keyed(flat, "n/")
-    steps = [x for x in (_number(r.get("step")) for r in rows) if x is not None]
     out: list[Trace] = []
-    for key in reasons:
-        counts = {}
-        for row in flat:
+    for key in _keyed(flat, "n/"):
+        xs, ys = [], []
+        for row in flat:  # a row per step record, as written (a resumed run may repeat steps)
             x = _number(row.get("step"))
             if x is not None:
-                counts[x] = _number(row.get(key)) or 0.0
-        ys = [counts.get(x, 0.0) for x in steps]
+                xs.append(x)
+                ys.append(_number(row.get(key)) or 0.0)
         out.append({"type": "scatter", "mode": "lines", "name": key.removeprefix("n/"),
-                    "x": steps, "y": ys, "stackgroup": "{run}"})  # fmt: skip
+                    "x": xs, "y": ys, "stackgroup": "{run}"})  # fmt: skip
     return out
 
 

@@ -81,7 +81,7 @@ from ._kv import KVPool, device_memory_bytes
 from ._logprobs import LogprobCollector
 from ._model import CausalLM, ModelConfig, read_safetensors
 from ._options import STEP_TOKENS, EngineOptions, EngineStatistics
-from ._protocol import PartialOutput
+from ._protocol import Output, PartialOutput
 from ._radix import RadixCache
 from ._sampling import check_sampling, effective_sampling
 from ._scheduler import Request, Scheduler
@@ -133,6 +133,16 @@ def use_fused_ops(
     if why is not None:
         raise EngineError(f"fused_ops='triton' cannot run this model: {why}; use 'auto' or 'torch'")
     return True
+
+
+_CALLS = {
+    "Request": "generate()",
+    "WeightUpdate": "update_weights()",
+    "CloseSession": "close_session()",
+    "FlushCache": "flush_cache()",
+    "PauseGeneration": "pause_generation()/continue_generation()",
+}
+"""The engine call each worker item comes from, as an error names it."""
 
 
 def _current_task_id() -> int | None:
@@ -407,7 +417,7 @@ class EmbeddedEngine:
         session: str | None = None,
         *,
         logprobs: LogprobQuery | None = None,
-        on_tokens: Callable[..., None] | None = None,
+        on_tokens: Callable[[Output], None] | None = None,
         partial: PartialOutput | None = None,
     ) -> GenerateResult:
         """Sample a continuation of the whole context ``input_ids``.
@@ -420,20 +430,15 @@ class EmbeddedEngine:
         no room to generate or a closed engine; ``GenerationError`` (an ``EngineError``) for a
         failure while generating this request.
 
-        ``on_tokens`` (optional) is called in this event loop with the output ids and logprobs
-        so far after each step that sampled a token and did not finish the request (what
-        ``agentrl serve`` streams); with ``logprobs`` given, a third argument holds the
-        ``LogprobDetails`` so far (its output lists as long as the ids). It must not block.
+        ``on_tokens`` (optional) is called in this event loop with the ``Output`` so far
+        (ids, logprobs, the ``LogprobDetails`` a ``logprobs`` query asked for, the weight
+        versions and the cached tokens) after each step that sampled a token and did not finish
+        the request (what ``agentrl serve`` streams). It must not block.
         ``partial`` (optional) is attached to the request, so its ``read()`` gives the output
         so far at any time, from any thread (what ``agentrl serve`` answers for an aborted
         request) at no cost per step.
         """
         self._check_open()
-        if self._holders and _current_task_id() in self._holders:
-            raise EngineError(
-                "generate() awaited inside admitted_together() in the same task would wait for "
-                "the block's end: start it as a task inside the block instead"
-            )
         limit = self._max_context
         if session is not None:
             if session not in self._sessions:
@@ -574,8 +579,9 @@ class EmbeddedEngine:
         tasks that run before it ends) are admitted together: the worker takes none of them
         until the block ends, then all at once, so one step prefills them all (as far as
         ``max_step_tokens`` allows) wherever the worker thread was. Requests already running
-        are not held up. Awaiting ``generate`` in the block's own task would wait for the
-        block's end forever: that is an ``EngineError`` (start it as a task instead)."""
+        are not held up. Awaiting the engine (``generate``, ``update_weights``...) in the
+        block's own task would wait for the block's end forever: that is an ``EngineError``
+        (start it as a task instead)."""
         holder = _current_task_id()
         self._holders.append(holder)
         self._worker.hold()
@@ -588,6 +594,12 @@ class EmbeddedEngine:
     async def _submit_and_wait(
         self, item: Request | WeightUpdate | CloseSession | FlushCache | PauseGeneration
     ) -> None:
+        if self._holders and _current_task_id() in self._holders:
+            what = _CALLS.get(type(item).__name__, type(item).__name__)
+            raise EngineError(
+                f"{what} awaited inside admitted_together() in the same task would wait for "
+                "the block's end: start it as a task inside the block instead"
+            )
         self._worker.submit(item)
         assert item.done is not None
         try:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import pydantic
 
+from agentrl._config import NumbersNotBools
+
 from . import _wire as w
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ DEFAULT_MAX_STOP_STRING_LENGTH = 256
 DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
-class ServeLimits(pydantic.BaseModel):
+class ServeLimits(NumbersNotBools):
     """Caps of one ``agentrl serve`` process (the ``--max-*`` flags)."""
 
     model_config = pydantic.ConfigDict(

@@ -281,7 +281,7 @@ class StepProgress:
         output, so every string is printed with its control characters made visible."""
         from rich.text import Text
 
-        from agentrl._report_term import terminal_safe
+        from agentrl._report_term import one_line, terminal_safe
 
         first = record.get("first_error")
         if not record.get("errors") or not first:
@@ -291,7 +291,7 @@ class StepProgress:
         console.print(
             Text.assemble(
                 (failed + " trajectories failed", "red"),
-                terminal_safe(
+                one_line(
                     f"; first: {first['trajectory']} ({first['where']}) "
                     f"{first['type']}: {first['message']}"
                 ),

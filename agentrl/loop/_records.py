@@ -61,7 +61,8 @@ def stall_reason(steps: int, record: dict[str, Any]) -> str:
     if errors < total:  # the algorithm's masks left nothing (dynamic sampling, overlong filter)
         why += (
             f"; the learner kept {record.get('trajectories_used', 0)} of "
-            f"{record.get('trajectories_in', total)} (groups dropped by dynamic sampling: "
+            f"{record.get('trajectories_in', total)} (groups without a reward signal or past "
+            "the step's tasks: "
             f"{record.get('groups_filtered', 0) + record.get('groups_surplus', 0)}; "
             f"terminations: {record.get('termination', {})}"
             f"; groups not trained: stale {record.get('groups_stale', 0)}, dropped "

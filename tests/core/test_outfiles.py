@@ -232,14 +232,16 @@ def test_write_file_on_a_full_disk_is_a_write_error_and_keeps_the_old_file(tmp_p
 
 @pytest.mark.parametrize("chunk", [3, 7, 64 << 10])
 def test_a_line_past_max_line_is_not_held(tmp_path, monkeypatch, chunk):
-    """Over read chunks of any size: lines up to ``max_line`` bytes (newline included) come
-    whole, a longer one as ``OVERSIZE_LINE``, and the lines after it are intact."""
+    """Over read chunks of any size: lines up to ``max_line`` bytes (the newline not counted)
+    come whole, a longer one as ``OVERSIZE_LINE``, and the lines after it are intact."""
     import agentrl._outfiles as outfiles
 
     monkeypatch.setattr(outfiles, "_CHUNK", chunk)
     path = tmp_path / "ledger.jsonl"
-    path.write_bytes(b"a" * 9 + b"\n" + b"b" * 10 + b"\n" + b"c\n" + b"d" * 30)
+    path.write_bytes(b"a" * 10 + b"\n" + b"b" * 11 + b"\n" + b"c\n" + b"d" * 11)
     got = list(outfiles.run_file_lines(path, max_line=10))
-    assert got == [(1, b"a" * 9 + b"\n"), (2, outfiles.OVERSIZE_LINE), (3, b"c\n"),
+    assert got == [(1, b"a" * 10 + b"\n"), (2, outfiles.OVERSIZE_LINE), (3, b"c\n"),
                    (4, outfiles.OVERSIZE_LINE)]  # fmt: skip
-    assert [line for _, line in outfiles.run_file_lines(path)][1] == b"b" * 10 + b"\n"
+    assert [line for _, line in outfiles.run_file_lines(path)][1] == b"b" * 11 + b"\n"
+    path.write_bytes(b"e" * 10)  # as long as the cap, unterminated: kept as a terminated one
+    assert list(outfiles.run_file_lines(path, max_line=10)) == [(1, b"e" * 10)]

@@ -471,7 +471,7 @@ async def test_requests_started_together_are_admitted_in_one_step(tiny_dir: Path
 
 
 async def test_generate_awaited_in_the_task_holding_admission_is_refused(
-    engine: EmbeddedEngine,
+    engine: EmbeddedEngine, tiny_dir: Path
 ) -> None:
     """The block holds admission until it ends: awaited in its own task, ``generate`` waited
     for that end forever. It is refused; a task started in the block still runs."""
@@ -483,8 +483,11 @@ async def test_generate_awaited_in_the_task_holding_admission_is_refused(
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             with engine.admitted_together():
-                with pytest.raises(EngineError, match="start it as a task inside the block"):
+                with pytest.raises(EngineError, match=r"^generate\(\) awaited inside"):
                     await engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
+                for call in (engine.flush_cache(), engine.update_weights(1, tiny_dir)):
+                    with pytest.raises(EngineError, match="start it as a task inside the block"):
+                        await call
                 tg.start_soon(one)
     assert len(got) == 1 and len(got[0].token_ids) == 2
 
