@@ -278,14 +278,26 @@ class ServeStream:
         return True
 
     def _ended(self, when: str) -> Exchange:
-        if self.container_state() == "oom":
-            return Exchange(error=_OOM_KILLED, oom_killed=True)
+        # the serve stream ended: a container the kernel is stopping at its memory cap may
+        # still read as running, or stopped without OOMKilled yet, for a moment
+        deadline = time.monotonic() + _OOM_SETTLE_S
+        while True:
+            state = self.container_state()
+            if state == "oom":
+                return Exchange(error=_OOM_KILLED, oom_killed=True)
+            if state == "unknown" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         code = self.exit_code()
         message = "the serve process ended " + when
         if code is not None:
             message += f" (exit code {code})"
         tail = self.stderr.decode("utf-8", "replace").strip()
         return Exchange(error=message + (f"; stderr: {tail[-2000:]}" if tail else ""))
+
+
+_OOM_SETTLE_S = 2.0
+"""How long a serve stream's end waits for Docker to say whether the container was OOM-killed."""
 
 
 @dataclass

@@ -373,9 +373,12 @@ class ContainerBackend:
             g(
                 "oom_keeps_the_container",
                 fits and not gvisor,
-                "runsc ignores the IPC sysctls, so System V shared memory is not capped: memory "
-                "no process holds can reach the container cap, which the host enforces on the "
-                "whole runsc sandbox (oom; the pool replaces the container)"
+                "runsc ignores the IPC sysctls, so System V shared memory is not capped, and "
+                "pipe and socket buffers live in gVisor's own kernel memory, which memory_mb "
+                "does not see and gVisor keeps after the program exits: memory no process "
+                "holds can reach the container cap, which the host enforces on the whole runsc "
+                "sandbox (oom, or a later request's sandbox_error; the pool replaces the "
+                "container)"
                 if gvisor
                 else f"the tmpfs mounts ({tmpfs_mb} MB), System V shared memory (shm_mb) and the "
                 f"supervisor's share ({_SUPERVISOR_MB} MB) fit under the container cap: memory "
@@ -395,7 +398,8 @@ class ContainerBackend:
                 if not gvisor
                 else "cpu_time_s counts the live processes of the program's uid (as gVisor's "
                 "kernel times them) and the ones the supervisor reaped: children a program "
-                "lets the kernel reap (SIGCHLD ignored) escape the sum, each still under "
+                "lets the kernel reap (SIGCHLD ignored) and orphans (gVisor has no child "
+                "subreaper: they go to the container's init) escape the sum, each still under "
                 "RLIMIT_CPU",
             ),
             g(

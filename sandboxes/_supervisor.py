@@ -126,13 +126,15 @@ def _libc_handle():
 
 
 def _prctl(option, arg):
-    """prctl(2) through ctypes; silently nothing where ctypes or libc is missing."""
+    """prctl(2) through ctypes: whether it succeeded (False where ctypes or libc is missing,
+    or the kernel refuses the option: gVisor has no child subreapers)."""
     try:
         libc = _libc_handle()
         if libc:
-            libc.prctl(option, arg, 0, 0, 0)
+            return libc.prctl(option, arg, 0, 0, 0) == 0
     except Exception:
         pass
+    return False
 
 
 def _write_file(path, text):
@@ -1271,6 +1273,9 @@ class Run:
         keep = self.keep_fds
         argv, cwd, env = self._command(keep)
         self.cgroups.prepare(self.memory_mb * MB, self.max_processes)
+        # encoded before the meter's baseline: a container meter counts the supervisor's own
+        # memory too, and a stdin-sized copy made after it read as the program's
+        stdin_data = memoryview(self.stdin.encode())
         self.meter.start()
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -1325,7 +1330,7 @@ class Run:
         os.close(fail_r)
         self.fds = {out_r: 1, err_r: 2}
         self.stdin_fd = in_w
-        self.stdin_data = memoryview(self.stdin.encode())
+        self.stdin_data = stdin_data
         if failure:
             self.t1 = time.monotonic()
             self.reason = "spawn"

@@ -116,6 +116,20 @@ async def test_files_and_stdin_reach_the_program(container_backend):
         assert result.stdout == "from-file from-stdin\n"
 
 
+async def test_the_supervisors_copy_of_stdin_is_not_the_programs_memory(container_backend):
+    """The container meter counts the supervisor too: stdin was encoded after the request's
+    baseline, so 12 MB of stdin to ``cat`` read as a 12 MB program (an ``oom`` under gVisor
+    at ``memory_mb=16``)."""
+    stdin = "x" * (12 << 20)
+    request = RunRequest(language="bash", code="cat >/dev/null; echo read", stdin=stdin,
+                         memory_mb=16)  # fmt: skip
+    async with container_backend.open(size=1) as pool:
+        result = await pool.run(request)
+    assert result.status == "ok" and result.stdout == "read\n", result
+    if container_backend.name == "docker":  # gVisor's meminfo moves with its own caches too
+        assert result.peak_memory_mb is not None and result.peak_memory_mb < 8, result
+
+
 async def test_memory_above_the_container_cap_is_clamped(container_backend):
     # the container has 512 MB: asking for 4 GB gets 448 MB, so 1 GB fails as oom in the program
     code = "x = bytearray(1024**3)\nprint('allocated')"
