@@ -57,7 +57,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=False):
     max_new_tokens: int = 256
     """Most tokens to sample."""
     temperature: float = 1.0
-    """Softmax temperature (0, or below ``GREEDY_BELOW``: greedy; the logprob is then at
+    """Softmax temperature (0, or below 1e-6 as in SGLang: greedy; the logprob is then at
     temperature 1)."""
     top_p: float = 1.0
     """Nucleus filter (1: off)."""
