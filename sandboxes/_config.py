@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -35,6 +35,20 @@ def check_docker_socket(host: str) -> None:
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        """``size: true`` is refused, naming the field (pydantic would read it as 1)."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and field.annotation in _NUMBERS:
+                    raise ValueError(f"{name}: a number is due here, not a boolean")
+        return data
+
+
+_NUMBERS = (int, float, int | None, float | None)
+"""The numeric field types of the sandbox configs (a boolean is not one of their values)."""
 
 
 class _ContainerConfig(_Model):

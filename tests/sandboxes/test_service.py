@@ -356,6 +356,11 @@ def test_service_limits_come_from_config_and_flags_and_are_checked(tmp_path):
     for bad in ({"max_connections": 1}, {"nonsense": 1}, {"header_timeout_s": -1}):
         config.write_text(json.dumps({"service": bad}))
         assert "invalid configuration" in _refused("--config", str(config))
+    # YAML's true where a number is due was read as 1 (one connection, one sandbox)
+    for bad, field in (({"service": {"max_connections": True}}, "max_connections"),
+                       ({"backend": {"type": "local"}, "size": True}, "size")):  # fmt: skip
+        config.write_text(json.dumps(bad))
+        assert f"{field}: a number is due here, not a boolean" in _refused("--config", str(config))
     assert "RLIMIT_NOFILE" in _refused(nofile=(100, 100))  # 256 connections cannot fit
     assert "printable ASCII" in _refused("--token", "tök en")
     with scratch_root() as scratch:

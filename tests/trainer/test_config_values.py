@@ -122,6 +122,8 @@ def test_every_float_field_refuses_non_finite_numbers(model, name, tupled, bad):
         (["algorithm.clip_low=false"], "algorithm.clip_low: a number is due here, not a boolean"),
         (["optimizer.lr=true"], "optimizer.lr: a number is due here, not a boolean"),
         (["engine.max_batch_size=true"], "engine.max_batch_size: a number is due here"),
+        (["sandbox={backend: {type: local}, size: true}"],
+         "sandbox: size: a number is due here, not a boolean"),
     ],
 )  # fmt: skip
 def test_values_that_could_only_fail_later_are_refused_at_load(sets, needle):
