@@ -26,7 +26,6 @@ with fewer pads with an empty one.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,11 +90,8 @@ def _check_kernels(kernels: str) -> None:
     from agentrl._errors import ConfigError
     from agentrl.kernels import use_triton
 
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else (torch.device("cpu"))
-    )
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     try:
         use_triton("triton", device, "train.kernels")
     except RuntimeError as exc:
@@ -376,9 +372,6 @@ class Learner:
         norm = self.policy.step()
         if norm is not None:  # None: DeepSpeed reported no norm for this update
             stats.norms.append(norm)
-            overflow = [n for n in stats.norms if not math.isfinite(n)]
-            # the step's largest pre-clip norm; an overflowed one is the one to see
-            stats.grad_norm = overflow[0] if overflow else max(stats.norms)
         stats.updates += 1
         if self.critic is not None:
             self.critic.step()

@@ -94,11 +94,8 @@ class StepStats:
     policy_loss: float = 0.0
     kl_loss: float = 0.0
     value_loss: float = 0.0
-    grad_norm: float = float("nan")
-    """The largest pre-clip gradient norm of the step's updates (an overflowed one, inf or
-    NaN, wins: it is the one to see); NaN when no update reported one."""
     norms: list[float] = field(default_factory=list)
-    """Each update's pre-clip norm, as DeepSpeed reported it."""
+    """Each update's pre-clip gradient norm, as DeepSpeed reported it (``grad_norm``)."""
     lr: float = 0.0
     ratio_min: float = math.inf
     ratio_max: float = -math.inf
@@ -110,6 +107,13 @@ class StepStats:
     tokens: TokenStats = field(default_factory=TokenStats)
     mismatch: PairStats = field(default_factory=PairStats)
     _weight: float = 0.0
+
+    @property
+    def grad_norm(self) -> float:
+        """The largest pre-clip gradient norm of the step's updates (an overflowed one, inf or
+        NaN, wins: it is the one to see); NaN when no update reported one."""
+        overflow = [n for n in self.norms if not math.isfinite(n)]
+        return overflow[0] if overflow else max(self.norms, default=math.nan)
 
     def add_loss(self, out: LossOutput, mask: torch.Tensor) -> None:
         m = out.metrics
@@ -147,6 +151,7 @@ class StepStats:
             if not f.name.startswith("_")
             and f.name not in ("token_means", "tokens", "mismatch", "norms")
         }
+        out["grad_norm"] = self.grad_norm
         out.update(self.token_means)
         t = self.tokens
         out["kl"] = t.kl_sum / t.kl_tokens if t.kl_tokens else None
