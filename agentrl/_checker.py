@@ -22,10 +22,10 @@ import anyio
 from ._env import Episode
 from ._env_values import (
     REPLY_ROLES,
-    REQUIRED_HOOKS,
     check_messages,
     check_reward,
     check_task_ids,
+    missing_hooks,
 )
 from ._errors import AgentRLError, EnvError
 from ._registry import EnvSpec, spec
@@ -87,9 +87,9 @@ async def acheck_env(
         return await call(f"tasks({split!r}, seed=0)", lambda: list(instance.tasks(split, seed=0)))
 
     env = await make()
-    for name in REQUIRED_HOOKS:
-        if not callable(getattr(env, name, None)):
-            raise fail(f"missing required method {name}()")
+    missing = missing_hooks(env)
+    if missing:
+        raise fail(f"missing required method {missing[0]}()")
     for split in ("train", "eval"):
         first = await tasks(split, env)
         again = await tasks(split, await make())

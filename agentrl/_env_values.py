@@ -120,10 +120,15 @@ REQUIRED_HOOKS = ("tasks", "reset", "reward")
 """What every environment implements; ``close``, ``respond`` and ``turn_reward`` are optional."""
 
 
+def missing_hooks(env: Any) -> list[str]:
+    """The required hooks ``env`` lacks (none callable under that name)."""
+    return [name for name in REQUIRED_HOOKS if not callable(getattr(env, name, None))]
+
+
 def check_hooks(env: Any, env_id: str) -> None:
     """``EnvError`` naming the required hooks ``env`` lacks (checked once, on the first instance,
     instead of failing every trajectory)."""
-    missing = [name for name in REQUIRED_HOOKS if not callable(getattr(env, name, None))]
+    missing = missing_hooks(env)
     if missing:
         raise EnvError(
             f"{env_id}: {type(env).__name__} has no {', '.join(f'{n}()' for n in missing)} "
