@@ -342,9 +342,9 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
                 markup=False,
             )
 
-    def progress(traj) -> None:
-        from ._report_term import one_line
+    from ._report_term import one_line
 
+    def progress(traj) -> None:
         done[0] += 1
         error = traj.error
         console.print(
@@ -395,8 +395,6 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
             markup=False,
         )
         return 128 + (signum or signal.SIGINT)  # 130 after Ctrl-C, 143 after SIGTERM
-    from ._report_term import one_line
-
     failed = [t for t in result.trajectories if t.status == "error"]
     if result.trajectories and len(failed) == len(result.trajectories):
         first = failed[0].error

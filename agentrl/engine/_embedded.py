@@ -135,12 +135,12 @@ def use_fused_ops(
     return True
 
 
-_CALLS = {
-    "Request": "generate()",
-    "WeightUpdate": "update_weights()",
-    "CloseSession": "close_session()",
-    "FlushCache": "flush_cache()",
-    "PauseGeneration": "pause_generation()/continue_generation()",
+_CALLS: dict[type, str] = {
+    Request: "generate()",
+    WeightUpdate: "update_weights()",
+    CloseSession: "close_session()",
+    FlushCache: "flush_cache()",
+    PauseGeneration: "pause_generation()/continue_generation()",
 }
 """The engine call each worker item comes from, as an error names it."""
 
@@ -595,7 +595,7 @@ class EmbeddedEngine:
         self, item: Request | WeightUpdate | CloseSession | FlushCache | PauseGeneration
     ) -> None:
         if self._holders and _current_task_id() in self._holders:
-            what = _CALLS.get(type(item).__name__, type(item).__name__)
+            what = _CALLS[type(item)]
             raise EngineError(
                 f"{what} awaited inside admitted_together() in the same task would wait for "
                 "the block's end: start it as a task inside the block instead"

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import hdrs, http_exceptions, web
 
 from . import _wire as w
+from ._server_limits import DEFAULT_BODY_TIMEOUT_S
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -66,7 +67,9 @@ async def _mark_started(request: web.Request, response: web.StreamResponse) -> N
 _BODY_TIMEOUT_S: web.AppKey[float] = web.AppKey("agentrl_body_timeout_s", float)
 
 
-def install_request_guard(app: web.Application, *, body_timeout_s: float = 60.0) -> None:
+def install_request_guard(
+    app: web.Application, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+) -> None:
     """Guard every endpoint of ``app`` (call before the app starts); a body must arrive
     within ``body_timeout_s`` of its headers."""
     app[_BODY_TIMEOUT_S] = body_timeout_s
