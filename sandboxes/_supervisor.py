@@ -126,15 +126,14 @@ def _libc_handle():
 
 
 def _prctl(option, arg):
-    """prctl(2) through ctypes: whether it succeeded (False where ctypes or libc is missing,
-    or the kernel refuses the option: gVisor has no child subreapers)."""
+    """prctl(2) through ctypes; silently nothing where ctypes or libc is missing, or where the
+    kernel refuses the option (gVisor has no child subreapers)."""
     try:
         libc = _libc_handle()
         if libc:
-            return libc.prctl(option, arg, 0, 0, 0) == 0
+            libc.prctl(option, arg, 0, 0, 0)
     except Exception:
         pass
-    return False
 
 
 def _write_file(path, text):
@@ -1757,16 +1756,13 @@ def run_job(job, wake_fd, zygote=None):
     except Exception as exc:
         error = exc
     # the run failed half-way: leave nothing behind (a failed kill must not skip the cleanup)
-    for step in ("kill", "cleanup"):
-        try:
-            if run is None:
-                break
-            if step == "kill" and run.pid:
-                run.kill_everything(grace_s=1.0)
-            elif step == "cleanup":
-                run.cleanup()
-        except Exception as exc:
-            error = error if isinstance(error, Invalid) else exc
+    if run is not None:
+        steps = [lambda: run.kill_everything(grace_s=1.0)] if run.pid else []
+        for step in [*steps, run.cleanup]:
+            try:
+                step()
+            except Exception as exc:
+                error = error if isinstance(error, Invalid) else exc
     if isinstance(error, Invalid):
         return _error_result("invalid_request", str(error))
     return _error_result("sandbox_error", f"supervisor: {type(error).__name__}: {error}")

@@ -74,11 +74,16 @@ def series(rows: Iterable[dict[str, Any]], x: str, y: str) -> tuple[list[float],
     return xs, ys
 
 
+def _trace(name: str, xs: list[float], ys: list[float], **kw: Any) -> Trace:
+    """A plotly line of points (``kw`` adds to or replaces its settings: ``mode``, ...)."""
+    return {"type": "scatter", "mode": "lines+markers", "name": name, "x": xs, "y": ys, **kw}
+
+
 def _line(rows: list[dict[str, Any]], x: str, y: str, name: str | None = None, **kw: Any):
     xs, ys = series(rows, x, y)
     if not xs:
         return []
-    return [{"type": "scatter", "mode": "lines+markers", "name": name or y, "x": xs, "y": ys, **kw}]
+    return [_trace(name or y, xs, ys, **kw)]
 
 
 def _lines(rows: list[dict[str, Any]], x: str, names: dict[str, str], **kw: Any) -> list[Trace]:
@@ -155,12 +160,8 @@ def _keyed(rows: list[dict[str, Any]], prefix: str) -> dict[str, tuple[list[floa
     return {k: points[k] for k in sorted(kept)}
 
 
-def _traces(points: dict[str, tuple[list[float], list[float]]], strip: str, **kw: Any):
-    return [
-        {"type": "scatter", "mode": "lines+markers", "name": k.removeprefix(strip), "x": xs,
-         "y": ys, **kw}
-        for k, (xs, ys) in points.items()
-    ]  # fmt: skip
+def _traces(points: dict[str, tuple[list[float], list[float]]], strip: str) -> list[Trace]:
+    return [_trace(k.removeprefix(strip), xs, ys) for k, (xs, ys) in points.items()]
 
 
 def _breakdown(run: RunData) -> list[Trace]:
@@ -276,8 +277,7 @@ def _termination(run: RunData) -> list[Trace]:
             if x is not None:
                 xs.append(x)
                 ys.append(_number(row.get(key)) or 0.0)
-        out.append({"type": "scatter", "mode": "lines", "name": key.removeprefix("n/"),
-                    "x": xs, "y": ys, "stackgroup": "{run}"})  # fmt: skip
+        out.append(_trace(key.removeprefix("n/"), xs, ys, mode="lines", stackgroup="{run}"))
     return out
 
 
